@@ -1,0 +1,141 @@
+"""The command line: tierswap run | ls | verify | export | bench | demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tierswap.config import Config, Injection
+from tierswap.errors import TierswapError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tierswap.cluster.coordinator import Coordinator
+    from tierswap.cluster.launch import default_run_dir
+
+    cfg = Config.from_env(
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        persist=args.persist,
+        persist_every=args.persist_every,
+        keep=args.keep,
+        run_dir=args.run_dir,
+        inject=tuple(Injection.parse(s) for s in args.inject) or None,
+        max_restarts=args.max_restarts,
+        threads=args.threads,
+    )
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    script = [args.script, *args.args]
+    if not Path(args.script).is_file():
+        raise SystemExit(f"tierswap run: script {args.script!r} not found")
+    return Coordinator(cfg, script, run_dir).run()
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierswap.tiers import durable
+
+    steps = durable.list_steps(args.url)
+    if not steps:
+        print(f"{args.url}: no steps")
+        return 0
+    table = Table("step", "state", "world size", "parts", "bytes")
+    for s in steps:
+        state = "committed" if s.committed else "not committed"
+        ws = "" if s.world_size is None else str(s.world_size)
+        table.add_row(str(s.step), state, ws, str(len(s.present_ranks)), f"{s.nbytes:,}")
+    Console().print(table)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from tierswap.tiers import durable
+
+    problems = durable.verify(args.url, args.step)
+    for p in problems:
+        print(f"BAD {p}")
+    if problems:
+        return 1
+    print(f"{args.url}: every checksum matches")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tierswap.tiers import durable
+
+    summary = durable.export(args.url, args.step, args.out)
+    print(json.dumps(summary))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tierswap import bench
+
+    return bench.main(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tierswap import demo
+
+    return demo.main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierswap", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a training script as a job of simulated nodes")
+    run.add_argument("--nodes", type=int, default=None)
+    run.add_argument("--nproc-per-node", type=int, default=None)
+    run.add_argument("--persist", default=None, help="durable root (path or fsspec URL)")
+    run.add_argument("--persist-every", type=int, default=None)
+    run.add_argument("--keep", type=int, default=None)
+    run.add_argument("--run-dir", default=None)
+    run.add_argument("--inject", action="append", default=[],
+                     help="kill:node=I:step=S or kill:rank=R:step=S (repeatable)")
+    run.add_argument("--max-restarts", type=int, default=None)
+    run.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=_run)
+
+    ls = sub.add_parser("ls", help="list the steps of a durable root")
+    ls.add_argument("url")
+    ls.set_defaults(func=_ls)
+
+    verify = sub.add_parser("verify", help="check every checksum of a durable root")
+    verify.add_argument("url")
+    verify.add_argument("--step", type=int, default=None)
+    verify.set_defaults(func=_verify)
+
+    export = sub.add_parser("export", help="write one rank-merged safetensors file")
+    export.add_argument("url")
+    export.add_argument("--step", type=int, required=True)
+    export.add_argument("out")
+    export.set_defaults(func=_export)
+
+    bench = sub.add_parser("bench", help="measure snapshot costs against alternatives")
+    bench.add_argument("what", choices=["snapshot"])
+    bench.add_argument("--size-mib", type=int, default=1024)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--json", default=None, help="also write the results here")
+    bench.set_defaults(func=_bench)
+
+    demo = sub.add_parser("demo", help="train a small GPT through a failure, prove the bits")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        code = int(args.func(args))
+    except (TierswapError, ValueError) as e:
+        print(f"tierswap {args.command}: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

@@ -1,0 +1,327 @@
+"""The per-node agent: starts and watches workers, owns tier-0 memory, writes tier 2.
+
+One event loop reads a queue fed by the coordinator's connection, the workers'
+connections, the worker-exit watchers and the background jobs (checksums, persistence),
+so the agent's state is touched by one thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import Any
+
+from tierswap.checksum import checksum_chunks
+from tierswap.config import Config, Injection
+from tierswap.state import Layout
+from tierswap.tiers import durable
+from tierswap.tiers.memory import RankRing, Slot
+from tierswap.wire import Channel, Message, reader, serve
+
+Item = tuple[str, Any, Message | None]
+
+
+class Agent:
+    def __init__(self, node: int, coord: Channel, secret: bytes, cfg: Config, run_dir: Path,
+                 job_id: str, script: list[str]) -> None:
+        self.node = node
+        self.coord = coord
+        self.secret = secret
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.job_id = job_id
+        self.script = script
+        self.events: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self.deferred: list[Item] = []
+        self.rings: dict[int, RankRing] = {}
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.plans: dict[int, dict[str, Any]] = {}
+        self.restore_leases: dict[int, Slot] = {}
+        self.generation = -1
+        self.injections: list[Injection] = []
+        self.checks: list[Future[None]] = []
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-agent")
+        self.sock = str(run_dir / f"agent-{node}-{os.getpid()}.sock")
+        self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
+        serve(self.listener, self._on_worker_channel, "tierswap-accept")
+        reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _on_worker_channel(self, chan: Channel) -> None:
+        reader(chan, lambda m: self.events.put(("worker", chan, m)), "tierswap-worker")
+
+    def run(self) -> None:
+        self.coord.send("hello", node=self.node, pid=os.getpid())
+        try:
+            while True:
+                source, chan, msg = self.deferred.pop(0) if self.deferred else self.events.get()
+                if source == "coord":
+                    if msg is None or msg["op"] == "exit":
+                        return
+                    self._on_coord(msg)
+                elif source == "worker" and msg is not None:
+                    assert isinstance(chan, Channel)
+                    self._on_worker(chan, msg)
+                elif source == "local":
+                    assert msg is not None
+                    self._on_local(msg)
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self._stop_workers()
+        self.listener.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for ring in self.rings.values():
+            ring.close()
+        Path(self.sock).unlink(missing_ok=True)
+
+    def _post(self, op: str, **fields: Any) -> None:
+        self.events.put(("local", None, {"op": op, **fields}))
+
+    # ---------------------------------------------------------------- coordinator
+
+    def _on_coord(self, msg: Message) -> None:
+        op = msg["op"]
+        if op == "start":
+            self._start(msg)
+        elif op == "stop":
+            self._stop_workers()
+            self.coord.send("stopped", node=self.node, holdings=self._holdings())
+        elif op == "propose":
+            step = int(msg["step"])
+            ok = all(ring.propose(step) for ring in self.rings.values())
+            if not ok:
+                for ring in self.rings.values():
+                    ring.abort(step)
+            self.coord.send("vote", node=self.node, step=step, ok=ok)
+        elif op == "committed":
+            for ring in self.rings.values():
+                ring.set_committed(int(msg["step"]))
+        elif op == "abort":
+            for ring in self.rings.values():
+                ring.abort(int(msg["step"]))
+        elif op == "persist":
+            self._persist(int(msg["step"]), str(msg["root"]), int(msg["world_size"]))
+        else:
+            raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
+
+    def _holdings(self) -> dict[str, dict[str, str]]:
+        return {
+            str(r): {str(step): s.checksum for step, s in ring.held().items()}
+            for r, ring in self.rings.items()
+        }
+
+    def _start(self, msg: Message) -> None:
+        self.generation = int(msg["generation"])
+        self.plans = {int(r): p for r, p in msg["plans"].items()}
+        self.injections = [Injection.parse(s) for s in msg["inject"]]
+        ranks = [int(r) for r in msg["ranks"]]
+        for r in ranks:
+            self.rings.setdefault(r, RankRing(self.job_id, r, self.cfg.slots))
+        for ring in self.rings.values():
+            ring.discard_after(int(msg["restart_step"]))
+        for local, rank in enumerate(ranks):
+            self._spawn(rank, local, msg)
+
+    def _spawn(self, rank: int, local_rank: int, msg: Message) -> None:
+        env = dict(os.environ)
+        env.update(self.cfg.to_env())
+        env.update(
+            TIERSWAP_AGENT=self.sock,
+            TIERSWAP_SECRET=self.secret.hex(),
+            TIERSWAP_RANK=str(rank),
+            TIERSWAP_LOCAL_RANK=str(local_rank),
+            TIERSWAP_WORLD_SIZE=str(msg["world_size"]),
+            TIERSWAP_GENERATION=str(self.generation),
+            TIERSWAP_STORE=str(msg["store"]),
+            TIERSWAP_NODE=str(self.node),
+            TIERSWAP_INJECT=",".join(msg["inject"]),
+        )
+        proc = subprocess.Popen([sys.executable, *self.script], env=env)
+        self.workers[rank] = proc
+        gen = self.generation
+
+        def watch() -> None:
+            code = proc.wait()
+            self._post("exited", rank=rank, code=code, generation=gen)
+
+        threading.Thread(target=watch, name=f"tierswap-watch-{rank}", daemon=True).start()
+
+    def _stop_workers(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.workers.values():
+            proc.wait()
+        self.workers.clear()
+        wait(self.checks)  # snapshots being checksummed become held before holdings are told
+        self.checks.clear()
+        while not self.events.empty():  # apply their results now, keep everything else
+            item = self.events.get()
+            if item[0] == "local" and item[2] is not None and item[2]["op"] == "checked":
+                self._on_local(item[2])
+            else:
+                self.deferred.append(item)
+        for slot in self.restore_leases.values():
+            self._unlease(slot)
+        self.restore_leases.clear()
+        for ring in self.rings.values():
+            ring.abandon_writes()
+
+    def _unlease(self, slot: Slot) -> None:
+        for ring in self.rings.values():
+            if ring.alloc is not None and slot in ring.alloc.slots:
+                ring.unlease(slot)
+                return
+            for a in ring.retired:
+                if slot in a.slots:
+                    ring.unlease(slot)
+                    return
+
+    # ---------------------------------------------------------------- workers
+
+    def _on_worker(self, chan: Channel, msg: Message) -> None:
+        op = msg["op"]
+        rank = int(msg.get("rank", -1))
+        try:
+            handler = getattr(self, f"_w_{op}")
+        except AttributeError:
+            chan.send("error", message=f"unknown request {op!r}")
+            return
+        try:
+            handler(chan, rank, msg)
+        except (ValueError, KeyError) as e:
+            chan.send("error", message=str(e))
+
+    def _w_alloc(self, chan: Channel, rank: int, msg: Message) -> None:
+        alloc = self.rings[rank].allocate(Layout.from_json(msg["layout"]))
+        self.coord.send("memory", node=self.node, rank=rank, nbytes=self.rings[rank].nbytes())
+        chan.send("ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots])
+
+    def _w_slot(self, chan: Channel, rank: int, msg: Message) -> None:
+        slot, dropped = self.rings[rank].begin_write(int(msg["step"]), int(msg["alloc"]))
+        chan.send("ok", slot=slot)
+        if dropped:
+            self.coord.send("dropped", rank=rank, steps=dropped)
+        if slot is None:
+            self.coord.send("skipped", rank=rank, step=msg["step"])
+
+    def _w_held(self, chan: Channel, rank: int, msg: Message) -> None:
+        ring = self.rings[rank]
+        step = int(msg["step"])
+        slot = ring.written(int(msg["slot"]), step, int(msg["alloc"]), msg["tree"])
+        layout = ring.layout()
+
+        def check() -> None:
+            digest = checksum_chunks(layout.chunks(slot.segment.buf))
+            self._post("checked", rank=rank, step=step, slot=slot, checksum=digest)
+
+        self.checks.append(self.pool.submit(check))
+        self.coord.send("progress", rank=rank, step=step, stall=msg.get("stall", 0.0))
+        self._maybe_kill_node(step)
+
+    def _w_plan(self, chan: Channel, rank: int, msg: Message) -> None:
+        plan = dict(self.plans.get(rank, {"step": None}))
+        if plan.get("step") is not None and plan["source"]["tier"] == 0:
+            ring = self.rings[rank]
+            slot = ring.lease(int(plan["step"]))
+            if slot is None:
+                raise ValueError(f"rank {rank}: tier 0 no longer holds step {plan['step']}")
+            self.restore_leases[rank] = slot
+            plan["source"] = dict(
+                tier=0, step=plan["step"], segment=slot.segment.path.name,
+                layout=ring.layout().to_json(), tree=slot.tree, checksum=slot.checksum,
+            )
+        chan.send("ok", **plan)
+
+    def _w_restored(self, chan: Channel, rank: int, msg: Message) -> None:
+        slot = self.restore_leases.pop(rank, None)
+        if slot is not None:
+            self._unlease(slot)
+        self.coord.send("restored", **{k: v for k, v in msg.items() if k != "op"})
+
+    def _w_report(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("report", **{k: v for k, v in msg.items() if k != "op"})
+
+    def _w_finished(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("finished", rank=rank, step=msg.get("step", -1))
+        chan.send("ok")
+
+    def _w_fatal(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("fatal", rank=rank, message=msg["message"])
+
+    def _w_corrupt(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("corrupt", rank=rank, where=msg["where"], why=msg["why"])
+
+    def _w_inject_fired(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("inject_fired", spec=msg["spec"])
+        chan.send("ok")
+
+    def _maybe_kill_node(self, step: int) -> None:
+        for inj in self.injections:
+            if inj.target == "node" and inj.index == self.node and step >= inj.step:
+                self.coord.send("inject_fired", spec=str(inj))
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    # ---------------------------------------------------------------- background results
+
+    def _on_local(self, msg: Message) -> None:
+        op = msg["op"]
+        if op == "checked":
+            self.rings[msg["rank"]].checked(msg["slot"], msg["checksum"])
+            self.coord.send("held", rank=msg["rank"], step=msg["step"], checksum=msg["checksum"])
+        elif op == "exited":
+            if msg["generation"] == self.generation and msg["rank"] in self.workers:
+                self.workers.pop(msg["rank"])
+                self.coord.send("exited", node=self.node, rank=msg["rank"], code=msg["code"])
+        elif op == "persisted":
+            self._unlease(msg["slot"])
+            self.coord.send("part", **{k: v for k, v in msg.items() if k not in ("op", "slot")})
+
+    def _persist(self, step: int, root: str, world_size: int) -> None:
+        for rank, ring in self.rings.items():
+            slot = ring.lease(step)
+            if slot is None:
+                self.coord.send("part", rank=rank, step=step, error="tier 0 no longer holds it")
+                continue
+            self.pool.submit(self._write_part, root, step, rank, world_size, ring.layout(), slot)
+
+    def _write_part(self, root: str, step: int, rank: int, world_size: int, layout: Layout,
+                    slot: Slot) -> None:
+        try:
+            info = durable.write_part(root, step, rank, world_size, layout, slot.tree,
+                                      slot.segment.buf, slot.checksum)
+            self._post("persisted", rank=rank, step=step, slot=slot, part=info.to_json())
+        except Exception as e:  # noqa: BLE001 - reported: the job keeps training on memory
+            self._post("persisted", rank=rank, step=step, slot=slot, error=f"{e}")
+
+
+def main() -> None:
+    env = os.environ
+    cfg = Config.from_env()
+    secret = bytes.fromhex(env["TIERSWAP_SECRET"])
+    host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
+    coord = Channel.connect((host, int(port)), secret)
+    agent = Agent(
+        node=int(env["TIERSWAP_NODE"]),
+        coord=coord,
+        secret=secret,
+        cfg=cfg,
+        run_dir=Path(env["TIERSWAP_RUN_DIR"]),
+        job_id=env["TIERSWAP_JOB_ID"],
+        script=sys.argv[1:],
+    )
+    agent.run()
+
+
+if __name__ == "__main__":
+    main()

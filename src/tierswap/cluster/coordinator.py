@@ -1,0 +1,448 @@
+"""The coordinator: membership, generations, commit records and recovery decisions.
+
+It runs in the launcher. One event loop handles what agents send, in order; the state it
+keeps is what tiers hold, which step is committed where, and which generation is running.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
+from tierswap.config import Config
+from tierswap.events import EventLog, Progress
+from tierswap.plan import Holdings, Plan, Tier, plan_restore
+from tierswap.shm import remove_job_segments
+from tierswap.tiers import durable
+from tierswap.wire import Channel, Message, reader, serve
+
+
+class JobStopped(Exception):
+    """The job cannot go on; the message says why and what is kept."""
+
+
+@dataclass(slots=True)
+class _Persist:
+    step: int
+    parts: dict[int, durable.PartInfo] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, script: list[str], run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.job_id = new_job_id()
+        self.secret = os.urandom(32)
+        self.log = EventLog(run_dir / "events.jsonl")
+        self.progress = Progress(cfg.console)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=cfg.startup_timeout))
+        self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
+        self.events: queue.SimpleQueue[tuple[Channel, Message | None]] = queue.SimpleQueue()
+        self.agents: dict[int, Channel] = {}
+        self.agent_pids: dict[int, int] = {}
+        self.injections = [str(i) for i in cfg.inject]
+        self.generation = -1
+        self.phase = "starting"
+        self.restarts = 0
+        self.held: dict[int, set[int]] = {r: set() for r in range(cfg.world_size)}
+        self.committed = {"memory": -1, "durable": -1}
+        self.bad: set[tuple[Tier, int, int]] = set()
+        self.plan: Plan | None = None
+        self.restored: dict[int, Message] = {}
+        self.finished: set[int] = set()
+        self.stopping: set[int] = set()
+        self.holdings: dict[int, dict[str, dict[str, str]]] = {}
+        self.waiting_hello: set[int] = set(range(cfg.nodes))
+        self.persist: _Persist | None = None
+        self.proposal: int | None = None
+        self.votes: set[int] = set()
+        self.last_persist_request = -1
+        self.durability_ok = True
+        self.last_step = -1
+        self.last_loss: float | None = None
+        self.deadline = time.monotonic() + cfg.startup_timeout
+
+    # ---------------------------------------------------------------- main loop
+
+    def run(self) -> int:
+        """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
+        warning = check_durable(self.cfg)
+        serve(self.listener, self._on_channel, "tierswap-coord-accept")
+        self.log.emit("job_started", world_size=self.cfg.world_size, nodes=self.cfg.nodes,
+                      persist=self.cfg.persist, job_id=self.job_id)
+        if warning:
+            self._durability_failing(f"cannot write {self.cfg.persist}: {warning}")
+        for node in range(self.cfg.nodes):
+            self.nodes.start(node, self.address)
+        try:
+            while self.phase != "done":
+                self._tick()
+            return 0
+        except JobStopped as e:
+            self.log.emit("job_failed", reason=str(e))
+            self.progress.message(f"job stopped: {e}")
+            return 1
+        finally:
+            self.shutdown()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.listener.address
+        return str(host), int(port)
+
+    def _on_channel(self, chan: Channel) -> None:
+        reader(chan, lambda m: self.events.put((chan, m)), "tierswap-coord-agent")
+
+    def _tick(self) -> None:
+        try:
+            chan, msg = self.events.get(timeout=0.5)
+        except queue.Empty:
+            if time.monotonic() > self.deadline:
+                raise JobStopped(f"timed out in phase {self.phase!r} "
+                                 f"(waiting for nodes {sorted(self.waiting_hello)})") from None
+            return
+        node = next((n for n, c in self.agents.items() if c is chan), None)
+        if msg is None:
+            if node is not None:
+                self._node_lost(node)
+            return
+        handler = getattr(self, f"_on_{msg['op']}", None)
+        if handler is None:
+            raise JobStopped(f"unknown message {msg['op']!r} from node {node}")
+        handler(chan, node, msg)
+
+    def _broadcast(self, op: str, **fields: Any) -> None:
+        """Send to every live agent; a dead one is noticed by its reader, not here."""
+        for chan in list(self.agents.values()):
+            try:
+                chan.send(op, **fields)
+            except OSError:
+                pass
+
+    def shutdown(self) -> None:
+        self._broadcast("exit")
+        self.nodes.stop_all()
+        self.listener.close()
+        n = remove_job_segments(self.job_id)
+        if n:
+            self.log.emit("memory_released", segments=n)
+        self.log.close()
+
+    # ---------------------------------------------------------------- membership
+
+    def _on_hello(self, chan: Channel, node: int | None, msg: Message) -> None:
+        node = int(msg["node"])
+        self.agents[node] = chan
+        self.agent_pids[node] = int(msg["pid"])
+        self.waiting_hello.discard(node)
+        self.log.emit("node_joined", node=node, pid=msg["pid"])
+        self._maybe_start()
+
+    def _ranks_of(self, node: int) -> list[int]:
+        p = self.cfg.nproc_per_node
+        return list(range(node * p, (node + 1) * p))
+
+    def _node_lost(self, node: int) -> None:
+        self.agents.pop(node, None)
+        if self.phase in ("done", "finishing"):
+            return
+        self.stopping.discard(node)
+        self.holdings.pop(node, None)
+        if self.phase == "running":
+            self._failure("node", node, self._ranks_of(node), "agent connection lost")
+        self.nodes.kill(node)
+        remove_job_segments(self.job_id, self.agent_pids.pop(node, None) or -1)
+        self.waiting_hello.add(node)
+        self.nodes.start(node, self.address)
+        self.progress.message(f"node {node} lost; started a fresh node in its place")
+
+    def _on_exited(self, chan: Channel, node: int | None, msg: Message) -> None:
+        rank, code = int(msg["rank"]), int(msg["code"])
+        if code == 0 and rank in self.finished:
+            return
+        if self.phase == "running":
+            self._failure("worker", node, [rank], f"exit code {code}")
+
+    # ---------------------------------------------------------------- failure and restore
+
+    def _failure(self, what: str, node: int | None, ranks: list[int], detail: str) -> None:
+        self.log.emit("failure_detected", what=what, node=node, ranks=ranks, detail=detail,
+                      generation=self.generation)
+        self.progress.message(f"failure: {what} (node {node}, ranks {ranks}): {detail}")
+        self.restarts += 1
+        if self.restarts > self.cfg.max_restarts:
+            raise JobStopped(f"{self.restarts} failures, more than --max-restarts "
+                             f"{self.cfg.max_restarts}")
+        self.phase = "recovering"
+        self.proposal = None
+        self.persist = None  # parts of a dead node never come; the step is persisted again
+        self.deadline = time.monotonic() + self.cfg.startup_timeout
+        self.holdings.clear()
+        self.stopping = set(self.agents)
+        self._broadcast("stop")
+
+    def _on_stopped(self, chan: Channel, node: int | None, msg: Message) -> None:
+        assert node is not None
+        self.stopping.discard(node)
+        self.holdings[node] = msg["holdings"]
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        if self.phase not in ("starting", "recovering"):
+            return
+        if self.waiting_hello or self.stopping:
+            return
+        self._start_generation()
+
+    def _collect(self) -> Holdings:
+        memory: dict[int, frozenset[int]] = {}
+        memory_node: dict[int, int] = {}
+        for node, per_rank in self.holdings.items():
+            for rank, steps in per_rank.items():
+                memory[int(rank)] = frozenset(int(s) for s in steps)
+                memory_node[int(rank)] = node
+        self.held = {r: set(memory.get(r, ())) for r in range(self.cfg.world_size)}
+        durable_steps: frozenset[int] = frozenset()
+        if self.cfg.persist is not None:
+            steps = durable.list_steps(self.cfg.persist)
+            durable_steps = frozenset(
+                s.step for s in steps if s.committed and s.world_size == self.cfg.world_size
+            )
+        return Holdings(self.cfg.world_size, memory, memory_node, durable_steps,
+                        frozenset(self.bad))
+
+    def _start_generation(self) -> None:
+        holdings = self._collect()
+        plan = plan_restore(holdings)
+        for step, why in plan.skipped:
+            self.log.emit("restore_skipped", step=step, reason=why)
+        if plan.step is None and (self.committed["memory"] >= 0 or holdings.durable):
+            raise JobStopped(self._lost_message(plan))
+        self.plan = plan
+        self.generation += 1
+        self.phase = "running"
+        self.restored.clear()
+        self.finished.clear()
+        restart = -1 if plan.step is None else plan.step
+        self.held = {r: {s for s in h if s <= restart} for r, h in self.held.items()}
+        common = set.intersection(*self.held.values()) if self.held else set()
+        self.committed["memory"] = max(common, default=-1)
+        self.last_persist_request = restart
+        self.deadline = float("inf")
+        plans = self._rank_plans(plan)
+        for node, chan in sorted(self.agents.items()):
+            ranks = self._ranks_of(node)
+            try:
+                chan.send("start", generation=self.generation, world_size=self.cfg.world_size,
+                          ranks=ranks, store=f"127.0.0.1:{self.store.port}",
+                          plans={str(r): plans[r] for r in ranks}, inject=self.injections,
+                          restart_step=restart)
+            except OSError:
+                pass  # its reader reports the loss, and the node is replaced
+        self.log.emit("generation_started", generation=self.generation, step=plan.step,
+                      members=sorted(self.agents))
+
+    def _rank_plans(self, plan: Plan) -> dict[int, dict[str, Any]]:
+        if plan.step is None:
+            return {r: {"step": None} for r in range(self.cfg.world_size)}
+        parts: dict[int, durable.PartInfo] = {}
+        if plan.ranks_from(Tier.DURABLE):
+            assert self.cfg.persist is not None
+            _, parts = durable.read_commit(self.cfg.persist, plan.step)
+        out: dict[int, dict[str, Any]] = {}
+        for r, src in plan.sources.items():
+            source: dict[str, Any] = {"tier": int(src.tier)}
+            if src.tier == Tier.DURABLE:
+                source.update(root=self.cfg.persist, part=parts[r].to_json())
+            out[r] = {"step": plan.step, "source": source}
+        return out
+
+    def _lost_message(self, plan: Plan) -> str:
+        why = "; ".join(f"step {s}: {w}" for s, w in plan.skipped[:3]) or "no snapshot at all"
+        hint = ("" if self.cfg.persist else
+                " Without --persist only memory tiers hold state, and a lost node takes its"
+                " ranks' snapshots with it: run with --persist URL to survive node loss.")
+        kept = (f" Tier 2 at {self.cfg.persist} is intact; start the job again to resume."
+                if self.cfg.persist else "")
+        return f"no step can be restored on every rank ({why}).{hint}{kept}"
+
+    def _on_restored(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.restored[int(msg["rank"])] = msg
+        if len(self.restored) < self.cfg.world_size:
+            return
+        tiers = {str(r): int(m["tier"]) for r, m in sorted(self.restored.items())}
+        seconds = max(float(m["seconds"]) for m in self.restored.values())
+        step = int(next(iter(self.restored.values()))["step"])
+        self.log.emit("restored", step=step, tiers=tiers, seconds=seconds,
+                      generation=self.generation)
+        by_tier = sorted(set(tiers.values()))
+        self.progress.message(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
+
+    def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
+        rank = int(msg["rank"])
+        src = self.plan.sources.get(rank) if self.plan else None
+        if src is not None and self.plan is not None and self.plan.step is not None:
+            self.bad.add((src.tier, self.plan.step, rank))
+        self.log.emit("corrupt_part", rank=rank, where=msg["where"], why=msg["why"],
+                      step=self.plan.step if self.plan else None)
+        self.progress.message(f"rank {rank}: {msg['where']}: {msg['why']}; trying an older step")
+
+    def _on_fatal(self, chan: Channel, node: int | None, msg: Message) -> None:
+        raise JobStopped(f"rank {msg['rank']}: {msg['message']}")
+
+    def _on_inject_fired(self, chan: Channel, node: int | None, msg: Message) -> None:
+        if msg["spec"] in self.injections:
+            self.injections.remove(msg["spec"])
+        self.log.emit("fault_injected", spec=msg["spec"])
+
+    # ---------------------------------------------------------------- commits
+
+    def _on_held(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.held.setdefault(int(msg["rank"]), set()).add(int(msg["step"]))
+        self._maybe_propose()
+
+    def _maybe_propose(self) -> None:
+        """Two-phase commit in tier 0: every agent must still hold the step and protect it
+        before it counts as committed, so a commit never names a step someone dropped."""
+        if self.proposal is not None or self.phase not in ("running", "finishing"):
+            return
+        common = set.intersection(*(self.held.get(r, set()) for r in range(self.cfg.world_size)))
+        step = max(common, default=-1)
+        if step <= self.committed["memory"]:
+            return
+        self.proposal, self.votes = step, set()
+        self._broadcast("propose", step=step)
+
+    def _on_vote(self, chan: Channel, node: int | None, msg: Message) -> None:
+        step = int(msg["step"])
+        if step != self.proposal or node is None:
+            return
+        if not msg["ok"]:
+            self.proposal = None
+            self._broadcast("abort", step=step)
+            self._maybe_propose()
+            return
+        self.votes.add(node)
+        if self.votes < set(self.agents):
+            return
+        self.proposal = None
+        self.committed["memory"] = step
+        self.log.emit("snapshot_committed", tier=0, step=step)
+        self._broadcast("committed", step=step)
+        self._maybe_persist(step)
+        self._maybe_propose()
+        self._maybe_done()
+
+    def _on_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.held.setdefault(int(msg["rank"]), set()).difference_update(msg["steps"])
+
+    def _maybe_persist(self, step: int, final: bool = False) -> None:
+        every = self.cfg.persist_every
+        due = step // every > self.last_persist_request // every or self.last_persist_request < 0
+        if self.cfg.persist is None or self.persist is not None or not (due or final):
+            return
+        if step <= self.committed["durable"]:
+            return
+        self.last_persist_request = step
+        self.persist = _Persist(step)
+        self._broadcast("persist", step=step, root=self.cfg.persist, world_size=self.cfg.world_size)
+
+    def _on_part(self, chan: Channel, node: int | None, msg: Message) -> None:
+        p = self.persist
+        if p is None or int(msg["step"]) != p.step:
+            return
+        rank = int(msg["rank"])
+        p.answered.add(rank)
+        if "error" in msg:
+            p.errors.append(f"rank {rank}: {msg['error']}")
+        else:
+            p.parts[rank] = durable.PartInfo.from_json(rank, msg["part"])
+        if len(p.answered) < self.cfg.world_size:
+            return
+        self.persist = None
+        if p.errors:
+            self._durability_failing(f"step {p.step} not persisted: {p.errors[0]}")
+        else:
+            self._commit_durable(p)
+        self._maybe_done()
+
+    def _commit_durable(self, p: _Persist) -> None:
+        assert self.cfg.persist is not None
+        try:
+            durable.write_commit(self.cfg.persist, p.step, self.cfg.world_size, p.parts)
+            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
+        except OSError as e:
+            self._durability_failing(f"step {p.step}: COMMIT not written: {e}")
+            return
+        self.committed["durable"] = p.step
+        self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
+        if not self.durability_ok:
+            self.durability_ok = True
+            self.progress.message(f"durability restored: step {p.step} is in {self.cfg.persist}")
+
+    def _durability_failing(self, why: str) -> None:
+        self.durability_ok = False
+        self.log.emit("durability_failing", reason=why)
+        self.progress.message(f"durability failing, training goes on in memory: {why}")
+
+    # ---------------------------------------------------------------- progress and the end
+
+    def _on_progress(self, chan: Channel, node: int | None, msg: Message) -> None:
+        step = int(msg["step"])
+        self.last_step = max(self.last_step, step)
+        if int(msg["rank"]) == 0:
+            self.progress.update(step, self.last_loss, float(msg["stall"]), self._tiers())
+
+    def _on_report(self, chan: Channel, node: int | None, msg: Message) -> None:
+        if "total" in msg:
+            self.progress.total = int(msg["total"])
+        metrics = msg.get("metrics") or {}
+        if int(msg["rank"]) == 0 and metrics:
+            self.last_loss = metrics.get("loss", self.last_loss)
+            self.log.emit("report", step=msg["step"], **metrics)
+
+    def _on_memory(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit("memory", node=node, rank=msg["rank"], tier=0, bytes=msg["nbytes"])
+
+    def _on_skipped(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit("snapshot_skipped", rank=msg["rank"], step=msg["step"])
+
+    def _tiers(self) -> dict[str, int]:
+        return {k: v for k, v in self.committed.items() if v >= 0}
+
+    def _on_finished(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.finished.add(int(msg["rank"]))
+        self.last_step = max(self.last_step, int(msg["step"]))
+        if len(self.finished) == self.cfg.world_size:
+            self.phase = "finishing"
+            self.deadline = time.monotonic() + self.cfg.startup_timeout
+            self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self.phase != "finishing" or self.committed["memory"] < self.last_step:
+            return
+        if self.persist is not None:
+            return
+        if self.durability_ok and self.committed["durable"] < self.committed["memory"]:
+            self._maybe_persist(self.committed["memory"], final=True)
+            if self.persist is not None:
+                return
+        self.phase = "done"
+        self.log.emit("job_finished", step=self.last_step, generation=self.generation,
+                      restarts=self.restarts)
+        self.progress.message(f"finished step {self.last_step + 1} "
+                              f"after {self.restarts} recoveries; committed {self._tiers()}")

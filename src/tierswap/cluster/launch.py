@@ -1,0 +1,103 @@
+"""``tierswap run`` on one host: the coordinator plus simulated nodes on loopback.
+
+Each simulated node is an agent process in its own process group with its workers, so
+killing the group kills the node as a whole, as a host failure would.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tierswap.config import Config
+from tierswap.errors import WorldSizeMismatchError
+from tierswap.tiers import durable
+
+
+class LocalNodes:
+    """The agent processes of simulated nodes, by node index."""
+
+    def __init__(self, cfg: Config, script: list[str], run_dir: Path, job_id: str,
+                 secret: bytes) -> None:
+        self.cfg = cfg
+        self.script = script
+        self.run_dir = run_dir
+        self.job_id = job_id
+        self.secret = secret
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.retired: list[subprocess.Popen[bytes]] = []
+
+    def start(self, node: int, coord_address: tuple[str, int]) -> None:
+        old = self.procs.pop(node, None)
+        if old is not None:
+            self.retired.append(old)
+        env = dict(os.environ)
+        env.update(self.cfg.to_env())
+        env.update(
+            TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
+            TIERSWAP_SECRET=self.secret.hex(),
+            TIERSWAP_NODE=str(node),
+            TIERSWAP_RUN_DIR=str(self.run_dir),
+            TIERSWAP_JOB_ID=self.job_id,
+        )
+        cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
+        self.procs[node] = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def kill(self, node: int) -> None:
+        proc = self.procs.get(node)
+        if proc is not None and proc.poll() is None:
+            _killpg(proc.pid)
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        """Wait for agents to exit by themselves, then kill what is left, groups included."""
+        deadline = time.monotonic() + timeout
+        procs = [*self.procs.values(), *self.retired]
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            _killpg(proc.pid)  # workers of a SIGKILLed agent may still be alive
+            proc.wait()
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(4)
+
+
+def default_run_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{os.getpid()}"
+
+
+def check_durable(cfg: Config) -> str | None:
+    """Refuse a durable root written by another world size; report an unwritable one.
+
+    Returns a warning for a root that cannot be written (the job trains on memory tiers).
+    """
+    if cfg.persist is None:
+        return None
+    committed = [s for s in durable.list_steps(cfg.persist) if s.committed]
+    if committed and committed[-1].world_size != cfg.world_size:
+        newest = committed[-1]
+        raise WorldSizeMismatchError(
+            f"{cfg.persist} step {newest.step} was written by a job of world size "
+            f"{newest.world_size}; this job has {cfg.world_size} "
+            f"({cfg.nodes} nodes x {cfg.nproc_per_node} workers). Run with a matching "
+            "--nodes/--nproc-per-node to resume it, or give a new --persist URL; nothing "
+            "was changed in it."
+        )
+    return durable.probe_writable(cfg.persist)

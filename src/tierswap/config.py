@@ -1,0 +1,127 @@
+"""One Config for a job, validated once; settable from the CLI and TIERSWAP_* variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "TIERSWAP_"
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """A fault to inject: kill a node (agent and workers) or one rank when a step is reached."""
+
+    target: str
+    """``"node"`` or ``"rank"``."""
+    index: int
+    step: int
+
+    @staticmethod
+    def parse(spec: str) -> Injection:
+        m = re.fullmatch(r"kill:(node|rank)=(\d+):step=(\d+)", spec.strip())
+        if m is None:
+            raise ValueError(
+                f"--inject {spec!r}: expected kill:node=I:step=S or kill:rank=R:step=S"
+            )
+        return Injection(m.group(1), int(m.group(2)), int(m.group(3)))
+
+    def __str__(self) -> str:
+        return f"kill:{self.target}={self.index}:step={self.step}"
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything a job is run with. Each field can be set as ``TIERSWAP_<NAME>``."""
+
+    nodes: int = 1
+    """Nodes in the job; on one machine each is simulated by an agent with its workers."""
+    nproc_per_node: int = 1
+    """Workers (ranks) per node."""
+    persist: str | None = None
+    """Durable root (tier 2): a local path or any fsspec URL. None keeps memory tiers only."""
+    persist_every: int = 10
+    """Write the committed step to tier 2 every this many steps."""
+    keep: int = 2
+    """Committed steps kept in tier 2; the newest committed one is never deleted."""
+    run_dir: str | None = None
+    """Where the event log and sockets go; a fresh folder under ./runs when None."""
+    slots: int = 3
+    """Tier-0 slots per rank: the committed step, the one in flight and one being written."""
+    inject: tuple[Injection, ...] = ()
+    """Faults to inject, for tests and the demo."""
+    max_restarts: int = 10
+    """Failures the job recovers from before it gives up."""
+    startup_timeout: float = 120.0
+    """Seconds to wait for agents and workers to start and join."""
+    threads: int = 0
+    """torch threads per worker; 0 leaves torch's default."""
+    console: bool = True
+    """Print progress and failures on the launcher's console."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "nproc_per_node", "persist_every", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.slots < 3:
+            raise ValueError(
+                f"slots must be >= 3 (committed, in flight, being written), got {self.slots}"
+            )
+        if self.max_restarts < 0 or self.threads < 0:
+            raise ValueError("max_restarts and threads must be >= 0")
+        if self.startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+        for inj in self.inject:
+            limit = self.nodes if inj.target == "node" else self.world_size
+            if inj.index >= limit:
+                raise ValueError(f"--inject {inj}: there are only {limit} {inj.target}s")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def to_env(self) -> dict[str, str]:
+        """TIERSWAP_* variables that ``from_env`` reads back to an equal Config."""
+        env = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            text = ",".join(str(i) for i in v) if f.name == "inject" else str(v)
+            env[ENV_PREFIX + f.name.upper()] = text
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """A Config from TIERSWAP_* variables, with ``overrides`` (not None) winning."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    default = f.default
+    if f.name == "inject":
+        return tuple(Injection.parse(s) for s in raw.split(",") if s)
+    try:
+        if isinstance(default, bool):
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}")
+    return raw
+
+
+__all__ = ["Config", "Injection", "field"]

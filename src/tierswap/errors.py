@@ -1,0 +1,40 @@
+"""Exception types a user of tierswap may need to catch or read."""
+
+from __future__ import annotations
+
+
+class TierswapError(Exception):
+    """Base class of every error tierswap raises on purpose."""
+
+
+class UsageError(TierswapError, ValueError):
+    """The job cannot go on because of its input; restarting it would fail the same way.
+
+    A worker that raises one stops the whole job (no restart loop), and every tier keeps
+    what it holds.
+    """
+
+
+class NotSerializableError(UsageError, TypeError):
+    """A value in the training state cannot be stored without pickle."""
+
+
+class StateMismatchError(UsageError):
+    """A saved snapshot does not fit the state it is restored into (shape, dtype, keys)."""
+
+
+class WorldSizeMismatchError(UsageError):
+    """A durable checkpoint was written by a job of another world size."""
+
+
+class CorruptPartError(TierswapError):
+    """A stored part is truncated, corrupt or missing; restores skip it for an older step."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.where = where
+        self.why = why
+
+
+class JobFailedError(TierswapError):
+    """The job stopped for good (no restore source left, too many failures, a usage error)."""

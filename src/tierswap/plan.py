@@ -1,0 +1,95 @@
+"""The restore planner: what every tier holds in, one step and one source per rank out.
+
+A pure function, so every case can be tested without processes. Rules:
+
+- The step is the newest one that *every* rank can reach from some tier; a restore never
+  mixes steps across ranks.
+- For each rank the fastest tier holding that step wins: its own node's memory (tier 0),
+  then durable storage (tier 2).
+- Parts known to be corrupt are not sources; a step passed over is named with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Tier(IntEnum):
+    MEMORY = 0
+    PEER = 1
+    DURABLE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    tier: Tier
+    node: int | None = None
+    """The node whose memory holds the part (tiers 0 and 1); None for durable storage."""
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What each tier holds at the moment of a restore."""
+
+    world_size: int
+    memory: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """rank -> steps its own node's tier 0 holds, checksummed."""
+    memory_node: Mapping[int, int] = field(default_factory=dict)
+    """rank -> the node whose tier 0 holds its parts."""
+    durable: frozenset[int] = frozenset()
+    """Steps committed in tier 2 by a job of the same world size."""
+    bad: frozenset[tuple[Tier, int, int]] = frozenset()
+    """(tier, step, rank) parts known to be corrupt or missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    step: int | None
+    """The step to restore; None when no step is reachable by every rank."""
+    sources: Mapping[int, Source]
+    skipped: tuple[tuple[int, str], ...] = ()
+    """Newer steps passed over, each with the reason."""
+
+    def ranks_from(self, tier: Tier) -> list[int]:
+        return sorted(r for r, s in self.sources.items() if s.tier == tier)
+
+
+def _source(h: Holdings, step: int, rank: int) -> Source | None:
+    if step in h.memory.get(rank, ()) and (Tier.MEMORY, step, rank) not in h.bad:
+        return Source(Tier.MEMORY, h.memory_node.get(rank))
+    if step in h.durable and (Tier.DURABLE, step, rank) not in h.bad:
+        return Source(Tier.DURABLE)
+    return None
+
+
+def plan_restore(h: Holdings) -> Plan:
+    """Pick the newest step every rank can reach, and each rank's fastest source for it."""
+    if h.world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {h.world_size}")
+    candidates = set(h.durable)
+    for steps in h.memory.values():
+        candidates |= steps
+    skipped: list[tuple[int, str]] = []
+    for step in sorted(candidates, reverse=True):
+        sources = {r: _source(h, step, r) for r in range(h.world_size)}
+        lost = [r for r, s in sources.items() if s is None]
+        if not lost:
+            return Plan(step, {r: s for r, s in sources.items() if s is not None}, tuple(skipped))
+        skipped.append((step, f"no tier holds a good part of ranks {_ranges(lost)}"))
+    return Plan(None, {}, tuple(skipped))
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: short enough for a log line at any world size."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)

@@ -1,0 +1,237 @@
+"""Tier 0, the worker's side: copy a step's state into a slot of the agent's memory ring.
+
+``Snapshotter.take(step, state)`` runs at the end of a step. Small buffers and non-tensor
+state are copied at once; parameters and optimizer state (which only ``optimizer.step()``
+changes) are copied by a background thread while the next forward and backward run. The
+next ``optimizer.step()`` calls :func:`fence` through a global pre-hook and waits for that
+copy; the wait is measured, and it is the only stall the training loop pays.
+
+On CUDA the deferred copy is issued on a side stream into the slot, registered as pinned
+host memory, and the background thread waits for the stream's event.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tierswap.shm import Segment
+from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
+from tierswap.wire import Channel
+
+_active: list[Snapshotter] = []
+_hook_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def fence() -> None:
+    """Wait until no snapshot copy is in flight (state may then be changed)."""
+    for snap in _active:
+        snap.fence()
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    fence()
+
+
+def _install_hook() -> None:
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+
+
+@dataclass(slots=True)
+class Stats:
+    """What snapshots cost the training loop, in seconds."""
+
+    taken: int = 0
+    skipped: int = 0
+    fence_waits: list[float] = field(default_factory=list)
+    sync_copies: list[float] = field(default_factory=list)
+    copy_times: list[float] = field(default_factory=list)
+
+    def last_stall(self) -> float:
+        wait = self.fence_waits[-1] if self.fence_waits else 0.0
+        sync = self.sync_copies[-1] if self.sync_copies else 0.0
+        return wait + sync
+
+
+@dataclass(slots=True)
+class _Allocation:
+    id: int
+    layout: Layout
+    segments: list[Segment]
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    pinned: set[int] = field(default_factory=set)
+
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        views = self.views.get(slot)
+        if views is None:
+            buf = self.segments[slot].buf
+            views = self.views[slot] = [tensor_view(buf, e) for e in self.layout.entries]
+        return views
+
+    def close(self) -> None:
+        self.views.clear()
+        for seg in self.segments:
+            seg.close()
+
+
+@dataclass(slots=True)
+class _Job:
+    step: int
+    slot: int
+    flat: Flat
+    alloc: _Allocation
+    event: Any = None  # a CUDA event, when the copy went on a side stream
+
+
+class Snapshotter:
+    """Snapshots of one rank into its agent's tier-0 ring."""
+
+    def __init__(self, chan: Channel, rank: int) -> None:
+        self.chan = chan
+        self.rank = rank
+        self.stats = Stats()
+        self._alloc: _Allocation | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stream: Any = None
+        self._thread = threading.Thread(target=self._run, name="tierswap-copy", daemon=True)
+        self._thread.start()
+        _install_hook()
+        _active.append(self)
+
+    # ---------------------------------------------------------------- training thread
+
+    def take(self, step: int, state: Mapping[str, Any], *, wait: float = 0.0) -> bool:
+        """Snapshot ``state`` as the end of ``step``; returns before the big copy is done.
+
+        When every slot is in use the step is skipped (False), unless ``wait`` seconds are
+        given to wait for one (the last step of a job must not be skipped).
+        """
+        self.fence()
+        t0 = time.monotonic()
+        flat = flatten(state)
+        alloc = self._allocation(flat)
+        deadline = t0 + wait
+        while (slot := self._slot(step, alloc)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if slot is None:
+            self.stats.skipped += 1
+            return False
+        views = alloc.slot_views(slot)
+        for entry, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
+            if not entry.deferred:
+                dst.copy_(src)
+        job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
+        self.stats.sync_copies.append(time.monotonic() - t0)
+        self._idle.clear()
+        self._queue.put(job)
+        return True
+
+    def _slot(self, step: int, alloc: _Allocation) -> int | None:
+        reply = self.chan.call("slot", rank=self.rank, step=step, alloc=alloc.id)
+        return None if reply["slot"] is None else int(reply["slot"])
+
+    def fence(self) -> None:
+        """Block until the in-flight copy is done; the wait is recorded."""
+        if not self._idle.is_set():
+            t0 = time.monotonic()
+            self._idle.wait()
+            self.stats.fence_waits.append(time.monotonic() - t0)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"snapshot copy of rank {self.rank} failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish the copy in flight, stop the thread, unmap the slots."""
+        try:
+            self.fence()
+        finally:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            if self in _active:
+                _active.remove(self)
+            if self._alloc is not None:
+                self._alloc.close()
+
+    def _allocation(self, flat: Flat) -> _Allocation:
+        """The slots for this state's layout; asks the agent for new ones when it changed."""
+        current = self._alloc
+        sig = tuple((e.key, e.dtype, e.shape) for e in flat.entries)
+        if current is not None and current.layout.signature() == sig:
+            if all(e.deferred == c.deferred for e, c in zip(flat.entries, current.layout.entries)):
+                return current
+        layout = make_layout(flat)
+        reply = self.chan.call("alloc", timeout=300, rank=self.rank, layout=layout.to_json())
+        segments = [Segment.attach(name, layout.nbytes) for name in reply["segments"]]
+        if current is not None:
+            current.close()
+        self._alloc = _Allocation(int(reply["alloc"]), layout, segments)
+        return self._alloc
+
+    def _launch_cuda_copy(self, alloc: _Allocation, slot: int, flat: Flat) -> Any:
+        """Issue the deferred copies on a side stream when tensors are on a GPU."""
+        cuda = [
+            (src, dst)
+            for e, src, dst in zip(alloc.layout.entries, flat.tensors, alloc.slot_views(slot))
+            if e.deferred and src.is_cuda
+        ]
+        if not cuda:
+            return None
+        if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
+            buf = alloc.segments[slot].buf
+            ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+            torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
+            alloc.pinned.add(slot)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for src, dst in cuda:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    # ---------------------------------------------------------------- copy thread
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._copy(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+            finally:
+                self._idle.set()
+
+    def _copy(self, job: _Job) -> None:
+        t0 = time.monotonic()
+        views = job.alloc.slot_views(job.slot)
+        for entry, src, dst in zip(job.alloc.layout.entries, job.flat.tensors, views):
+            if entry.deferred and not src.is_cuda:
+                dst.copy_(src)
+        if job.event is not None:
+            job.event.synchronize()
+        self.stats.copy_times.append(time.monotonic() - t0)
+        self.stats.taken += 1
+        self.chan.send(
+            "held",
+            rank=self.rank,
+            step=job.step,
+            slot=job.slot,
+            alloc=job.alloc.id,
+            tree=job.flat.tree,
+            stall=self.stats.last_stall(),
+        )

@@ -1,0 +1,456 @@
+"""Flatten training state into a layout of tensors plus a JSON tree, and load it back.
+
+A snapshot of one rank is two things:
+
+- a :class:`Layout`: every tensor's key, dtype, shape and byte range in a flat buffer
+  (a tier-0 slot, or the data section of a safetensors file);
+- a *tree*: the state's structure as JSON, where each tensor is a reference
+  ``{"__t__": index}`` into the layout and every other value is stored as JSON.
+
+Nothing is pickled, so loading a snapshot can never run code.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from tierswap.errors import NotSerializableError, StateMismatchError
+
+ALIGN = 64
+RNG_KEY = "__rng__"
+
+# safetensors' dtype names: the durable format uses them, so the layout does too.
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype``."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise NotSerializableError(
+            f"tensors of dtype {dtype} cannot be snapshotted; supported: "
+            f"{', '.join(str(d) for d in _DTYPES)}"
+        ) from None
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    try:
+        return _TORCH_DTYPES[code]
+    except KeyError:
+        raise StateMismatchError(f"unknown tensor dtype {code!r} in a snapshot") from None
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a snapshot: where its bytes sit and what they mean."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    deferred: bool = False
+    """Copied off the critical path (parameters, optimizer state), fenced by optimizer.step."""
+    global_shape: tuple[int, ...] | None = None
+    """For a DTensor shard: the shape of the whole tensor."""
+    placements: tuple[str, ...] | None = None
+    """For a DTensor shard: its placements, e.g. ``("Shard(dim=0)",)``."""
+    mesh_coord: tuple[int, ...] | None = None
+    """For a DTensor shard: this rank's coordinate in the device mesh."""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "deferred": self.deferred,
+        }
+        if self.global_shape is not None:
+            d["global_shape"] = list(self.global_shape)
+            d["placements"] = list(self.placements or ())
+            d["mesh_coord"] = list(self.mesh_coord or ())
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> TensorEntry:
+        gs = d.get("global_shape")
+        return TensorEntry(
+            key=str(d["key"]),
+            dtype=str(d["dtype"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            offset=int(d["offset"]),
+            nbytes=int(d["nbytes"]),
+            deferred=bool(d.get("deferred", False)),
+            global_shape=None if gs is None else tuple(int(x) for x in gs),
+            placements=None if gs is None else tuple(str(x) for x in d["placements"]),
+            mesh_coord=None if gs is None else tuple(int(x) for x in d["mesh_coord"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where every tensor of a snapshot lies in one flat buffer of ``nbytes`` bytes."""
+
+    entries: tuple[TensorEntry, ...]
+    nbytes: int
+
+    def signature(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        return tuple((e.key, e.dtype, e.shape) for e in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nbytes": self.nbytes, "entries": [e.to_json() for e in self.entries]}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Layout:
+        layout = Layout(
+            entries=tuple(TensorEntry.from_json(e) for e in d["entries"]),
+            nbytes=int(d["nbytes"]),
+        )
+        layout.check()
+        return layout
+
+    def check(self) -> None:
+        """Raise StateMismatchError if the entries do not fit the buffer (crafted input)."""
+        for e in self.entries:
+            want = math.prod(e.shape) * torch_dtype(e.dtype).itemsize
+            if e.nbytes != want or e.offset < 0 or e.offset + e.nbytes > self.nbytes:
+                raise StateMismatchError(f"layout entry {e.key!r} does not fit its buffer")
+
+    def chunks(self, buf: memoryview) -> Iterator[memoryview]:
+        """The bytes of each tensor in order: what checksums and files are made of."""
+        for e in self.entries:
+            yield buf[e.offset : e.offset + e.nbytes]
+
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(e.nbytes for e in self.entries)
+
+
+def tensor_view(buf: memoryview, entry: TensorEntry) -> torch.Tensor:
+    """A tensor aliasing ``entry``'s bytes in ``buf`` (no copy)."""
+    dtype = torch_dtype(entry.dtype)
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+    return raw.view(dtype).view(entry.shape)
+
+
+@dataclass(slots=True)
+class Flat:
+    """The state of one rank at one step, not yet copied anywhere."""
+
+    tree: dict[str, Any]
+    tensors: list[torch.Tensor]
+    """Local tensors (a DTensor's own shard), in layout order."""
+    entries: list[TensorEntry] = field(default_factory=list)
+    """Entries without offsets; :func:`make_layout` places them."""
+
+
+def make_layout(flat: Flat) -> Layout:
+    """Place ``flat``'s tensors in a buffer, each aligned to 64 bytes."""
+    placed = []
+    offset = 0
+    for e in flat.entries:
+        offset = -(-offset // ALIGN) * ALIGN
+        placed.append(_replace_offset(e, offset))
+        offset += e.nbytes
+    return Layout(entries=tuple(placed), nbytes=max(offset, 1))
+
+
+def _replace_offset(e: TensorEntry, offset: int) -> TensorEntry:
+    return TensorEntry(
+        e.key, e.dtype, e.shape, offset, e.nbytes, e.deferred, e.global_shape, e.placements,
+        e.mesh_coord,
+    )
+
+
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()  # type: ignore[no-any-return]
+
+
+def _deferred_ptrs(obj: object) -> set[int]:
+    """Storage pointers of tensors that only ``optimizer.step()`` changes."""
+    if isinstance(obj, torch.nn.Module):
+        return {_local(p).data_ptr() for p in obj.parameters()}
+    if isinstance(obj, torch.optim.Optimizer):
+        return {
+            _local(v).data_ptr()
+            for st in obj.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        }
+    return set()
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.flat = Flat(tree={}, tensors=[])
+        self.deferred: set[int] = set()
+
+    def tensor(self, path: str, t: torch.Tensor) -> dict[str, Any]:
+        local = _local(t).detach()
+        if local.device.type not in ("cpu", "cuda"):
+            raise NotSerializableError(f"state value at {path!r} is on {local.device}")
+        entry = TensorEntry(
+            key=path,
+            dtype=dtype_code(local.dtype),
+            shape=tuple(local.shape),
+            offset=0,
+            nbytes=local.numel() * local.element_size(),
+            deferred=local.data_ptr() in self.deferred and local.numel() > 0,
+        )
+        if local is not t and hasattr(t, "device_mesh"):
+            mesh = t.device_mesh
+            entry = TensorEntry(
+                entry.key, entry.dtype, entry.shape, 0, entry.nbytes, entry.deferred,
+                global_shape=tuple(t.shape),
+                placements=tuple(str(p) for p in t.placements),
+                mesh_coord=tuple(mesh.get_coordinate() or ()),
+            )
+        self.flat.entries.append(entry)
+        self.flat.tensors.append(local)
+        return {"__t__": len(self.flat.tensors) - 1}
+
+    def value(self, path: str, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return self.tensor(path, v)
+        if v is None or isinstance(v, bool | int | str):
+            return v
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {"__float__": repr(v)}
+        if isinstance(v, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in v):
+                return {k: self.value(f"{path}/{k}", x) for k, x in v.items()}
+            return {"__dict__": [[self.value(path, k), self.value(f"{path}/{k}", x)]
+                                 for k, x in v.items()]}
+        if isinstance(v, list):
+            return [self.value(f"{path}/{i}", x) for i, x in enumerate(v)]
+        if isinstance(v, tuple):  # torch.Size is a tuple too
+            return {"__tuple__": [self.value(f"{path}/{i}", x) for i, x in enumerate(v)]}
+        if isinstance(v, bytes):
+            return {"__bytes__": base64.b64encode(v).decode()}
+        if isinstance(v, torch.dtype):
+            return {"__dtype__": str(v).removeprefix("torch.")}
+        if isinstance(v, np.ndarray):
+            return {"__ndarray__": [str(v.dtype), list(v.shape), v.ravel().tolist()]}
+        if isinstance(v, np.generic):
+            return self.value(path, v.item())
+        raise NotSerializableError(
+            f"state value at {path!r} has type {type(v).__qualname__}, which tierswap cannot "
+            "store without pickle. Keep tensors, numbers, strings, bytes, lists, tuples and "
+            "dicts in the state, or wrap the object in something with state_dict() and "
+            "load_state_dict() that returns those."
+        )
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of torch (CPU and CUDA), numpy and Python's ``random``."""
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(legacy=True),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def flatten(state: Mapping[str, Any], *, with_rng: bool = True) -> Flat:
+    """Flatten a user's state dict (Stateful objects and plain values) plus RNG states."""
+    fl = _Flattener()
+    for name, obj in state.items():
+        if not isinstance(name, str) or name.startswith("__"):
+            raise ValueError(
+                f"state key {name!r}: keys must be strings that do not start with '__'"
+            )
+        if _is_stateful(obj):
+            fl.deferred = _deferred_ptrs(obj)
+            fl.flat.tree[name] = {"__stateful__": fl.value(name, obj.state_dict())}
+            fl.deferred = set()
+        else:
+            fl.flat.tree[name] = fl.value(name, obj)
+    if with_rng:
+        fl.flat.tree[RNG_KEY] = fl.value(RNG_KEY, capture_rng())
+    return fl.flat
+
+
+# ---------------------------------------------------------------- loading back
+
+
+class _Loader:
+    """Rebuild values from a tree; tensors come from ``tensors`` (CPU, read-only views)."""
+
+    def __init__(self, tensors: list[torch.Tensor], entries: tuple[TensorEntry, ...]) -> None:
+        self.tensors = tensors
+        self.entries = entries
+
+    def value(self, path: str, v: Any, template: Any = None) -> Any:
+        if isinstance(v, list):
+            tl = template if isinstance(template, list) else []
+            return [self.value(f"{path}/{i}", x, _at(tl, i)) for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            return v
+        if "__t__" in v:
+            return self.tensor(path, v["__t__"], template)
+        if "__tuple__" in v:
+            tt = template if isinstance(template, tuple) else ()
+            return tuple(self.value(f"{path}/{i}", x, _at(tt, i))
+                         for i, x in enumerate(v["__tuple__"]))
+        if "__dict__" in v:
+            td = template if isinstance(template, dict) else {}
+            out = {}
+            for k, x in v["__dict__"]:
+                key = self.value(path, k)
+                out[key] = self.value(f"{path}/{key}", x, td.get(key))
+            return out
+        if "__float__" in v:
+            return float(v["__float__"])
+        if "__bytes__" in v:
+            return base64.b64decode(v["__bytes__"])
+        if "__dtype__" in v:
+            dt = getattr(torch, str(v["__dtype__"]), None)
+            if not isinstance(dt, torch.dtype):
+                raise StateMismatchError(f"{path}: unknown dtype {v['__dtype__']!r}")
+            return dt
+        if "__ndarray__" in v:
+            dtype, shape, data = v["__ndarray__"]
+            return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)
+        td = template if isinstance(template, dict) else {}
+        return {k: self.value(f"{path}/{k}", x, td.get(k)) for k, x in v.items()}
+
+    def tensor(self, path: str, index: Any, template: Any) -> torch.Tensor:
+        if not isinstance(index, int) or not 0 <= index < len(self.tensors):
+            raise StateMismatchError(f"{path}: tensor reference {index!r} is out of range")
+        src = self.tensors[index]
+        entry = self.entries[index]
+        if not isinstance(template, torch.Tensor):
+            return src.clone()
+        dst = _local(template)
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            raise StateMismatchError(
+                f"state value {path!r}: the snapshot has {entry.dtype}{list(src.shape)}, the "
+                f"live state has {dtype_code(dst.dtype)}{list(dst.shape)}. The state changed "
+                "since the snapshot was taken: restore with the code that wrote it, or start "
+                "the job with a new run directory and --persist URL."
+            )
+        with torch.no_grad():
+            dst.copy_(src)
+        return template
+
+
+def _at(seq: list[Any] | tuple[Any, ...], i: int) -> Any:
+    return seq[i] if i < len(seq) else None
+
+
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazily made state without changing any parameter.
+
+    A fresh optimizer has no ``exp_avg`` and friends until its first step, so a saved
+    state has nothing to be loaded into. One step with zero gradients and learning rate 0
+    makes them; parameters keep their bits (``p - 0 * x == p``). Loading then overwrites
+    the state it made.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or all(p in opt.state and opt.state[p] for p in params):
+        return
+    saved_lrs = [g["lr"] for g in opt.param_groups]
+    saved_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, saved_lrs, strict=True):
+            g["lr"] = lr
+        for p, grad in zip(params, saved_grads, strict=True):
+            p.grad = grad
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    np_state = rng["numpy"]
+    np.random.set_state(tuple(np_state))
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(rng["cuda"]))
+
+
+def load(
+    state: MutableMapping[str, Any],
+    tree: Mapping[str, Any],
+    tensors: list[torch.Tensor],
+    layout: Layout,
+    *,
+    what: str = "the snapshot",
+) -> None:
+    """Load a flattened snapshot into ``state``: Stateful objects in place, plain values
+    replaced in the dict, RNG states restored. Raises StateMismatchError on any misfit."""
+    missing = [k for k in state if k not in tree]
+    if missing:
+        raise StateMismatchError(
+            f"state keys {missing} are not in {what} (it has {sorted(k for k in tree)}); "
+            "pass the same state to job.steps() as the run that saved it"
+        )
+    loader = _Loader(tensors, layout.entries)
+    for name, obj in state.items():
+        saved = tree[name]
+        if _is_stateful(obj):
+            if not isinstance(saved, dict) or "__stateful__" not in saved:
+                raise StateMismatchError(f"state[{name!r}] was a plain value in {what}")
+            if isinstance(obj, torch.optim.Optimizer) and saved["__stateful__"].get("state"):
+                init_optimizer_state(obj)
+            value = loader.value(name, saved["__stateful__"], obj.state_dict())
+            try:
+                obj.load_state_dict(value)
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise StateMismatchError(f"state[{name!r}] does not load from {what}: {e}") from e
+        else:
+            state[name] = loader.value(name, saved, obj)
+    if RNG_KEY in tree:
+        restore_rng(loader.value(RNG_KEY, tree[RNG_KEY]))

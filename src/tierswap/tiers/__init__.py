@@ -1,0 +1,1 @@
+"""Storage tiers: where snapshots are kept."""

@@ -1,0 +1,655 @@
+"""Tier 2: durable checkpoints, one folder per step, on any fsspec URL.
+
+::
+
+    ROOT/step-000000100/rank-00003.safetensors   the tensors of rank 3 (plain safetensors)
+    ROOT/step-000000100/rank-00003.json          its layout, JSON tree and data checksum
+    ROOT/step-000000100/COMMIT                   written last: world size, every part's checksums
+    ROOT/LATEST                                  newest committed step (a hint; COMMIT is the truth)
+
+Every file is written to a temporary name, synced and renamed, so a crash leaves either
+the old file or the new one. Readers trust a step only once its COMMIT is there, and never
+unpickle anything: the format is safetensors and JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import posixpath
+import re
+import secrets
+import struct
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors.torch import save_file
+
+from tierswap.checksum import checksum_bytes, checksum_chunks
+from tierswap.errors import CorruptPartError
+from tierswap.state import Layout, TensorEntry, tensor_view
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+ST_FORMAT = "tierswap-1"
+_IO_CHUNK = 64 << 20  # bytes per read/write call
+_SMALL = 1 << 20  # pieces smaller than this are coalesced before writing
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+_STEP_RE = re.compile(r"step-(\d{9,})")
+_PART_RE = re.compile(r"rank-(\d{5,})\.safetensors")
+_SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
+_REPLICATE = ("Replicate()", "R")
+
+
+class _Reader(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PartInfo:
+    """Checksums of one rank's part, as recorded in COMMIT."""
+
+    rank: int
+    data: str
+    """Checksum of the tensor data (the safetensors data section)."""
+    json: str
+    """Checksum of the bytes of the rank's .json file."""
+    nbytes: int
+    """Bytes of tensor data."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"data": self.data, "json": self.json, "bytes": self.nbytes}
+
+    @staticmethod
+    def from_json(rank: int, d: Mapping[str, Any]) -> PartInfo:
+        return PartInfo(rank, str(d["data"]), str(d["json"]), int(d["bytes"]))
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What one step folder holds."""
+
+    step: int
+    committed: bool
+    world_size: int | None
+    """From COMMIT; None if the step is not committed."""
+    parts: dict[int, PartInfo]
+    """From COMMIT; empty if the step is not committed."""
+    present_ranks: list[int]
+    """Ranks whose .safetensors and .json files are both in the folder."""
+    nbytes: int
+    """Bytes of all files in the folder."""
+
+
+# ---------------------------------------------------------------- paths and files
+
+
+def _fs(root: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``root`` and the path inside it."""
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs, str(path).rstrip("/") or "/"
+
+
+def _step_dir(base: str, step: int) -> str:
+    return f"{base}/step-{step:09d}"
+
+
+def _part(rank: int, ext: str) -> str:
+    return f"rank-{rank:05d}.{ext}"
+
+
+def _is_local(fs: Any) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot sync a directory; rename is all they have
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+        log.debug("cannot fsync directory %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+def _coalesce(pieces: Iterable[bytes | bytearray | memoryview]) -> Iterator[bytes | memoryview]:
+    """Large pieces as they are, runs of small ones joined, so each write is large."""
+    staging = bytearray()
+    for p in pieces:
+        mv = memoryview(p).cast("B")
+        if len(mv) >= _SMALL:
+            if staging:
+                yield bytes(staging)
+                staging.clear()
+            yield mv
+        else:
+            staging += mv
+            if len(staging) >= _SMALL:
+                yield bytes(staging)
+                staging.clear()
+    if staging:
+        yield bytes(staging)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv[:_IO_CHUNK]) :]
+
+
+def _write_local(path: str, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            for piece in _coalesce(pieces):
+                _write_all(fd, piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(parent or ".")
+
+
+def _write_atomic(fs: Any, path: str, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+    """Write ``pieces`` to ``path`` through a temporary name, so readers never see half."""
+    if _is_local(fs):
+        _write_local(path, pieces)
+        return
+    parent, name = posixpath.split(path)
+    tmp = f"{parent}/.{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            for piece in _coalesce(pieces):
+                f.write(piece)
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def _read_small(fs: Any, path: str) -> bytes:
+    try:
+        return bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        raise CorruptPartError(path, "missing") from None
+    except OSError as e:
+        raise CorruptPartError(path, f"cannot read: {e}") from e
+
+
+def _open_read(fs: Any, path: str) -> Any:
+    return open(path, "rb", buffering=0) if _is_local(fs) else fs.open(path, "rb")
+
+
+def _read_exact(f: _Reader, out: memoryview) -> None:
+    while out:
+        got = f.readinto(out[:_IO_CHUNK])
+        if not got:
+            raise EOFError
+        out = out[got:]
+
+
+def _stream(f: _Reader, nbytes: int) -> Iterator[memoryview]:
+    """Read ``nbytes`` through one reused buffer (each chunk is valid until the next)."""
+    scratch = memoryview(bytearray(min(nbytes, _IO_CHUNK)))
+    while nbytes:
+        view = scratch[: min(nbytes, len(scratch))]
+        _read_exact(f, view)
+        nbytes -= len(view)
+        yield view
+
+
+# ---------------------------------------------------------------- one rank's part
+
+
+def _names(layout: Layout) -> list[str]:
+    """Safetensors names of the layout's tensors: their keys, made unique if they clash."""
+    names: list[str] = []
+    seen = {"__metadata__"}
+    for i, e in enumerate(layout.entries):
+        name = e.key if e.key not in seen else f"{e.key}#{i}"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def _file_layout(layout: Layout) -> Layout:
+    """The layout with offsets of a safetensors data section: contiguous, no padding."""
+    entries, offset = [], 0
+    for e in layout.entries:
+        entries.append(dataclasses.replace(e, offset=offset))
+        offset += e.nbytes
+    return Layout(entries=tuple(entries), nbytes=offset)
+
+
+def _header(flayout: Layout, step: int, rank: int) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "__metadata__": {"format": ST_FORMAT, "step": str(step), "rank": str(rank)}
+    }
+    for name, e in zip(_names(flayout), flayout.entries, strict=True):
+        header[name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [e.offset, e.offset + e.nbytes],
+        }
+    return header
+
+
+def _header_bytes(header: Mapping[str, Any]) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad like the safetensors writer does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_part(
+    root: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    tree: dict[str, Any],
+    buf: memoryview,
+    data_checksum: str,
+) -> PartInfo:
+    """Write one rank's tensors (from ``buf``, laid out by ``layout``) and its JSON file.
+
+    ``data_checksum`` is ``checksum_chunks(layout.chunks(buf))``, known from the slot.
+    """
+    fs, base = _fs(root)
+    folder = _step_dir(base, step)
+    fs.makedirs(folder, exist_ok=True)
+    mv = memoryview(buf).cast("B")
+    if len(mv) < layout.nbytes:
+        raise ValueError(f"buffer of {len(mv)} bytes is smaller than its layout ({layout.nbytes})")
+    flayout = _file_layout(layout)
+    head = _header_bytes(_header(flayout, step, rank))
+    _write_atomic(fs, f"{folder}/{_part(rank, 'safetensors')}", [head, *layout.chunks(mv)])
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "layout": flayout.to_json(),
+        "tree": tree,
+        "data_checksum": data_checksum,
+        "nbytes": flayout.nbytes,
+    }
+    raw = json.dumps(meta, allow_nan=False).encode()
+    _write_atomic(fs, f"{folder}/{_part(rank, 'json')}", [raw])
+    return PartInfo(rank, data_checksum, checksum_bytes(raw), flayout.nbytes)
+
+
+def _read_meta(
+    fs: Any, path: str, step: int, rank: int, expected: PartInfo | None
+) -> tuple[Layout, dict[str, Any], str]:
+    """The layout, tree and data checksum in a rank's .json file."""
+    raw = _read_small(fs, path)
+    if expected is not None and checksum_bytes(raw) != expected.json:
+        raise CorruptPartError(path, "checksum differs from the one in COMMIT")
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"not a tierswap part (format {FORMAT} expected)")
+        if meta.get("step") != step or meta.get("rank") != rank:
+            raise ValueError(f"written for step {meta.get('step')} rank {meta.get('rank')}")
+        layout = Layout.from_json(meta["layout"])
+        tree = meta["tree"]
+        if not isinstance(tree, dict):
+            raise ValueError("tree is not a JSON object")
+        return layout, tree, str(meta["data_checksum"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptPartError(path, f"bad part json: {e}") from e
+
+
+def _check_header(path: str, f: _Reader, size: int, layout: Layout) -> None:
+    """Read the safetensors header at ``f`` and check it describes ``layout``."""
+    head = bytearray(8)
+    _read_exact(f, memoryview(head))
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER, size - 8):
+        raise CorruptPartError(path, f"header length {n} does not fit the file ({size} bytes)")
+    raw = bytearray(n)
+    _read_exact(f, memoryview(raw))
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise CorruptPartError(path, f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CorruptPartError(path, "header is not a JSON object")
+    header.pop("__metadata__", None)
+    want = _header(layout, 0, 0)
+    del want["__metadata__"]
+    if header != want:
+        raise CorruptPartError(path, "header does not match the layout in the part's json")
+    if size != 8 + n + layout.nbytes:
+        raise CorruptPartError(
+            path,
+            f"file is {size} bytes, header and layout say {8 + n + layout.nbytes} (truncated?)",
+        )
+
+
+def _read(
+    fs: Any, base: str, step: int, rank: int, expected: PartInfo | None, keep: bool
+) -> tuple[Layout, dict[str, Any], bytearray]:
+    """Read and check one part; without ``keep`` only check it (the data is streamed)."""
+    folder = _step_dir(base, step)
+    layout, tree, want = _read_meta(fs, f"{folder}/{_part(rank, 'json')}", step, rank, expected)
+    if layout != _file_layout(layout):
+        raise CorruptPartError(f"{folder}/{_part(rank, 'json')}", "layout is not contiguous")
+    path = f"{folder}/{_part(rank, 'safetensors')}"
+    data = bytearray(layout.nbytes if keep else 0)
+    try:
+        size = int(fs.size(path))
+        with _open_read(fs, path) as f:
+            _check_header(path, f, size, layout)
+            if keep:
+                _read_exact(f, memoryview(data))
+                got = checksum_bytes(data)
+            else:
+                got = checksum_chunks(_stream(f, layout.nbytes))
+    except FileNotFoundError:
+        raise CorruptPartError(path, "missing") from None
+    except EOFError:
+        raise CorruptPartError(path, "ends early (truncated?)") from None
+    except OSError as e:
+        raise CorruptPartError(path, f"cannot read: {e}") from e
+    if got != want:
+        raise CorruptPartError(path, "data checksum mismatch (corrupt or truncated?)")
+    if expected is not None and got != expected.data:
+        raise CorruptPartError(path, "data checksum differs from the one in COMMIT")
+    return layout, tree, data
+
+
+def read_part(
+    root: str, step: int, rank: int, expected: PartInfo | None = None
+) -> tuple[Layout, dict[str, Any], bytearray]:
+    """One rank's layout (offsets into the returned buffer), tree and tensor bytes.
+
+    Raises CorruptPartError if the part is missing, truncated, corrupt or does not match
+    ``expected`` (its entry in COMMIT).
+    """
+    fs, base = _fs(root)
+    return _read(fs, base, step, rank, expected, keep=True)
+
+
+# ---------------------------------------------------------------- commits and steps
+
+
+def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
+    """Mark ``step`` complete: write COMMIT (all parts' checksums), then LATEST."""
+    ranks = set(range(world_size))
+    if set(parts) != ranks or any(p.rank != r for r, p in parts.items()):
+        raise ValueError(
+            f"COMMIT of step {step} needs parts of ranks 0..{world_size - 1}; missing "
+            f"{sorted(ranks - set(parts))}, unexpected {sorted(set(parts) - ranks)}"
+        )
+    body = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "time": time.time(),
+        "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
+    }
+    fs, base = _fs(root)
+    _write_atomic(fs, f"{_step_dir(base, step)}/COMMIT", [json.dumps(body).encode()])
+    if _is_local(fs):
+        _fsync_dir(base)  # the step folder's own entry
+    latest = _read_latest(fs, base)
+    if latest is None or latest < step:
+        _write_atomic(fs, f"{base}/LATEST", [f"{step}\n".encode()])
+
+
+def _read_latest(fs: Any, base: str) -> int | None:
+    try:
+        return int(fs.cat_file(f"{base}/LATEST").decode().strip())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable %s/LATEST (%s); COMMIT files are the truth", base, e)
+        return None
+
+
+def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo]]:
+    path = f"{_step_dir(base, step)}/COMMIT"
+    raw = _read_small(fs, path)
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise ValueError(f"not a tierswap COMMIT (format {FORMAT} expected)")
+        if body["step"] != step:
+            raise ValueError(f"written for step {body['step']}")
+        world_size = int(body["world_size"])
+        parts = {int(r): PartInfo.from_json(int(r), p) for r, p in body["parts"].items()}
+        if world_size < 1 or set(parts) != set(range(world_size)):
+            raise ValueError(f"parts {sorted(parts)} do not cover world size {world_size}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptPartError(path, f"bad COMMIT: {e}") from e
+    return world_size, parts
+
+
+def read_commit(root: str, step: int) -> tuple[int, dict[int, PartInfo]]:
+    """The world size and parts recorded in ``step``'s COMMIT (CorruptPartError if none)."""
+    fs, base = _fs(root)
+    return _read_commit(fs, base, step)
+
+
+def _step_info(fs: Any, base: str, step: int) -> StepInfo:
+    files = fs.ls(_step_dir(base, step), detail=True)
+    sizes = {posixpath.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in files}
+    present = sorted(
+        int(m.group(1))
+        for name in sizes
+        if (m := _PART_RE.fullmatch(name)) and f"{name.removesuffix('.safetensors')}.json" in sizes
+    )
+    world_size: int | None = None
+    parts: dict[int, PartInfo] = {}
+    if "COMMIT" in sizes:
+        try:
+            world_size, parts = _read_commit(fs, base, step)
+        except CorruptPartError as e:
+            log.warning("step %d is not committed: %s", step, e)
+    return StepInfo(step, world_size is not None, world_size, parts, present, sum(sizes.values()))
+
+
+def list_steps(root: str) -> list[StepInfo]:
+    """Every step folder under ``root``, oldest first ([] if ``root`` does not exist)."""
+    fs, base = _fs(root)
+    try:
+        names = fs.ls(base, detail=False)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        m = _STEP_RE.fullmatch(posixpath.basename(str(name).rstrip("/")))
+        if m:
+            steps.append(_step_info(fs, base, int(m.group(1))))
+    return sorted(steps, key=lambda s: s.step)
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps with a readable COMMIT, oldest first."""
+    return [s.step for s in list_steps(root) if s.committed]
+
+
+def verify(root: str, step: int | None = None) -> list[str]:
+    """Check every part of every committed step (or of ``step``): [] if all are sound.
+
+    Each problem names the file and what is wrong with it.
+    """
+    fs, base = _fs(root)
+    steps = [step] if step is not None else committed_steps(root)
+    if not steps:
+        return [f"{root}: no committed step"]
+    problems = []
+    for s in steps:
+        try:
+            world_size, parts = _read_commit(fs, base, s)
+        except CorruptPartError as e:
+            problems.append(str(e))
+            continue
+        for rank in range(world_size):
+            try:
+                _read(fs, base, s, rank, parts[rank], keep=False)
+            except CorruptPartError as e:
+                problems.append(str(e))
+    return problems
+
+
+def retain(root: str, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` committed steps, and uncommitted folders older
+    than the newest committed step. Returns the deleted steps."""
+    if keep < 1:
+        raise ValueError(f"retain(keep={keep}): keep at least 1 (the newest committed step)")
+    steps = list_steps(root)
+    committed = [s.step for s in steps if s.committed]
+    if not committed:
+        return []
+    kept = set(committed[-keep:])
+    doomed = [s.step for s in steps if s.step not in kept and s.step < committed[-1]]
+    fs, base = _fs(root)
+    for s in doomed:
+        folder = _step_dir(base, s)
+        if fs.exists(f"{folder}/COMMIT"):
+            fs.rm(f"{folder}/COMMIT")  # first, so a half-deleted step is never "committed"
+        fs.rm(folder, recursive=True)
+    return doomed
+
+
+def probe_writable(root: str) -> str | None:
+    """None if a small file can be written to (and removed from) ``root``, else why not."""
+    try:
+        fs, base = _fs(root)
+        fs.makedirs(base, exist_ok=True)
+        path = f"{base}/.probe-{os.getpid()}-{secrets.token_hex(4)}"
+        _write_atomic(fs, path, [b"tierswap write probe\n"])
+        fs.rm(path)
+    except Exception as e:  # any backend's error means "not writable": the caller reports it
+        return f"{root} is not writable: {type(e).__name__}: {e}"
+    return None
+
+
+# ---------------------------------------------------------------- export
+
+
+_Piece = tuple[int, TensorEntry, torch.Tensor]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _assemble(
+    pieces: Mapping[tuple[int, ...], torch.Tensor], placements: tuple[str, ...], level: int
+) -> torch.Tensor:
+    """The tensor that the shards in ``pieces`` (by mesh coordinate) are cut from."""
+    if level == len(placements):
+        return next(iter(pieces.values()))
+    groups: dict[int, dict[tuple[int, ...], torch.Tensor]] = {}
+    for coord, t in pieces.items():
+        groups.setdefault(coord[level], {})[coord] = t
+    subs = [_assemble(groups[c], placements, level + 1) for c in sorted(groups)]
+    if placements[level] in _REPLICATE:
+        return subs[0]
+    m = _SHARD_RE.fullmatch(placements[level])
+    if m is None:
+        raise ValueError(f"cannot merge shards placed as {placements[level]}")
+    return torch.cat(subs, dim=int(m.group(1)))
+
+
+def _merge_one(group: list[_Piece]) -> torch.Tensor | None:
+    """One tensor for all ranks' pieces of a key, or None if they must stay per rank."""
+    entries = [e for _, e, _ in group]
+    first = group[0][2]
+    if all(e.global_shape is None for e in entries):
+        same = all(
+            t.dtype == first.dtype and t.shape == first.shape and torch.equal(_raw(t), _raw(first))
+            for _, _, t in group
+        )
+        return first if same else None
+    e0 = entries[0]
+    if any((e.global_shape, e.placements) != (e0.global_shape, e0.placements) for e in entries):
+        return None
+    placements = e0.placements or ()
+    if any(len(e.mesh_coord or ()) != len(placements) for e in entries):
+        return None
+    try:
+        merged = _assemble({e.mesh_coord or (): t for _, e, t in group}, placements, 0)
+    except (ValueError, RuntimeError) as err:
+        log.warning("export keeps %s per rank: %s", e0.key, err)
+        return None
+    if tuple(merged.shape) != e0.global_shape:
+        log.warning(
+            "export keeps %s per rank: shards make %s, not %s",
+            e0.key,
+            tuple(merged.shape),
+            e0.global_shape,
+        )
+        return None
+    return merged
+
+
+def _merge(
+    ranks: list[tuple[Layout, dict[str, Any], bytearray]],
+) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """Exported tensors, and each rank's exported names in layout order."""
+    groups: dict[str, list[_Piece]] = {}
+    for r, (layout, _, buf) in enumerate(ranks):
+        for name, e in zip(_names(layout), layout.entries, strict=True):
+            groups.setdefault(name, []).append((r, e, tensor_view(memoryview(buf), e)))
+    out: dict[str, torch.Tensor] = {}
+    where: dict[tuple[int, str], str] = {}
+    for name, group in groups.items():
+        one = _merge_one(group)
+        for r, _, t in group:
+            where[r, name] = name if one is not None else f"rank{r}/{name}"
+            out[where[r, name]] = t if one is None else one
+    names = [[where[r, n] for n in _names(layout)] for r, (layout, _, _) in enumerate(ranks)]
+    return out, names
+
+
+def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write committed ``step`` as one safetensors file at ``out_path`` (a local path), DTensor
+    shards merged, and its JSON state (each rank's tree) next to it with suffix ``.json``."""
+    out = Path(out_path)
+    if out.suffix == ".json":
+        raise ValueError(f"export to {out}: the JSON state goes to {out}, name it .safetensors")
+    fs, base = _fs(root)
+    world_size, parts = _read_commit(fs, base, step)
+    ranks = [_read(fs, base, step, r, parts[r], keep=True) for r in range(world_size)]
+    tensors, names = _merge(ranks)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    meta = {"format": "tierswap-export-1", "step": str(step), "world_size": str(world_size)}
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, out)
+    trees = {str(r): {"tree": rank[1], "tensors": names[r]} for r, rank in enumerate(ranks)}
+    state = {**meta, "step": step, "world_size": world_size, "ranks": trees}
+    _write_local(str(out.with_suffix(".json")), [json.dumps(state).encode()])
+    return {
+        "step": step,
+        "world_size": world_size,
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "per_rank": len(set(tensors) - {n for rank in ranks for n in _names(rank[0])}),
+        "path": str(out),
+        "json": str(out.with_suffix(".json")),
+    }

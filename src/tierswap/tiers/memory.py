@@ -1,0 +1,206 @@
+"""Tier 0, the agent's side: the ring of shared-memory slots of each rank on this node.
+
+Invariants (DESIGN.md): a slot being written, checksummed, persisted or restored from is
+leased and never handed out; the newest committed step is never overwritten before a
+newer one is committed; when no slot is free the step is skipped, never waited for.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from tierswap.shm import Segment, segment_name
+from tierswap.state import Layout
+
+
+class SlotState(Enum):
+    FREE = "free"
+    WRITING = "writing"
+    CHECKING = "checking"
+    HELD = "held"
+
+
+@dataclass(slots=True)
+class Slot:
+    index: int
+    segment: Segment
+    state: SlotState = SlotState.FREE
+    step: int = -1
+    checksum: str = ""
+    tree: dict[str, Any] = field(default_factory=dict)
+    leases: int = 0
+
+
+@dataclass(slots=True)
+class Allocation:
+    id: int
+    layout: Layout
+    slots: list[Slot]
+
+    def release(self) -> None:
+        for s in self.slots:
+            s.segment.unlink()
+
+
+_alloc_ids = itertools.count(1)
+
+
+class RankRing:
+    """The slots of one rank. Driven by the agent's single event loop (no locks)."""
+
+    def __init__(self, job_id: str, rank: int, nslots: int) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.nslots = nslots
+        self.alloc: Allocation | None = None
+        self.retired: list[Allocation] = []
+        self.committed = -1
+        self.proposed: set[int] = set()
+        self.skipped = 0
+
+    # ------------------------------------------------------------ allocation
+
+    def allocate(self, layout: Layout) -> Allocation:
+        """Slots for ``layout``: the current ones when it is unchanged (a restarted worker
+        keeps what its predecessor held), else new ones; old ones go once unleased."""
+        if self.alloc is not None and self.alloc.layout == layout:
+            return self.alloc
+        aid = next(_alloc_ids)
+        slots = []
+        try:
+            for i in range(self.nslots):
+                name = segment_name(self.job_id, self.rank, i, aid)
+                slots.append(Slot(i, Segment.create(name, layout.nbytes)))
+        except BaseException:
+            for s in slots:
+                s.segment.unlink()
+            raise
+        if self.alloc is not None:
+            self.retired.append(self.alloc)
+        self.alloc = Allocation(aid, layout, slots)
+        self._drop_retired()
+        return self.alloc
+
+    def _drop_retired(self) -> None:
+        keep = []
+        for a in self.retired:
+            if any(s.leases for s in a.slots):
+                keep.append(a)
+            else:
+                a.release()
+        self.retired = keep
+
+    # ------------------------------------------------------------ the write path
+
+    def begin_write(self, step: int, alloc_id: int) -> tuple[int | None, list[int]]:
+        """A slot for ``step``, or None to skip it; also the steps whose slot it reuses.
+
+        Never reused: a leased slot, the committed step, a step proposed for commit, and
+        this rank's newest snapshot (so ranks that run in step always share one to commit).
+        """
+        a = self.alloc
+        if a is None or a.id != alloc_id:
+            raise ValueError(f"rank {self.rank}: unknown slot allocation {alloc_id}")
+        live = [s.step for s in a.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
+        newest = max(live, default=-1)
+        keep = {self.committed, *self.proposed, newest}
+        free = [s for s in a.slots if s.state is SlotState.FREE and not s.leases]
+        stale = [
+            s for s in a.slots
+            if s.state is SlotState.HELD and s.step not in keep and not s.leases
+        ]
+        candidates = free or sorted(stale, key=lambda s: s.step)
+        if not candidates:
+            self.skipped += 1
+            return None, []
+        slot = candidates[0]
+        dropped = [slot.step] if slot.state is SlotState.HELD else []
+        slot.state, slot.step, slot.checksum, slot.tree = SlotState.WRITING, step, "", {}
+        return slot.index, dropped
+
+    def written(self, slot_index: int, step: int, alloc_id: int, tree: dict[str, Any]) -> Slot:
+        """The worker finished copying; the slot waits for its checksum (leased)."""
+        slot = self._slot(alloc_id, slot_index)
+        if slot.state is not SlotState.WRITING or slot.step != step:
+            raise ValueError(f"rank {self.rank}: slot {slot_index} is not being written")
+        slot.state, slot.tree = SlotState.CHECKING, tree
+        slot.leases += 1
+        return slot
+
+    def checked(self, slot: Slot, checksum: str) -> None:
+        slot.leases -= 1
+        slot.checksum = checksum
+        slot.state = SlotState.HELD
+
+    def abandon_writes(self) -> list[int]:
+        """The worker died: slots it was writing are free again. Returns nothing held lost."""
+        if self.alloc is not None:
+            for s in self.alloc.slots:
+                if s.state is SlotState.WRITING:
+                    s.state, s.step = SlotState.FREE, -1
+        return []
+
+    def discard_after(self, step: int) -> list[int]:
+        """A restore went back to ``step``: snapshots of later steps belong to an abandoned
+        timeline and must never be mixed with the new one. Returns the steps dropped."""
+        dropped = []
+        if self.alloc is not None:
+            for s in self.alloc.slots:
+                if s.state is SlotState.HELD and s.step > step and not s.leases:
+                    dropped.append(s.step)
+                    s.state, s.step, s.checksum, s.tree = SlotState.FREE, -1, "", {}
+        self.committed = min(self.committed, step)
+        self.proposed.clear()
+        return dropped
+
+    def propose(self, step: int) -> bool:
+        """The coordinator asks to commit ``step``: protect it if held (a vote)."""
+        if step not in self.held():
+            return False
+        self.proposed.add(step)
+        return True
+
+    def set_committed(self, step: int) -> None:
+        self.proposed = {p for p in self.proposed if p > step}
+        self.committed = max(self.committed, step)
+
+    def abort(self, step: int) -> None:
+        self.proposed.discard(step)
+
+    # ------------------------------------------------------------ readers
+
+    def held(self) -> dict[int, Slot]:
+        """step -> slot, for every checksummed snapshot of this rank."""
+        if self.alloc is None:
+            return {}
+        return {s.step: s for s in self.alloc.slots if s.state is SlotState.HELD}
+
+    def lease(self, step: int) -> Slot | None:
+        slot = self.held().get(step)
+        if slot is not None:
+            slot.leases += 1
+        return slot
+
+    def unlease(self, slot: Slot) -> None:
+        slot.leases = max(0, slot.leases - 1)
+        self._drop_retired()
+
+    def layout(self) -> Layout:
+        assert self.alloc is not None
+        return self.alloc.layout
+
+    def _slot(self, alloc_id: int, index: int) -> Slot:
+        if self.alloc is None or self.alloc.id != alloc_id or not 0 <= index < self.nslots:
+            raise ValueError(f"rank {self.rank}: no slot {index} in allocation {alloc_id}")
+        return self.alloc.slots[index]
+
+    def close(self) -> None:
+        for a in [*self.retired, *([self.alloc] if self.alloc else [])]:
+            a.release()
+        self.retired, self.alloc = [], None
+
+    def nbytes(self) -> int:
+        return 0 if self.alloc is None else self.alloc.layout.nbytes * self.nslots

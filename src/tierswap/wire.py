@@ -1,0 +1,88 @@
+"""Messages between workers, agents and the coordinator: JSON over authenticated sockets.
+
+``multiprocessing.connection`` gives framing and an HMAC handshake with a per-job secret,
+so a process outside the job cannot connect. Payloads are JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+Message = dict[str, Any]
+Address = str | tuple[str, int]
+
+
+class Channel:
+    """One connection; ``send`` is thread-safe, ``call`` is a request and its reply."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._call_lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, address: Address, secret: bytes) -> Channel:
+        return cls(Client(address, authkey=secret))
+
+    def send(self, op: str, **fields: Any) -> None:
+        data = json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next message; None on timeout. Raises EOFError when the peer is gone."""
+        if timeout is not None and not self.conn.poll(timeout):
+            return None
+        msg = json.loads(self.conn.recv_bytes())
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise ValueError(f"malformed message: {msg!r:.200}")
+        return msg
+
+    def call(self, op: str, timeout: float = 60.0, **fields: Any) -> Message:
+        """Send a request and wait for its reply (the peer answers calls in order)."""
+        with self._call_lock:
+            self.send(op, **fields)
+            reply = self.recv(timeout)
+        if reply is None:
+            raise TimeoutError(f"no reply to {op!r} within {timeout:.0f} s")
+        if reply["op"] == "error":
+            raise RuntimeError(f"{op!r} failed: {reply.get('message')}")
+        return reply
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def serve(listener: Listener, on_channel: Callable[[Channel], None], name: str) -> None:
+    """Accept connections forever in a daemon thread, one ``on_channel`` call each."""
+
+    def loop() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:  # listener closed: shutting down
+                return
+            except Exception:  # noqa: BLE001 - a failed handshake (wrong secret) is refused
+                continue
+            on_channel(Channel(conn))
+
+    threading.Thread(target=loop, name=name, daemon=True).start()
+
+
+def reader(chan: Channel, deliver: Callable[[Message | None], None], name: str) -> None:
+    """Read ``chan`` in a daemon thread; ``deliver(None)`` once when it closes."""
+
+    def loop() -> None:
+        try:
+            while True:
+                msg = chan.recv()
+                if msg is not None:
+                    deliver(msg)
+        except (EOFError, OSError, ValueError):
+            deliver(None)
+
+    threading.Thread(target=loop, name=name, daemon=True).start()
