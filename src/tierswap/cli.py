@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def _run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     script = [args.script, *args.args]
     if not Path(args.script).is_file():
         raise SystemExit(f"tierswap run: script {args.script!r} not found")
@@ -75,13 +78,13 @@ def _export(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from tierswap import bench
 
-    return bench.main(args)
+    return int(bench.main(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
     from tierswap import demo
 
-    return demo.main(args)
+    return int(demo.main(args))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,8 +98,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--persist-every", type=int, default=None)
     run.add_argument("--keep", type=int, default=None)
     run.add_argument("--run-dir", default=None)
-    run.add_argument("--inject", action="append", default=[],
-                     help="kill:node=I:step=S or kill:rank=R:step=S (repeatable)")
+    run.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        help="kill:node=I:step=S or kill:rank=R:step=S (repeatable)",
+    )
     run.add_argument("--max-restarts", type=int, default=None)
     run.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     run.add_argument("script")
@@ -139,3 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tierswap {args.command}: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "TIERSWAP_"
@@ -120,8 +120,7 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
         if isinstance(default, float):
             return float(raw)
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}")
+        raise ValueError(
+            f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}"
+        ) from None
     return raw
-
-
-__all__ = ["Config", "Injection", "field"]

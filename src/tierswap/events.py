@@ -51,8 +51,9 @@ class Progress:
                 self.console.print(" " * 100, end="\r")
             self.console.print(f"[tierswap] {text}")
 
-    def update(self, step: int, loss: float | None, stall: float, committed: dict[str, int]
-               ) -> None:
+    def update(
+        self, step: int, loss: float | None, stall: float, committed: dict[str, int]
+    ) -> None:
         if not self.enabled:
             return
         now = time.monotonic()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from tierswap import snapshot
 from tierswap.checksum import checksum_chunks
@@ -125,8 +126,9 @@ class Job:
         finally:
             seg.close()
 
-    def _load_durable(self, state: MutableMapping[str, Any], source: dict[str, Any],
-                      step: int) -> None:
+    def _load_durable(
+        self, state: MutableMapping[str, Any], source: dict[str, Any], step: int
+    ) -> None:
         expected = durable.PartInfo.from_json(self.rank, source["part"])
         layout, tree, buf = durable.read_part(source["root"], step, self.rank, expected)
         views = [tensor_view(memoryview(buf), e) for e in layout.entries]
@@ -158,7 +160,7 @@ def launch(train: Callable[[Job], Any]) -> None:
 
 def _run_standalone(train: Callable[[Job], Any]) -> None:
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     job = Job()
     try:
         train(job)
@@ -186,10 +188,10 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     )
     host, port = env["TIERSWAP_STORE"].rsplit(":", 1)
     timeout = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    store = TCPStore(host, int(port), is_master=False, timeout=timeout)
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(f"gen{generation}/", store),
+        store=PrefixStore(f"gen{generation}/", store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,

@@ -170,9 +170,12 @@ class Snapshotter:
         """The slots for this state's layout; asks the agent for new ones when it changed."""
         current = self._alloc
         sig = tuple((e.key, e.dtype, e.shape) for e in flat.entries)
-        if current is not None and current.layout.signature() == sig:
-            if all(e.deferred == c.deferred for e, c in zip(flat.entries, current.layout.entries)):
-                return current
+        if (
+            current is not None
+            and current.layout.signature() == sig
+            and [e.deferred for e in flat.entries] == [e.deferred for e in current.layout.entries]
+        ):
+            return current
         layout = make_layout(flat)
         reply = self.chan.call("alloc", timeout=300, rank=self.rank, layout=layout.to_json())
         segments = [Segment.attach(name, layout.nbytes) for name in reply["segments"]]
@@ -185,7 +188,9 @@ class Snapshotter:
         """Issue the deferred copies on a side stream when tensors are on a GPU."""
         cuda = [
             (src, dst)
-            for e, src, dst in zip(alloc.layout.entries, flat.tensors, alloc.slot_views(slot))
+            for e, src, dst in zip(
+                alloc.layout.entries, flat.tensors, alloc.slot_views(slot), strict=True
+            )
             if e.deferred and src.is_cuda
         ]
         if not cuda:
@@ -193,15 +198,15 @@ class Snapshotter:
         if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
             buf = alloc.segments[slot].buf
             ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-            torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
+            torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)  # type: ignore[no-untyped-call]
             alloc.pinned.add(slot)
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for src, dst in cuda:
                 dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event
 
@@ -211,7 +216,7 @@ class Snapshotter:
         while (job := self._queue.get()) is not None:
             try:
                 self._copy(job)
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            except BaseException as e:
                 self._error = e
             finally:
                 self._idle.set()
@@ -219,7 +224,7 @@ class Snapshotter:
     def _copy(self, job: _Job) -> None:
         t0 = time.monotonic()
         views = job.alloc.slot_views(job.slot)
-        for entry, src, dst in zip(job.alloc.layout.entries, job.flat.tensors, views):
+        for entry, src, dst in zip(job.alloc.layout.entries, job.flat.tensors, views, strict=True):
             if entry.deferred and not src.is_cuda:
                 dst.copy_(src)
         if job.event is not None:

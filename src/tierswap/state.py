@@ -195,7 +195,14 @@ def make_layout(flat: Flat) -> Layout:
 
 def _replace_offset(e: TensorEntry, offset: int) -> TensorEntry:
     return TensorEntry(
-        e.key, e.dtype, e.shape, offset, e.nbytes, e.deferred, e.global_shape, e.placements,
+        e.key,
+        e.dtype,
+        e.shape,
+        offset,
+        e.nbytes,
+        e.deferred,
+        e.global_shape,
+        e.placements,
         e.mesh_coord,
     )
 
@@ -208,7 +215,7 @@ def _is_stateful(obj: object) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
-    return t if to_local is None else to_local()  # type: ignore[no-any-return]
+    return t if to_local is None else to_local()
 
 
 def _deferred_ptrs(obj: object) -> set[int]:
@@ -245,9 +252,14 @@ class _Flattener:
         if local is not t and hasattr(t, "device_mesh"):
             mesh = t.device_mesh
             entry = TensorEntry(
-                entry.key, entry.dtype, entry.shape, 0, entry.nbytes, entry.deferred,
+                entry.key,
+                entry.dtype,
+                entry.shape,
+                0,
+                entry.nbytes,
+                entry.deferred,
                 global_shape=tuple(t.shape),
-                placements=tuple(str(p) for p in t.placements),
+                placements=tuple(str(p) for p in getattr(t, "placements", ())),
                 mesh_coord=tuple(mesh.get_coordinate() or ()),
             )
         self.flat.entries.append(entry)
@@ -264,8 +276,11 @@ class _Flattener:
         if isinstance(v, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in v):
                 return {k: self.value(f"{path}/{k}", x) for k, x in v.items()}
-            return {"__dict__": [[self.value(path, k), self.value(f"{path}/{k}", x)]
-                                 for k, x in v.items()]}
+            return {
+                "__dict__": [
+                    [self.value(path, k), self.value(f"{path}/{k}", x)] for k, x in v.items()
+                ]
+            }
         if isinstance(v, list):
             return [self.value(f"{path}/{i}", x) for i, x in enumerate(v)]
         if isinstance(v, tuple):  # torch.Size is a tuple too
@@ -293,7 +308,7 @@ def capture_rng() -> dict[str, Any]:
         "numpy": np.random.get_state(legacy=True),
         "python": random.getstate(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
 
@@ -337,8 +352,9 @@ class _Loader:
             return self.tensor(path, v["__t__"], template)
         if "__tuple__" in v:
             tt = template if isinstance(template, tuple) else ()
-            return tuple(self.value(f"{path}/{i}", x, _at(tt, i))
-                         for i, x in enumerate(v["__tuple__"]))
+            return tuple(
+                self.value(f"{path}/{i}", x, _at(tt, i)) for i, x in enumerate(v["__tuple__"])
+            )
         if "__dict__" in v:
             td = template if isinstance(template, dict) else {}
             out = {}

@@ -66,7 +66,7 @@ def serve(listener: Listener, on_channel: Callable[[Channel], None], name: str) 
                 conn = listener.accept()
             except OSError:  # listener closed: shutting down
                 return
-            except Exception:  # noqa: BLE001 - a failed handshake (wrong secret) is refused
+            except Exception:
                 continue
             on_channel(Channel(conn))
 

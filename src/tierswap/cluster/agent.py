@@ -29,8 +29,16 @@ Item = tuple[str, Any, Message | None]
 
 
 class Agent:
-    def __init__(self, node: int, coord: Channel, secret: bytes, cfg: Config, run_dir: Path,
-                 job_id: str, script: list[str]) -> None:
+    def __init__(
+        self,
+        node: int,
+        coord: Channel,
+        secret: bytes,
+        cfg: Config,
+        run_dir: Path,
+        job_id: str,
+        script: list[str],
+    ) -> None:
         self.node = node
         self.coord = coord
         self.secret = secret
@@ -238,8 +246,12 @@ class Agent:
                 raise ValueError(f"rank {rank}: tier 0 no longer holds step {plan['step']}")
             self.restore_leases[rank] = slot
             plan["source"] = dict(
-                tier=0, step=plan["step"], segment=slot.segment.path.name,
-                layout=ring.layout().to_json(), tree=slot.tree, checksum=slot.checksum,
+                tier=0,
+                step=plan["step"],
+                segment=slot.segment.path.name,
+                layout=ring.layout().to_json(),
+                tree=slot.tree,
+                checksum=slot.checksum,
             )
         chan.send("ok", **plan)
 
@@ -295,13 +307,15 @@ class Agent:
                 continue
             self.pool.submit(self._write_part, root, step, rank, world_size, ring.layout(), slot)
 
-    def _write_part(self, root: str, step: int, rank: int, world_size: int, layout: Layout,
-                    slot: Slot) -> None:
+    def _write_part(
+        self, root: str, step: int, rank: int, world_size: int, layout: Layout, slot: Slot
+    ) -> None:
         try:
-            info = durable.write_part(root, step, rank, world_size, layout, slot.tree,
-                                      slot.segment.buf, slot.checksum)
+            info = durable.write_part(
+                root, step, rank, world_size, layout, slot.tree, slot.segment.buf, slot.checksum
+            )
             self._post("persisted", rank=rank, step=step, slot=slot, part=info.to_json())
-        except Exception as e:  # noqa: BLE001 - reported: the job keeps training on memory
+        except Exception as e:
             self._post("persisted", rank=rank, step=step, slot=slot, error=f"{e}")
 
 

@@ -15,7 +15,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
 from tierswap.config import Config
@@ -48,8 +48,13 @@ class Coordinator:
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=cfg.startup_timeout))
+        self.store = TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=cfg.startup_timeout),
+        )
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         self.events: queue.SimpleQueue[tuple[Channel, Message | None]] = queue.SimpleQueue()
         self.agents: dict[int, Channel] = {}
@@ -82,8 +87,13 @@ class Coordinator:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
         warning = check_durable(self.cfg)
         serve(self.listener, self._on_channel, "tierswap-coord-accept")
-        self.log.emit("job_started", world_size=self.cfg.world_size, nodes=self.cfg.nodes,
-                      persist=self.cfg.persist, job_id=self.job_id)
+        self.log.emit(
+            "job_started",
+            world_size=self.cfg.world_size,
+            nodes=self.cfg.nodes,
+            persist=self.cfg.persist,
+            job_id=self.job_id,
+        )
         if warning:
             self._durability_failing(f"cannot write {self.cfg.persist}: {warning}")
         for node in range(self.cfg.nodes):
@@ -112,8 +122,10 @@ class Coordinator:
             chan, msg = self.events.get(timeout=0.5)
         except queue.Empty:
             if time.monotonic() > self.deadline:
-                raise JobStopped(f"timed out in phase {self.phase!r} "
-                                 f"(waiting for nodes {sorted(self.waiting_hello)})") from None
+                raise JobStopped(
+                    f"timed out in phase {self.phase!r} "
+                    f"(waiting for nodes {sorted(self.waiting_hello)})"
+                ) from None
             return
         node = next((n for n, c in self.agents.items() if c is chan), None)
         if msg is None:
@@ -180,13 +192,20 @@ class Coordinator:
     # ---------------------------------------------------------------- failure and restore
 
     def _failure(self, what: str, node: int | None, ranks: list[int], detail: str) -> None:
-        self.log.emit("failure_detected", what=what, node=node, ranks=ranks, detail=detail,
-                      generation=self.generation)
+        self.log.emit(
+            "failure_detected",
+            what=what,
+            node=node,
+            ranks=ranks,
+            detail=detail,
+            generation=self.generation,
+        )
         self.progress.message(f"failure: {what} (node {node}, ranks {ranks}): {detail}")
         self.restarts += 1
         if self.restarts > self.cfg.max_restarts:
-            raise JobStopped(f"{self.restarts} failures, more than --max-restarts "
-                             f"{self.cfg.max_restarts}")
+            raise JobStopped(
+                f"{self.restarts} failures, more than --max-restarts {self.cfg.max_restarts}"
+            )
         self.phase = "recovering"
         self.proposal = None
         self.persist = None  # parts of a dead node never come; the step is persisted again
@@ -218,12 +237,14 @@ class Coordinator:
         self.held = {r: set(memory.get(r, ())) for r in range(self.cfg.world_size)}
         durable_steps: frozenset[int] = frozenset()
         if self.cfg.persist is not None:
-            steps = durable.list_steps(self.cfg.persist)
             durable_steps = frozenset(
-                s.step for s in steps if s.committed and s.world_size == self.cfg.world_size
+                s.step
+                for s in durable.list_steps(self.cfg.persist)
+                if s.committed and s.world_size == self.cfg.world_size
             )
-        return Holdings(self.cfg.world_size, memory, memory_node, durable_steps,
-                        frozenset(self.bad))
+        return Holdings(
+            self.cfg.world_size, memory, memory_node, durable_steps, frozenset(self.bad)
+        )
 
     def _start_generation(self) -> None:
         holdings = self._collect()
@@ -247,14 +268,24 @@ class Coordinator:
         for node, chan in sorted(self.agents.items()):
             ranks = self._ranks_of(node)
             try:
-                chan.send("start", generation=self.generation, world_size=self.cfg.world_size,
-                          ranks=ranks, store=f"127.0.0.1:{self.store.port}",
-                          plans={str(r): plans[r] for r in ranks}, inject=self.injections,
-                          restart_step=restart)
+                chan.send(
+                    "start",
+                    generation=self.generation,
+                    world_size=self.cfg.world_size,
+                    ranks=ranks,
+                    store=f"127.0.0.1:{self.store.port}",
+                    plans={str(r): plans[r] for r in ranks},
+                    inject=self.injections,
+                    restart_step=restart,
+                )
             except OSError:
                 pass  # its reader reports the loss, and the node is replaced
-        self.log.emit("generation_started", generation=self.generation, step=plan.step,
-                      members=sorted(self.agents))
+        self.log.emit(
+            "generation_started",
+            generation=self.generation,
+            step=plan.step,
+            members=sorted(self.agents),
+        )
 
     def _rank_plans(self, plan: Plan) -> dict[int, dict[str, Any]]:
         if plan.step is None:
@@ -273,11 +304,17 @@ class Coordinator:
 
     def _lost_message(self, plan: Plan) -> str:
         why = "; ".join(f"step {s}: {w}" for s, w in plan.skipped[:3]) or "no snapshot at all"
-        hint = ("" if self.cfg.persist else
-                " Without --persist only memory tiers hold state, and a lost node takes its"
-                " ranks' snapshots with it: run with --persist URL to survive node loss.")
-        kept = (f" Tier 2 at {self.cfg.persist} is intact; start the job again to resume."
-                if self.cfg.persist else "")
+        hint = (
+            ""
+            if self.cfg.persist
+            else " Without --persist only memory tiers hold state, and a lost node takes its"
+            " ranks' snapshots with it: run with --persist URL to survive node loss."
+        )
+        kept = (
+            f" Tier 2 at {self.cfg.persist} is intact; start the job again to resume."
+            if self.cfg.persist
+            else ""
+        )
         return f"no step can be restored on every rank ({why}).{hint}{kept}"
 
     def _on_restored(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -287,8 +324,9 @@ class Coordinator:
         tiers = {str(r): int(m["tier"]) for r, m in sorted(self.restored.items())}
         seconds = max(float(m["seconds"]) for m in self.restored.values())
         step = int(next(iter(self.restored.values()))["step"])
-        self.log.emit("restored", step=step, tiers=tiers, seconds=seconds,
-                      generation=self.generation)
+        self.log.emit(
+            "restored", step=step, tiers=tiers, seconds=seconds, generation=self.generation
+        )
         by_tier = sorted(set(tiers.values()))
         self.progress.message(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
 
@@ -297,8 +335,13 @@ class Coordinator:
         src = self.plan.sources.get(rank) if self.plan else None
         if src is not None and self.plan is not None and self.plan.step is not None:
             self.bad.add((src.tier, self.plan.step, rank))
-        self.log.emit("corrupt_part", rank=rank, where=msg["where"], why=msg["why"],
-                      step=self.plan.step if self.plan else None)
+        self.log.emit(
+            "corrupt_part",
+            rank=rank,
+            where=msg["where"],
+            why=msg["why"],
+            step=self.plan.step if self.plan else None,
+        )
         self.progress.message(f"rank {rank}: {msg['where']}: {msg['why']}; trying an older step")
 
     def _on_fatal(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -442,7 +485,10 @@ class Coordinator:
             if self.persist is not None:
                 return
         self.phase = "done"
-        self.log.emit("job_finished", step=self.last_step, generation=self.generation,
-                      restarts=self.restarts)
-        self.progress.message(f"finished step {self.last_step + 1} "
-                              f"after {self.restarts} recoveries; committed {self._tiers()}")
+        self.log.emit(
+            "job_finished", step=self.last_step, generation=self.generation, restarts=self.restarts
+        )
+        self.progress.message(
+            f"finished step {self.last_step + 1} "
+            f"after {self.restarts} recoveries; committed {self._tiers()}"
+        )

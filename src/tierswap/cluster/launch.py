@@ -22,8 +22,9 @@ from tierswap.tiers import durable
 class LocalNodes:
     """The agent processes of simulated nodes, by node index."""
 
-    def __init__(self, cfg: Config, script: list[str], run_dir: Path, job_id: str,
-                 secret: bytes) -> None:
+    def __init__(
+        self, cfg: Config, script: list[str], run_dir: Path, job_id: str, secret: bytes
+    ) -> None:
         self.cfg = cfg
         self.script = script
         self.run_dir = run_dir

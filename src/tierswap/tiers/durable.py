@@ -10,13 +10,14 @@
 Every file is written to a temporary name, synced and renamed, so a crash leaves either
 the old file or the new one. Readers trust a step only once its COMMIT is there, and never
 unpickle anything: the format is safetensors and JSON.
+
+The temporary-name writes and exact reads live in :mod:`tierswap.tiers.files`; export to
+one plain safetensors file lives in :mod:`tierswap.tiers.export` (``export`` here calls it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -25,35 +26,32 @@ import re
 import secrets
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
-
-import fsspec
-import torch
-from fsspec.implementations.local import LocalFileSystem
-from safetensors.torch import save_file
+from typing import Any
 
 from tierswap.checksum import checksum_bytes, checksum_chunks
 from tierswap.errors import CorruptPartError
-from tierswap.state import Layout, TensorEntry, tensor_view
+from tierswap.state import Layout
+from tierswap.tiers.files import (
+    Reader,
+    fsync_dir,
+    is_local,
+    open_read,
+    read_exact,
+    read_small,
+    stream,
+    url_fs,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 ST_FORMAT = "tierswap-1"
-_IO_CHUNK = 64 << 20  # bytes per read/write call
-_SMALL = 1 << 20  # pieces smaller than this are coalesced before writing
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _STEP_RE = re.compile(r"step-(\d{9,})")
 _PART_RE = re.compile(r"rank-(\d{5,})\.safetensors")
-_SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
-_REPLICATE = ("Replicate()", "R")
-
-
-class _Reader(Protocol):
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +90,7 @@ class StepInfo:
     """Bytes of all files in the folder."""
 
 
-# ---------------------------------------------------------------- paths and files
-
-
-def _fs(root: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``root`` and the path inside it."""
-    fs, path = fsspec.core.url_to_fs(root)
-    return fs, str(path).rstrip("/") or "/"
+# ---------------------------------------------------------------- paths
 
 
 def _step_dir(base: str, step: int) -> str:
@@ -109,119 +101,10 @@ def _part(rank: int, ext: str) -> str:
     return f"rank-{rank:05d}.{ext}"
 
 
-def _is_local(fs: Any) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems cannot sync a directory; rename is all they have
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-        log.debug("cannot fsync directory %s: %s", path, e)
-    finally:
-        os.close(fd)
-
-
-def _coalesce(pieces: Iterable[bytes | bytearray | memoryview]) -> Iterator[bytes | memoryview]:
-    """Large pieces as they are, runs of small ones joined, so each write is large."""
-    staging = bytearray()
-    for p in pieces:
-        mv = memoryview(p).cast("B")
-        if len(mv) >= _SMALL:
-            if staging:
-                yield bytes(staging)
-                staging.clear()
-            yield mv
-        else:
-            staging += mv
-            if len(staging) >= _SMALL:
-                yield bytes(staging)
-                staging.clear()
-    if staging:
-        yield bytes(staging)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    mv = memoryview(data)
-    while mv:
-        mv = mv[os.write(fd, mv[:_IO_CHUNK]) :]
-
-
-def _write_local(path: str, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
-    parent, name = os.path.split(path)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            for piece in _coalesce(pieces):
-                _write_all(fd, piece)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(parent or ".")
-
-
-def _write_atomic(fs: Any, path: str, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
-    """Write ``pieces`` to ``path`` through a temporary name, so readers never see half."""
-    if _is_local(fs):
-        _write_local(path, pieces)
-        return
-    parent, name = posixpath.split(path)
-    tmp = f"{parent}/.{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with fs.open(tmp, "wb") as f:
-            for piece in _coalesce(pieces):
-                f.write(piece)
-        fs.mv(tmp, path)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp)
-        raise
-
-
-def _read_small(fs: Any, path: str) -> bytes:
-    try:
-        return bytes(fs.cat_file(path))
-    except FileNotFoundError:
-        raise CorruptPartError(path, "missing") from None
-    except OSError as e:
-        raise CorruptPartError(path, f"cannot read: {e}") from e
-
-
-def _open_read(fs: Any, path: str) -> Any:
-    return open(path, "rb", buffering=0) if _is_local(fs) else fs.open(path, "rb")
-
-
-def _read_exact(f: _Reader, out: memoryview) -> None:
-    while out:
-        got = f.readinto(out[:_IO_CHUNK])
-        if not got:
-            raise EOFError
-        out = out[got:]
-
-
-def _stream(f: _Reader, nbytes: int) -> Iterator[memoryview]:
-    """Read ``nbytes`` through one reused buffer (each chunk is valid until the next)."""
-    scratch = memoryview(bytearray(min(nbytes, _IO_CHUNK)))
-    while nbytes:
-        view = scratch[: min(nbytes, len(scratch))]
-        _read_exact(f, view)
-        nbytes -= len(view)
-        yield view
-
-
 # ---------------------------------------------------------------- one rank's part
 
 
-def _names(layout: Layout) -> list[str]:
+def tensor_names(layout: Layout) -> list[str]:
     """Safetensors names of the layout's tensors: their keys, made unique if they clash."""
     names: list[str] = []
     seen = {"__metadata__"}
@@ -245,7 +128,7 @@ def _header(flayout: Layout, step: int, rank: int) -> dict[str, Any]:
     header: dict[str, Any] = {
         "__metadata__": {"format": ST_FORMAT, "step": str(step), "rank": str(rank)}
     }
-    for name, e in zip(_names(flayout), flayout.entries, strict=True):
+    for name, e in zip(tensor_names(flayout), flayout.entries, strict=True):
         header[name] = {
             "dtype": e.dtype,
             "shape": list(e.shape),
@@ -274,7 +157,7 @@ def write_part(
 
     ``data_checksum`` is ``checksum_chunks(layout.chunks(buf))``, known from the slot.
     """
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     folder = _step_dir(base, step)
     fs.makedirs(folder, exist_ok=True)
     mv = memoryview(buf).cast("B")
@@ -282,7 +165,7 @@ def write_part(
         raise ValueError(f"buffer of {len(mv)} bytes is smaller than its layout ({layout.nbytes})")
     flayout = _file_layout(layout)
     head = _header_bytes(_header(flayout, step, rank))
-    _write_atomic(fs, f"{folder}/{_part(rank, 'safetensors')}", [head, *layout.chunks(mv)])
+    write_atomic(fs, f"{folder}/{_part(rank, 'safetensors')}", [head, *layout.chunks(mv)])
     meta = {
         "format": FORMAT,
         "step": step,
@@ -294,7 +177,7 @@ def write_part(
         "nbytes": flayout.nbytes,
     }
     raw = json.dumps(meta, allow_nan=False).encode()
-    _write_atomic(fs, f"{folder}/{_part(rank, 'json')}", [raw])
+    write_atomic(fs, f"{folder}/{_part(rank, 'json')}", [raw])
     return PartInfo(rank, data_checksum, checksum_bytes(raw), flayout.nbytes)
 
 
@@ -302,7 +185,7 @@ def _read_meta(
     fs: Any, path: str, step: int, rank: int, expected: PartInfo | None
 ) -> tuple[Layout, dict[str, Any], str]:
     """The layout, tree and data checksum in a rank's .json file."""
-    raw = _read_small(fs, path)
+    raw = read_small(fs, path)
     if expected is not None and checksum_bytes(raw) != expected.json:
         raise CorruptPartError(path, "checksum differs from the one in COMMIT")
     try:
@@ -320,15 +203,15 @@ def _read_meta(
         raise CorruptPartError(path, f"bad part json: {e}") from e
 
 
-def _check_header(path: str, f: _Reader, size: int, layout: Layout) -> None:
+def _check_header(path: str, f: Reader, size: int, layout: Layout) -> None:
     """Read the safetensors header at ``f`` and check it describes ``layout``."""
     head = bytearray(8)
-    _read_exact(f, memoryview(head))
+    read_exact(f, memoryview(head))
     (n,) = struct.unpack("<Q", head)
     if n > min(_MAX_HEADER, size - 8):
         raise CorruptPartError(path, f"header length {n} does not fit the file ({size} bytes)")
     raw = bytearray(n)
-    _read_exact(f, memoryview(raw))
+    read_exact(f, memoryview(raw))
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -359,13 +242,13 @@ def _read(
     data = bytearray(layout.nbytes if keep else 0)
     try:
         size = int(fs.size(path))
-        with _open_read(fs, path) as f:
+        with open_read(fs, path) as f:
             _check_header(path, f, size, layout)
             if keep:
-                _read_exact(f, memoryview(data))
+                read_exact(f, memoryview(data))
                 got = checksum_bytes(data)
             else:
-                got = checksum_chunks(_stream(f, layout.nbytes))
+                got = checksum_chunks(stream(f, layout.nbytes))
     except FileNotFoundError:
         raise CorruptPartError(path, "missing") from None
     except EOFError:
@@ -387,7 +270,7 @@ def read_part(
     Raises CorruptPartError if the part is missing, truncated, corrupt or does not match
     ``expected`` (its entry in COMMIT).
     """
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     return _read(fs, base, step, rank, expected, keep=True)
 
 
@@ -409,13 +292,13 @@ def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, Part
         "time": time.time(),
         "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
     }
-    fs, base = _fs(root)
-    _write_atomic(fs, f"{_step_dir(base, step)}/COMMIT", [json.dumps(body).encode()])
-    if _is_local(fs):
-        _fsync_dir(base)  # the step folder's own entry
+    fs, base = url_fs(root)
+    write_atomic(fs, f"{_step_dir(base, step)}/COMMIT", [json.dumps(body).encode()])
+    if is_local(fs):
+        fsync_dir(base)  # the step folder's own entry
     latest = _read_latest(fs, base)
     if latest is None or latest < step:
-        _write_atomic(fs, f"{base}/LATEST", [f"{step}\n".encode()])
+        write_atomic(fs, f"{base}/LATEST", [f"{step}\n".encode()])
 
 
 def _read_latest(fs: Any, base: str) -> int | None:
@@ -430,7 +313,7 @@ def _read_latest(fs: Any, base: str) -> int | None:
 
 def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo]]:
     path = f"{_step_dir(base, step)}/COMMIT"
-    raw = _read_small(fs, path)
+    raw = read_small(fs, path)
     try:
         body = json.loads(raw)
         if not isinstance(body, dict) or body.get("format") != FORMAT:
@@ -448,7 +331,7 @@ def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo
 
 def read_commit(root: str, step: int) -> tuple[int, dict[int, PartInfo]]:
     """The world size and parts recorded in ``step``'s COMMIT (CorruptPartError if none)."""
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     return _read_commit(fs, base, step)
 
 
@@ -472,7 +355,7 @@ def _step_info(fs: Any, base: str, step: int) -> StepInfo:
 
 def list_steps(root: str) -> list[StepInfo]:
     """Every step folder under ``root``, oldest first ([] if ``root`` does not exist)."""
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     try:
         names = fs.ls(base, detail=False)
     except FileNotFoundError:
@@ -495,7 +378,7 @@ def verify(root: str, step: int | None = None) -> list[str]:
 
     Each problem names the file and what is wrong with it.
     """
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     steps = [step] if step is not None else committed_steps(root)
     if not steps:
         return [f"{root}: no committed step"]
@@ -525,7 +408,7 @@ def retain(root: str, keep: int) -> list[int]:
         return []
     kept = set(committed[-keep:])
     doomed = [s.step for s in steps if s.step not in kept and s.step < committed[-1]]
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     for s in doomed:
         folder = _step_dir(base, s)
         if fs.exists(f"{folder}/COMMIT"):
@@ -537,10 +420,10 @@ def retain(root: str, keep: int) -> list[int]:
 def probe_writable(root: str) -> str | None:
     """None if a small file can be written to (and removed from) ``root``, else why not."""
     try:
-        fs, base = _fs(root)
+        fs, base = url_fs(root)
         fs.makedirs(base, exist_ok=True)
         path = f"{base}/.probe-{os.getpid()}-{secrets.token_hex(4)}"
-        _write_atomic(fs, path, [b"tierswap write probe\n"])
+        write_atomic(fs, path, [b"tierswap write probe\n"])
         fs.rm(path)
     except Exception as e:  # any backend's error means "not writable": the caller reports it
         return f"{root} is not writable: {type(e).__name__}: {e}"
@@ -550,106 +433,13 @@ def probe_writable(root: str) -> str | None:
 # ---------------------------------------------------------------- export
 
 
-_Piece = tuple[int, TensorEntry, torch.Tensor]
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _assemble(
-    pieces: Mapping[tuple[int, ...], torch.Tensor], placements: tuple[str, ...], level: int
-) -> torch.Tensor:
-    """The tensor that the shards in ``pieces`` (by mesh coordinate) are cut from."""
-    if level == len(placements):
-        return next(iter(pieces.values()))
-    groups: dict[int, dict[tuple[int, ...], torch.Tensor]] = {}
-    for coord, t in pieces.items():
-        groups.setdefault(coord[level], {})[coord] = t
-    subs = [_assemble(groups[c], placements, level + 1) for c in sorted(groups)]
-    if placements[level] in _REPLICATE:
-        return subs[0]
-    m = _SHARD_RE.fullmatch(placements[level])
-    if m is None:
-        raise ValueError(f"cannot merge shards placed as {placements[level]}")
-    return torch.cat(subs, dim=int(m.group(1)))
-
-
-def _merge_one(group: list[_Piece]) -> torch.Tensor | None:
-    """One tensor for all ranks' pieces of a key, or None if they must stay per rank."""
-    entries = [e for _, e, _ in group]
-    first = group[0][2]
-    if all(e.global_shape is None for e in entries):
-        same = all(
-            t.dtype == first.dtype and t.shape == first.shape and torch.equal(_raw(t), _raw(first))
-            for _, _, t in group
-        )
-        return first if same else None
-    e0 = entries[0]
-    if any((e.global_shape, e.placements) != (e0.global_shape, e0.placements) for e in entries):
-        return None
-    placements = e0.placements or ()
-    if any(len(e.mesh_coord or ()) != len(placements) for e in entries):
-        return None
-    try:
-        merged = _assemble({e.mesh_coord or (): t for _, e, t in group}, placements, 0)
-    except (ValueError, RuntimeError) as err:
-        log.warning("export keeps %s per rank: %s", e0.key, err)
-        return None
-    if tuple(merged.shape) != e0.global_shape:
-        log.warning(
-            "export keeps %s per rank: shards make %s, not %s",
-            e0.key,
-            tuple(merged.shape),
-            e0.global_shape,
-        )
-        return None
-    return merged
-
-
-def _merge(
-    ranks: list[tuple[Layout, dict[str, Any], bytearray]],
-) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
-    """Exported tensors, and each rank's exported names in layout order."""
-    groups: dict[str, list[_Piece]] = {}
-    for r, (layout, _, buf) in enumerate(ranks):
-        for name, e in zip(_names(layout), layout.entries, strict=True):
-            groups.setdefault(name, []).append((r, e, tensor_view(memoryview(buf), e)))
-    out: dict[str, torch.Tensor] = {}
-    where: dict[tuple[int, str], str] = {}
-    for name, group in groups.items():
-        one = _merge_one(group)
-        for r, _, t in group:
-            where[r, name] = name if one is not None else f"rank{r}/{name}"
-            out[where[r, name]] = t if one is None else one
-    names = [[where[r, n] for n in _names(layout)] for r, (layout, _, _) in enumerate(ranks)]
-    return out, names
-
-
 def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Write committed ``step`` as one safetensors file at ``out_path`` (a local path), DTensor
-    shards merged, and its JSON state (each rank's tree) next to it with suffix ``.json``."""
-    out = Path(out_path)
-    if out.suffix == ".json":
-        raise ValueError(f"export to {out}: the JSON state goes to {out}, name it .safetensors")
-    fs, base = _fs(root)
-    world_size, parts = _read_commit(fs, base, step)
-    ranks = [_read(fs, base, step, r, parts[r], keep=True) for r in range(world_size)]
-    tensors, names = _merge(ranks)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    meta = {"format": "tierswap-export-1", "step": str(step), "world_size": str(world_size)}
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, out)
-    trees = {str(r): {"tree": rank[1], "tensors": names[r]} for r, rank in enumerate(ranks)}
-    state = {**meta, "step": step, "world_size": world_size, "ranks": trees}
-    _write_local(str(out.with_suffix(".json")), [json.dumps(state).encode()])
-    return {
-        "step": step,
-        "world_size": world_size,
-        "tensors": len(tensors),
-        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        "per_rank": len(set(tensors) - {n for rank in ranks for n in _names(rank[0])}),
-        "path": str(out),
-        "json": str(out.with_suffix(".json")),
-    }
+    shards merged, and its JSON state (each rank's tree) next to it with suffix ``.json``.
+
+    See :func:`tierswap.tiers.export.export`; imported here on use, as it builds on this
+    module.
+    """
+    from tierswap.tiers.export import export as export_step
+
+    return export_step(root, step, out_path)

@@ -109,8 +109,7 @@ class RankRing:
         keep = {self.committed, *self.proposed, newest}
         free = [s for s in a.slots if s.state is SlotState.FREE and not s.leases]
         stale = [
-            s for s in a.slots
-            if s.state is SlotState.HELD and s.step not in keep and not s.leases
+            s for s in a.slots if s.state is SlotState.HELD and s.step not in keep and not s.leases
         ]
         candidates = free or sorted(stale, key=lambda s: s.step)
         if not candidates:

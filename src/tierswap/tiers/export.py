@@ -1,0 +1,151 @@
+"""Export a committed durable step as one plain safetensors file plus its JSON state.
+
+DTensor shards of the same key are put back together along their placements; tensors that
+every rank holds with the same bits are written once; anything else stays per rank under
+``rank<R>/<name>``. The result loads with ``safetensors.torch.load_file``, no tierswap needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tierswap.state import Layout, TensorEntry, tensor_view
+from tierswap.tiers import durable
+from tierswap.tiers.files import fsync_dir, write_local
+
+log = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "tierswap-export-1"
+_SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
+_REPLICATE = ("Replicate()", "R")
+
+_Piece = tuple[int, TensorEntry, torch.Tensor]
+_Part = tuple[Layout, dict[str, Any], bytearray]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _assemble(
+    pieces: Mapping[tuple[int, ...], torch.Tensor], placements: tuple[str, ...], level: int
+) -> torch.Tensor:
+    """The tensor that the shards in ``pieces`` (by mesh coordinate) are cut from."""
+    if level == len(placements):
+        return next(iter(pieces.values()))
+    groups: dict[int, dict[tuple[int, ...], torch.Tensor]] = {}
+    for coord, t in pieces.items():
+        groups.setdefault(coord[level], {})[coord] = t
+    subs = [_assemble(groups[c], placements, level + 1) for c in sorted(groups)]
+    if placements[level] in _REPLICATE:
+        return subs[0]
+    m = _SHARD_RE.fullmatch(placements[level])
+    if m is None:
+        raise ValueError(f"cannot merge shards placed as {placements[level]}")
+    return torch.cat(subs, dim=int(m.group(1)))
+
+
+def _merge_one(group: list[_Piece]) -> torch.Tensor | None:
+    """One tensor for all ranks' pieces of a key, or None if they must stay per rank."""
+    entries = [e for _, e, _ in group]
+    first = group[0][2]
+    if all(e.global_shape is None for e in entries):
+        same = all(
+            t.dtype == first.dtype and t.shape == first.shape and torch.equal(_raw(t), _raw(first))
+            for _, _, t in group
+        )
+        return first if same else None
+    e0 = entries[0]
+    if any((e.global_shape, e.placements) != (e0.global_shape, e0.placements) for e in entries):
+        return None
+    placements = e0.placements or ()
+    if any(len(e.mesh_coord or ()) != len(placements) for e in entries):
+        return None
+    try:
+        merged = _assemble({e.mesh_coord or (): t for _, e, t in group}, placements, 0)
+    except (ValueError, RuntimeError) as err:
+        log.warning("export keeps %s per rank: %s", e0.key, err)
+        return None
+    if tuple(merged.shape) != e0.global_shape:
+        log.warning(
+            "export keeps %s per rank: shards make %s, not %s",
+            e0.key,
+            tuple(merged.shape),
+            e0.global_shape,
+        )
+        return None
+    return merged
+
+
+def _merge(ranks: list[_Part]) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """Exported tensors, and each rank's exported names in layout order."""
+    groups: dict[str, list[_Piece]] = {}
+    for r, (layout, _, buf) in enumerate(ranks):
+        for name, e in zip(durable.tensor_names(layout), layout.entries, strict=True):
+            groups.setdefault(name, []).append((r, e, tensor_view(memoryview(buf), e)))
+    out: dict[str, torch.Tensor] = {}
+    where: dict[tuple[int, str], str] = {}
+    for name, group in groups.items():
+        one = _merge_one(group)
+        for r, _, t in group:
+            where[r, name] = name if one is not None else f"rank{r}/{name}"
+            out[where[r, name]] = t if one is None else one
+    names = [
+        [where[r, n] for n in durable.tensor_names(layout)]
+        for r, (layout, _, _) in enumerate(ranks)
+    ]
+    return out, names
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], out: Path, meta: dict[str, str]) -> None:
+    """``save_file`` to a temporary name, synced and renamed, so ``out`` is never half."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(str(out.parent))
+
+
+def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write committed ``step`` as one safetensors file at ``out_path`` (a local path), DTensor
+    shards merged, and its JSON state (each rank's tree) next to it with suffix ``.json``."""
+    out = Path(out_path)
+    if out.suffix == ".json":
+        raise ValueError(f"export to {out}: the JSON state goes to {out}, name it .safetensors")
+    world_size, parts = durable.read_commit(root, step)
+    ranks = [durable.read_part(root, step, r, parts[r]) for r in range(world_size)]
+    tensors, names = _merge(ranks)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": EXPORT_FORMAT, "step": str(step), "world_size": str(world_size)}
+    _save_atomic(tensors, out, meta)
+    trees = {str(r): {"tree": rank[1], "tensors": names[r]} for r, rank in enumerate(ranks)}
+    state = {**meta, "step": step, "world_size": world_size, "ranks": trees}
+    write_local(str(out.with_suffix(".json")), [json.dumps(state).encode()])
+    return {
+        "step": step,
+        "world_size": world_size,
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "per_rank": len(set(tensors) - {n for r in ranks for n in durable.tensor_names(r[0])}),
+        "path": str(out),
+        "json": str(out.with_suffix(".json")),
+    }

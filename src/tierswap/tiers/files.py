@@ -1,0 +1,161 @@
+"""Low-level file I/O for the durable tier: atomic writes, syncs and exact reads.
+
+Every write goes to a temporary name next to its target, is synced and renamed, so a crash
+leaves either the old file or the new one, never half of one. Local paths get ``fsync`` of
+the file and its folder; other fsspec backends get a write then a move (what they offer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import posixpath
+import secrets
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from tierswap.errors import CorruptPartError
+
+log = logging.getLogger(__name__)
+
+IO_CHUNK = 64 << 20
+"""Bytes per read or write call."""
+_SMALL = 1 << 20  # pieces smaller than this are coalesced before writing
+
+Piece = bytes | bytearray | memoryview
+
+
+class Reader(Protocol):
+    """A binary file opened for reading (a local file or an fsspec one)."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def url_fs(root: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``root`` and the path inside it (no trailing slash)."""
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs, str(path).rstrip("/") or "/"
+
+
+def is_local(fs: Any) -> bool:
+    """True for the local filesystem, where files and folders can be fsynced."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def fsync_dir(path: str) -> None:
+    """Sync a local folder, so the names renamed into it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot sync a directory; rename is all they have
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+        log.debug("cannot fsync directory %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+def _coalesce(pieces: Iterable[Piece]) -> Iterator[bytes | memoryview]:
+    """Large pieces as they are, runs of small ones joined, so each write is large."""
+    staging = bytearray()
+    for p in pieces:
+        mv = memoryview(p).cast("B")
+        if len(mv) >= _SMALL:
+            if staging:
+                yield bytes(staging)
+                staging.clear()
+            yield mv
+        else:
+            staging += mv
+            if len(staging) >= _SMALL:
+                yield bytes(staging)
+                staging.clear()
+    if staging:
+        yield bytes(staging)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv[:IO_CHUNK]) :]
+
+
+def _tmp_name(name: str) -> str:
+    return f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_local(path: str, pieces: Iterable[Piece]) -> None:
+    """Write ``pieces`` to the local ``path``: temporary file, fsync, rename, fsync folder."""
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, _tmp_name(name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            for piece in _coalesce(pieces):
+                _write_all(fd, piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(parent or ".")
+
+
+def write_atomic(fs: Any, path: str, pieces: Iterable[Piece]) -> None:
+    """Write ``pieces`` to ``path`` through a temporary name, so readers never see half."""
+    if is_local(fs):
+        write_local(path, pieces)
+        return
+    parent, name = posixpath.split(path)
+    tmp = f"{parent}/{_tmp_name(name)}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            for piece in _coalesce(pieces):
+                f.write(piece)
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def read_small(fs: Any, path: str) -> bytes:
+    """A whole small file; CorruptPartError naming ``path`` if it is missing or unreadable."""
+    try:
+        return bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        raise CorruptPartError(path, "missing") from None
+    except OSError as e:
+        raise CorruptPartError(path, f"cannot read: {e}") from e
+
+
+def open_read(fs: Any, path: str) -> Any:
+    """``path`` opened for reading; local files unbuffered (reads go straight to the target)."""
+    return open(path, "rb", buffering=0) if is_local(fs) else fs.open(path, "rb")
+
+
+def read_exact(f: Reader, out: memoryview) -> None:
+    """Fill ``out`` from ``f``; EOFError if the file ends first."""
+    while out:
+        got = f.readinto(out[:IO_CHUNK])
+        if not got:
+            raise EOFError
+        out = out[got:]
+
+
+def stream(f: Reader, nbytes: int) -> Iterator[memoryview]:
+    """Read ``nbytes`` through one reused buffer (each chunk is valid until the next)."""
+    scratch = memoryview(bytearray(min(nbytes, IO_CHUNK)))
+    while nbytes:
+        view = scratch[: min(nbytes, len(scratch))]
+        read_exact(f, view)
+        nbytes -= len(view)
+        yield view

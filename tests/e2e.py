@@ -1,0 +1,91 @@
+"""Helpers to run real jobs with ``tierswap run`` and compare their final states."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_gpt.py"
+
+
+def run_job(
+    tmp: Path,
+    name: str,
+    *,
+    nodes: int = 2,
+    nproc: int = 1,
+    steps: int = 16,
+    mode: str = "ddp",
+    extra: tuple[str, ...] = (),
+    train_args: tuple[str, ...] = (),
+    script: Path = TRAIN,
+    timeout: float = 180,
+) -> tuple[int, Path, str]:
+    """Run one job to its end. Returns (exit code, run dir, console output)."""
+    run_dir = tmp / name
+    cmd = [
+        sys.executable, "-m", "tierswap.cli", "run",
+        "--nodes", str(nodes), "--nproc-per-node", str(nproc),
+        "--run-dir", str(run_dir), "--threads", "1", *extra,
+        str(script), "--steps", str(steps), "--mode", mode,
+        "--out", str(tmp / f"{name}-final"), *train_args,
+    ]
+    log = tmp / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc.pid, run_dir)
+            raise
+    return code, run_dir, log.read_text()
+
+
+def kill_job(launcher_pid: int, run_dir: Path) -> None:
+    """SIGKILL the launcher's group and every agent's group (each agent is a session)."""
+    pids = [launcher_pid]
+    if (run_dir / "events.jsonl").exists():
+        pids += [e["pid"] for e in events(run_dir) if e["event"] == "node_joined"]
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    evs = [json.loads(line) for line in lines if line.strip()]
+    return [e for e in evs if kind is None or e["event"] == kind]
+
+
+def final_state(tmp: Path, name: str) -> dict[str, dict[str, torch.Tensor]]:
+    folder = tmp / f"{name}-final"
+    return {p.name: load_file(p) for p in sorted(folder.glob("rank-*.safetensors"))}
+
+
+def assert_same_bits(a: dict[str, dict[str, torch.Tensor]],
+                     b: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert a.keys() == b.keys() and a, f"ranks differ: {sorted(a)} vs {sorted(b)}"
+    for rank in a:
+        assert a[rank].keys() == b[rank].keys()
+        diff = [k for k in a[rank] if not _bits(a[rank][k]).equal(_bits(b[rank][k]))]
+        assert not diff, f"{rank}: {len(diff)} tensors differ, e.g. {diff[:3]}"
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("tierswap-*")}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
