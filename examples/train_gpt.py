@@ -42,6 +42,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--mode", choices=MODES, default="ddp")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128, help="the model's embedding width")
     p.add_argument("--out", default=None)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
     return p.parse_args()
@@ -57,7 +58,7 @@ def save_final(out: str, rank: int, state: dict[str, Any]) -> None:
 
 def train(job: tierswap.Job) -> None:
     args = parse()
-    cfg = GPTConfig(n_layer=args.layers)
+    cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
     model = build_model(cfg, args.mode, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = {"model": model, "optim": opt, "counter": Counter()}

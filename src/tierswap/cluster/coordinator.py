@@ -237,10 +237,13 @@ class Coordinator:
         self.held = {r: set(memory.get(r, ())) for r in range(self.cfg.world_size)}
         durable_steps: frozenset[int] = frozenset()
         if self.cfg.persist is not None:
+            try:
+                listing = durable.list_steps(self.cfg.persist)
+            except OSError as e:
+                listing = []
+                self._durability_failing(f"cannot list {self.cfg.persist}: {e}")
             durable_steps = frozenset(
-                s.step
-                for s in durable.list_steps(self.cfg.persist)
-                if s.committed and s.world_size == self.cfg.world_size
+                s.step for s in listing if s.committed and s.world_size == self.cfg.world_size
             )
         return Holdings(
             self.cfg.world_size, memory, memory_node, durable_steps, frozenset(self.bad)

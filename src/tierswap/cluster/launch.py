@@ -91,7 +91,10 @@ def check_durable(cfg: Config) -> str | None:
     """
     if cfg.persist is None:
         return None
-    committed = [s for s in durable.list_steps(cfg.persist) if s.committed]
+    try:
+        committed = [s for s in durable.list_steps(cfg.persist) if s.committed]
+    except OSError as e:
+        return f"cannot list it: {e}"
     if committed and committed[-1].world_size != cfg.world_size:
         newest = committed[-1]
         raise WorldSizeMismatchError(

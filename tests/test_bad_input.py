@@ -1,0 +1,103 @@
+"""Bad input gets a clear error that names the thing and the fix; nothing saved is lost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e import assert_same_bits, events, final_state, run_job
+from tierswap.tiers import durable
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+PERSIST = ("--persist-every", "4")
+
+
+def _listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def test_corrupt_durable_part_is_skipped_for_an_older_step(tmp_path: Path) -> None:
+    persist = tmp_path / "ckpt"
+    assert run_job(tmp_path, "base", steps=16)[0] == 0
+    code, _, out = run_job(tmp_path, "first", steps=12, extra=("--persist", str(persist), *PERSIST))
+    assert code == 0, out
+    newest = durable.committed_steps(str(persist))[-1]
+    part = persist / f"step-{newest:09d}" / "rank-00001.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-5] ^= 0xFF
+    part.write_bytes(bytes(data))
+
+    verify = subprocess.run([sys.executable, "-m", "tierswap.cli", "verify", str(persist)],
+                            capture_output=True, text=True)
+    assert verify.returncode != 0 and "rank-00001.safetensors" in verify.stdout
+
+    code, run_dir, out = run_job(tmp_path, "second", steps=16,
+                                 extra=("--persist", str(persist), *PERSIST))
+    assert code == 0, out
+    (corrupt,) = events(run_dir, "corrupt_part")
+    assert corrupt["rank"] == 1 and corrupt["step"] == newest
+    restored = events(run_dir, "restored")[-1]
+    assert restored["step"] < newest
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "second"))
+
+
+def test_checkpoint_of_another_world_size_is_refused_untouched(tmp_path: Path) -> None:
+    persist = tmp_path / "ckpt"
+    code, _, _ = run_job(tmp_path, "two", steps=6, extra=("--persist", str(persist), *PERSIST))
+    assert code == 0
+    before = _listing(persist)
+    code, _, out = run_job(tmp_path, "one", nodes=1, steps=6,
+                           extra=("--persist", str(persist), *PERSIST))
+    assert code == 2
+    assert "world size 2" in out and "--persist" in out
+    assert _listing(persist) == before
+
+
+def test_changed_shape_stops_the_job_naming_the_tensor(tmp_path: Path) -> None:
+    persist = tmp_path / "ckpt"
+    assert run_job(tmp_path, "a", steps=6, extra=("--persist", str(persist), *PERSIST))[0] == 0
+    before = _listing(persist)
+    code, run_dir, out = run_job(tmp_path, "b", steps=8, train_args=("--width", "64"),
+                                 extra=("--persist", str(persist), *PERSIST))
+    assert code == 1
+    assert "StateMismatchError" in out and "[256, 128]" in out and "[256, 64]" in out
+    assert len(events(run_dir, "failure_detected")) == 0, "a usage error is not retried"
+    assert _listing(persist) == before
+
+
+def test_unwritable_persist_url_keeps_training_and_says_so(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code, run_dir, out = run_job(tmp_path, "job", steps=8,
+                                 extra=("--persist", str(blocker / "ckpt"), *PERSIST))
+    assert code == 0, out
+    assert "durability failing" in out
+    assert events(run_dir, "durability_failing")
+    assert events(run_dir, "job_finished")
+
+
+SCRIPT = """
+import argparse, threading, torch, tierswap
+
+def train(job):
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model, "lock": threading.Lock()}
+    for step in job.steps(state, total=4):
+        pass
+
+if __name__ == "__main__":
+    tierswap.launch(train)
+"""
+
+
+def test_non_serializable_value_names_its_path(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text(SCRIPT)
+    code, run_dir, out = run_job(tmp_path, "bad", nodes=1, steps=4, script=script)
+    assert code == 1
+    assert "NotSerializableError" in out and "'lock'" in out and "state_dict()" in out
+    assert not events(run_dir, "failure_detected")

@@ -1,0 +1,168 @@
+"""Config: validated once, each error naming its field; a round trip through TIERSWAP_* vars."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierswap.config import ENV_PREFIX, Config, Injection
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"nodes": 0}, "nodes must be >= 1, got 0"),
+        ({"nproc_per_node": -1}, "nproc_per_node must be >= 1, got -1"),
+        ({"persist_every": 0}, "persist_every must be >= 1, got 0"),
+        ({"keep": 0}, "keep must be >= 1, got 0"),
+        ({"slots": 2}, r"slots must be >= 3 \(committed, in flight, being written\), got 2"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"threads": -2}, "threads"),
+        ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
+        (
+            {"nodes": 2, "inject": (Injection("node", 2, 5),)},
+            r"--inject kill:node=2:step=5: there are only 2 nodes",
+        ),
+        (
+            {"nodes": 2, "nproc_per_node": 2, "inject": (Injection("rank", 4, 1),)},
+            r"--inject kill:rank=4:step=1: there are only 4 ranks",
+        ),
+    ],
+)
+def test_validation_errors_name_the_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Config(**fields)
+
+
+@pytest.mark.xfail(strict=True, reason="a NaN startup_timeout passes validation (reported)")
+def test_nan_startup_timeout_is_rejected() -> None:
+    with pytest.raises(ValueError, match="startup_timeout"):
+        Config(startup_timeout=float("nan"))
+
+
+def test_defaults_are_valid_and_world_size_multiplies() -> None:
+    assert Config().world_size == 1
+    assert Config(nodes=3, nproc_per_node=4).world_size == 12
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    nodes = draw(st.integers(min_value=1, max_value=6))
+    nproc = draw(st.integers(min_value=1, max_value=4))
+    targets = st.sampled_from(["node", "rank"])
+    inject = []
+    for target in draw(st.lists(targets, max_size=3)):
+        limit = nodes if target == "node" else nodes * nproc
+        index = draw(st.integers(min_value=0, max_value=limit - 1))
+        inject.append(Injection(target, index, draw(st.integers(min_value=0, max_value=10**6))))
+    text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"))
+    return Config(
+        nodes=nodes,
+        nproc_per_node=nproc,
+        persist=draw(st.none() | text),
+        persist_every=draw(st.integers(min_value=1, max_value=1000)),
+        keep=draw(st.integers(min_value=1, max_value=9)),
+        run_dir=draw(st.none() | text),
+        slots=draw(st.integers(min_value=3, max_value=8)),
+        inject=tuple(inject),
+        max_restarts=draw(st.integers(min_value=0, max_value=50)),
+        startup_timeout=draw(
+            st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)
+        ),
+        threads=draw(st.integers(min_value=0, max_value=64)),
+        console=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs())
+def test_env_round_trip(cfg: Config) -> None:
+    env = cfg.to_env()
+    assert all(k.startswith(ENV_PREFIX) and isinstance(v, str) for k, v in env.items())
+    assert Config.from_env(env) == cfg
+
+
+def test_env_round_trip_with_injections() -> None:
+    cfg = Config(
+        nodes=3,
+        nproc_per_node=2,
+        persist="file:///tmp/ckpt",
+        inject=(Injection("node", 1, 20), Injection("rank", 5, 7)),
+        startup_timeout=2.5,
+        console=False,
+    )
+    env = cfg.to_env()
+    assert env["TIERSWAP_INJECT"] == "kill:node=1:step=20,kill:rank=5:step=7"
+    assert "TIERSWAP_RUN_DIR" not in env  # None is left out, and read back as the default
+    assert Config.from_env(env) == cfg
+
+
+def test_from_env_overrides_win_and_none_is_ignored() -> None:
+    env = {"TIERSWAP_NODES": "2", "TIERSWAP_KEEP": "5", "TIERSWAP_OTHER": "x"}
+    cfg = Config.from_env(env, nodes=4, keep=None)
+    assert (cfg.nodes, cfg.keep) == (4, 5)
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("true", True), ("YES", True), ("0", False), ("no", False)]
+)
+def test_from_env_reads_booleans(raw: str, value: bool) -> None:
+    assert Config.from_env({"TIERSWAP_CONSOLE": raw}).console is value
+
+
+def test_from_env_names_the_bad_variable() -> None:
+    with pytest.raises(ValueError, match=r"TIERSWAP_NODES='two' is not an? int"):
+        Config.from_env({"TIERSWAP_NODES": "two"})
+    with pytest.raises(ValueError, match=r"TIERSWAP_STARTUP_TIMEOUT='soon' is not a float"):
+        Config.from_env({"TIERSWAP_STARTUP_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="slots must be >= 3"):
+        Config.from_env({"TIERSWAP_SLOTS": "1"})
+
+
+def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSWAP_NPROC_PER_NODE", "3")
+    assert Config.from_env().nproc_per_node == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("kill:node=1:step=20", Injection("node", 1, 20)),
+        (" kill:rank=0:step=0 ", Injection("rank", 0, 0)),
+    ],
+)
+def test_injection_parse_and_str(spec: str, expected: Injection) -> None:
+    inj = Injection.parse(spec)
+    assert inj == expected
+    assert Injection.parse(str(inj)) == inj
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "kill:node=1",
+        "kill:gpu=1:step=2",
+        "node=1:step=2",
+        "kill:node=-1:step=2",
+        "kill:rank=x:step=2",
+        "kill:node=1:step=2:extra",
+        "KILL:node=1:step=2",
+    ],
+)
+def test_injection_parse_rejects_bad_specs(spec: str) -> None:
+    with pytest.raises(ValueError) as info:
+        Injection.parse(spec)
+    message = str(info.value)
+    assert repr(spec) in message
+    assert "kill:node=I:step=S" in message and "kill:rank=R:step=S" in message
+
+
+def test_bad_injection_in_env_shows_the_forms() -> None:
+    with pytest.raises(ValueError, match="expected kill:node=I:step=S or kill:rank=R:step=S"):
+        Config.from_env({"TIERSWAP_INJECT": "kill:node=0:step=1,boom"})

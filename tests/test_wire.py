@@ -1,0 +1,144 @@
+"""Messages over authenticated sockets: JSON in and out, strangers refused."""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import threading
+from collections.abc import Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
+from typing import Any
+
+import pytest
+
+from tierswap.wire import Channel, Message, reader, serve
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class EchoServer:
+    """A loopback server that answers ``ping`` with ``pong``, ``fail`` with an error, and
+    keeps silent on ``hush``; it records every message and every closed channel."""
+
+    def __init__(self) -> None:
+        self.secret = secrets.token_bytes(32)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        self.address: tuple[str, int] = self.listener.address
+        self.got: list[Message] = []
+        self.closed = threading.Event()
+        serve(self.listener, self._on_channel, "test-accept")
+
+    def _on_channel(self, chan: Channel) -> None:
+        def deliver(msg: Message | None) -> None:
+            if msg is None:
+                self.closed.set()
+                return
+            self.got.append(msg)
+            if msg["op"] == "ping":
+                chan.send("pong", n=msg["n"] + 1, echo=msg.get("echo"))
+            elif msg["op"] == "fail":
+                chan.send("error", message="no such thing")
+
+        reader(chan, deliver, "test-reader")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def server() -> Iterator[EchoServer]:
+    srv = EchoServer()
+    yield srv
+    srv.close()
+
+
+def test_call_and_reply(server: EchoServer) -> None:
+    chan = Channel.connect(server.address, server.secret)
+    try:
+        payload = {"α": [1, 2.5, None, True], "nested": {"k": "v"}}
+        reply = chan.call("ping", n=41, echo=payload, timeout=10)
+        assert reply == {"op": "pong", "n": 42, "echo": payload}
+        assert chan.call("ping", n=1, timeout=10)["n"] == 2  # replies come in order
+        assert server.got[0] == {"op": "ping", "n": 41, "echo": payload}
+    finally:
+        chan.close()
+    assert server.closed.wait(10)  # the server's reader sees the channel close
+
+
+def test_error_reply_raises(server: EchoServer) -> None:
+    chan = Channel.connect(server.address, server.secret)
+    try:
+        with pytest.raises(RuntimeError, match="'fail' failed: no such thing"):
+            chan.call("fail", timeout=10)
+    finally:
+        chan.close()
+
+
+def test_call_times_out_naming_the_request(server: EchoServer) -> None:
+    chan = Channel.connect(server.address, server.secret)
+    try:
+        with pytest.raises(TimeoutError, match="no reply to 'hush' within 0 s"):
+            chan.call("hush", timeout=0.2)
+        assert chan.recv(timeout=0.05) is None
+    finally:
+        chan.close()
+
+
+def test_wrong_secret_is_refused(server: EchoServer) -> None:
+    # a process outside the job does not know the secret
+    with pytest.raises(AuthenticationError):
+        Channel.connect(server.address, secrets.token_bytes(32))
+    assert server.got == []
+    # the server keeps serving the job after refusing a stranger
+    chan = Channel.connect(server.address, server.secret)
+    try:
+        assert chan.call("ping", n=0, timeout=10)["op"] == "pong"
+    finally:
+        chan.close()
+
+
+def test_pickle_from_a_peer_is_never_unpickled(server: EchoServer) -> None:
+    class Boom:
+        ran = False
+
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (exec, ("raise SystemExit('pickle ran')",))
+
+    conn = Client(server.address, authkey=server.secret)
+    try:
+        conn.send_bytes(pickle.dumps(Boom()))
+        conn.send_bytes(b'{"op": "ping", "n": 0}')  # not read: the channel is already closed
+    finally:
+        conn.close()
+    assert server.closed.wait(10)
+    assert server.got == []
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'{"no_op": 1}', b'{"op": 3}'])
+def test_malformed_messages_are_rejected(raw: bytes) -> None:
+    a, b = _pipe()
+    try:
+        a.conn.send_bytes(raw)
+        with pytest.raises(ValueError, match="malformed message"):
+            b.recv(timeout=5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_recv_raises_eof_when_peer_is_gone() -> None:
+    a, b = _pipe()
+    a.close()
+    try:
+        with pytest.raises(EOFError):
+            b.recv(timeout=5)
+    finally:
+        b.close()
+
+
+def _pipe() -> tuple[Channel, Channel]:
+    from multiprocessing import Pipe
+
+    x, y = Pipe()
+    return Channel(x), Channel(y)
