@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tierswap  # noqa: E402
-from gpt import MODES, GPTConfig, batch, build_model  # noqa: E402
-from tierswap.state import flatten  # noqa: E402
+import tierswap
+from gpt import MODES, GPTConfig, batch, build_model
+from tierswap.state import flatten
 
 
 class Counter:
@@ -50,7 +50,9 @@ def parse() -> argparse.Namespace:
 
 def save_final(out: str, rank: int, state: dict[str, Any]) -> None:
     flat = flatten(state)
-    tensors = {e.key: t.contiguous().clone() for e, t in zip(flat.entries, flat.tensors)}
+    tensors = {
+        e.key: t.contiguous().clone() for e, t in zip(flat.entries, flat.tensors, strict=True)
+    }
     tensors["counter"] = torch.tensor(state["counter"].tokens_seen)
     Path(out).mkdir(parents=True, exist_ok=True)
     save_file(tensors, os.path.join(out, f"rank-{rank:05d}.safetensors"))

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+
+from tierswap.demo import differing, load_final
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_gpt.py"
@@ -33,16 +34,33 @@ def run_job(
     """Run one job to its end. Returns (exit code, run dir, console output)."""
     run_dir = tmp / name
     cmd = [
-        sys.executable, "-m", "tierswap.cli", "run",
-        "--nodes", str(nodes), "--nproc-per-node", str(nproc),
-        "--run-dir", str(run_dir), "--threads", "1", *extra,
-        str(script), "--steps", str(steps), "--mode", mode,
-        "--out", str(tmp / f"{name}-final"), *train_args,
+        sys.executable,
+        "-m",
+        "tierswap.cli",
+        "run",
+        "--nodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--run-dir",
+        str(run_dir),
+        "--threads",
+        "1",
+        *extra,
+        str(script),
+        "--steps",
+        str(steps),
+        "--mode",
+        mode,
+        "--out",
+        str(tmp / f"{name}-final"),
+        *train_args,
     ]
     log = tmp / f"{name}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True
+        )
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -70,22 +88,16 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 
 def final_state(tmp: Path, name: str) -> dict[str, dict[str, torch.Tensor]]:
-    folder = tmp / f"{name}-final"
-    return {p.name: load_file(p) for p in sorted(folder.glob("rank-*.safetensors"))}
+    return load_final(tmp / f"{name}-final")
 
 
-def assert_same_bits(a: dict[str, dict[str, torch.Tensor]],
-                     b: dict[str, dict[str, torch.Tensor]]) -> None:
-    assert a.keys() == b.keys() and a, f"ranks differ: {sorted(a)} vs {sorted(b)}"
-    for rank in a:
-        assert a[rank].keys() == b[rank].keys()
-        diff = [k for k in a[rank] if not _bits(a[rank][k]).equal(_bits(b[rank][k]))]
-        assert not diff, f"{rank}: {len(diff)} tensors differ, e.g. {diff[:3]}"
+def assert_same_bits(
+    a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    assert a, "no final state was written"
+    diff = differing(a, b)
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
 
 
 def shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("tierswap-*")}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -31,12 +31,16 @@ def test_corrupt_durable_part_is_skipped_for_an_older_step(tmp_path: Path) -> No
     data[-5] ^= 0xFF
     part.write_bytes(bytes(data))
 
-    verify = subprocess.run([sys.executable, "-m", "tierswap.cli", "verify", str(persist)],
-                            capture_output=True, text=True)
+    verify = subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "verify", str(persist)],
+        capture_output=True,
+        text=True,
+    )
     assert verify.returncode != 0 and "rank-00001.safetensors" in verify.stdout
 
-    code, run_dir, out = run_job(tmp_path, "second", steps=16,
-                                 extra=("--persist", str(persist), *PERSIST))
+    code, run_dir, out = run_job(
+        tmp_path, "second", steps=16, extra=("--persist", str(persist), *PERSIST)
+    )
     assert code == 0, out
     (corrupt,) = events(run_dir, "corrupt_part")
     assert corrupt["rank"] == 1 and corrupt["step"] == newest
@@ -50,8 +54,9 @@ def test_checkpoint_of_another_world_size_is_refused_untouched(tmp_path: Path) -
     code, _, _ = run_job(tmp_path, "two", steps=6, extra=("--persist", str(persist), *PERSIST))
     assert code == 0
     before = _listing(persist)
-    code, _, out = run_job(tmp_path, "one", nodes=1, steps=6,
-                           extra=("--persist", str(persist), *PERSIST))
+    code, _, out = run_job(
+        tmp_path, "one", nodes=1, steps=6, extra=("--persist", str(persist), *PERSIST)
+    )
     assert code == 2
     assert "world size 2" in out and "--persist" in out
     assert _listing(persist) == before
@@ -61,8 +66,13 @@ def test_changed_shape_stops_the_job_naming_the_tensor(tmp_path: Path) -> None:
     persist = tmp_path / "ckpt"
     assert run_job(tmp_path, "a", steps=6, extra=("--persist", str(persist), *PERSIST))[0] == 0
     before = _listing(persist)
-    code, run_dir, out = run_job(tmp_path, "b", steps=8, train_args=("--width", "64"),
-                                 extra=("--persist", str(persist), *PERSIST))
+    code, run_dir, out = run_job(
+        tmp_path,
+        "b",
+        steps=8,
+        train_args=("--width", "64"),
+        extra=("--persist", str(persist), *PERSIST),
+    )
     assert code == 1
     assert "StateMismatchError" in out and "[256, 128]" in out and "[256, 64]" in out
     assert len(events(run_dir, "failure_detected")) == 0, "a usage error is not retried"
@@ -72,8 +82,9 @@ def test_changed_shape_stops_the_job_naming_the_tensor(tmp_path: Path) -> None:
 def test_unwritable_persist_url_keeps_training_and_says_so(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    code, run_dir, out = run_job(tmp_path, "job", steps=8,
-                                 extra=("--persist", str(blocker / "ckpt"), *PERSIST))
+    code, run_dir, out = run_job(
+        tmp_path, "job", steps=8, extra=("--persist", str(blocker / "ckpt"), *PERSIST)
+    )
     assert code == 0, out
     assert "durability failing" in out
     assert events(run_dir, "durability_failing")

@@ -60,7 +60,7 @@ def configs(draw: st.DrawFn) -> Config:
         limit = nodes if target == "node" else nodes * nproc
         index = draw(st.integers(min_value=0, max_value=limit - 1))
         inject.append(Injection(target, index, draw(st.integers(min_value=0, max_value=10**6))))
-    text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"))
+    text = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\0"))
     return Config(
         nodes=nodes,
         nproc_per_node=nproc,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import assert_same_bits, events, final_state, kill_job, run_job, shm_segments, TRAIN
+from e2e import TRAIN, assert_same_bits, events, final_state, kill_job, run_job, shm_segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -27,8 +27,9 @@ def no_leaked_memory():
 def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:
     code, _, _ = run_job(tmp_path, "base", steps=16)
     assert code == 0
-    code, run_dir, out = run_job(tmp_path, "kill", steps=16,
-                                 extra=("--inject", "kill:rank=1:step=9"))
+    code, run_dir, out = run_job(
+        tmp_path, "kill", steps=16, extra=("--inject", "kill:rank=1:step=9")
+    )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
     (failure,) = events(run_dir, "failure_detected")
@@ -43,9 +44,18 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
     code, _, _ = run_job(tmp_path, "base", steps=16, mode="fsdp")
     assert code == 0
     code, run_dir, out = run_job(
-        tmp_path, "kill", steps=16, mode="fsdp",
-        extra=("--persist", str(persist), "--persist-every", "4",
-               "--inject", "kill:node=1:step=10"),
+        tmp_path,
+        "kill",
+        steps=16,
+        mode="fsdp",
+        extra=(
+            "--persist",
+            str(persist),
+            "--persist-every",
+            "4",
+            "--inject",
+            "kill:node=1:step=10",
+        ),
     )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
@@ -58,8 +68,9 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
 def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:
     code, _, _ = run_job(tmp_path, "base", steps=12, mode="fsdp")
     assert code == 0
-    code, run_dir, out = run_job(tmp_path, "kill", steps=12, mode="fsdp",
-                                 extra=("--inject", "kill:rank=0:step=7"))
+    code, run_dir, out = run_job(
+        tmp_path, "kill", steps=12, mode="fsdp", extra=("--inject", "kill:rank=0:step=7")
+    )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
     assert set(events(run_dir, "restored")[0]["tiers"].values()) == {0}
@@ -72,14 +83,20 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path) -> None
     run_dir = tmp_path / "first"
     proc = _start(tmp_path, run_dir, persist, steps=30)
     try:
-        _wait_for(lambda: any(e["tier"] == 2 and e["step"] >= 8
-                              for e in _safe_events(run_dir, "snapshot_committed")), 120)
+        _wait_for(
+            lambda: any(
+                e["tier"] == 2 and e["step"] >= 8
+                for e in _safe_events(run_dir, "snapshot_committed")
+            ),
+            120,
+        )
     finally:
         kill_job(proc.pid, run_dir)
         proc.wait()
     _remove_segments_of(run_dir)
-    code, run_dir2, out = run_job(tmp_path, "second", steps=30,
-                                  extra=("--persist", str(persist), "--persist-every", "4"))
+    code, run_dir2, out = run_job(
+        tmp_path, "second", steps=30, extra=("--persist", str(persist), "--persist-every", "4")
+    )
     assert code == 0, out
     (restored,) = events(run_dir2, "restored")
     assert restored["step"] >= 8 and set(restored["tiers"].values()) == {2}
@@ -89,15 +106,22 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path) -> None
 def test_exact_ddp_three_ranks_worker_killed_bit_exact(tmp_path: Path) -> None:
     code, _, _ = run_job(tmp_path, "base", nodes=3, steps=10, mode="ddp-exact")
     assert code == 0
-    code, _, out = run_job(tmp_path, "kill", nodes=3, steps=10, mode="ddp-exact",
-                           extra=("--inject", "kill:rank=2:step=6"))
+    code, _, out = run_job(
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=10,
+        mode="ddp-exact",
+        extra=("--inject", "kill:rank=2:step=6"),
+    )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
 
 
 def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) -> None:
-    code, run_dir, out = run_job(tmp_path, "lost", steps=40,
-                                 extra=("--inject", "kill:node=1:step=5"))
+    code, run_dir, out = run_job(
+        tmp_path, "lost", steps=40, extra=("--inject", "kill:node=1:step=5")
+    )
     assert code == 1
     assert "--persist" in out and "no step can be restored" in out
     assert events(run_dir, "job_failed")
@@ -109,12 +133,31 @@ def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) ->
 def _start(tmp: Path, run_dir: Path, persist: Path, steps: int) -> subprocess.Popen[bytes]:
     import sys
 
-    cmd = [sys.executable, "-m", "tierswap.cli", "run", "--nodes", "2", "--run-dir",
-           str(run_dir), "--threads", "1", "--persist", str(persist), "--persist-every", "4",
-           str(TRAIN), "--steps", str(steps), "--sleep", "0.05"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierswap.cli",
+        "run",
+        "--nodes",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--threads",
+        "1",
+        "--persist",
+        str(persist),
+        "--persist-every",
+        "4",
+        str(TRAIN),
+        "--steps",
+        str(steps),
+        "--sleep",
+        "0.05",
+    ]
     log = (tmp / "first.log").open("w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True
+    )
 
 
 def _safe_events(run_dir: Path, kind: str) -> list[dict]:

@@ -31,19 +31,20 @@ import contextlib
 import json
 import logging
 import math
-import multiprocessing
 import os
 import platform
 import secrets
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ LOOP_BATCH = 256
 LOOP_BLOCK = 5
 """Timed steps per block of section 4, after one untimed step that enters the block."""
 _CHUNK = 64 << 20
+_SECRET_ENV = "TIERSWAP_BENCH_SECRET"
 _GIB = float(1 << 30)
 
 Sample = dict[str, float]
@@ -181,8 +183,12 @@ class _Agent:
         return {"seconds": seconds, "nbytes": info.nbytes}
 
 
-def _agent_main(conn: Connection, job_id: str) -> None:
-    """The spawned agent process."""
+def _agent_main(argv: list[str]) -> None:
+    """The agent process: ``python -m tierswap.bench SOCKET JOB_ID``, secret in the env."""
+    address, job_id = argv
+    secret = bytes.fromhex(os.environ.pop(_SECRET_ENV))
+    with Listener(address, family="AF_UNIX", authkey=secret) as listener:
+        conn = listener.accept()
     _Agent(Channel(conn), job_id).serve()
 
 
@@ -190,19 +196,35 @@ def _agent_main(conn: Connection, job_id: str) -> None:
 
 
 class _Rig:
-    """A Snapshotter of rank 0 and its agent in a spawned process."""
+    """A Snapshotter of rank 0 and its agent in a process of its own."""
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.step = 0
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=True)
-        self.chan = Channel(ours)
-        self.proc = ctx.Process(target=_agent_main, args=(theirs, job_id), daemon=True)
-        self.proc.start()
-        theirs.close()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.chan: Channel | None = None
         self.snap: Snapshotter | None = None
+
+    def start(self, tmp: Path) -> None:
+        secret = secrets.token_bytes(16)
+        address = str(tmp / "agent.sock")
+        env = {**os.environ, _SECRET_ENV: secret.hex()}
+        cmd = [sys.executable, "-m", "tierswap.bench", address, self.job_id]
+        self.proc = subprocess.Popen(cmd, env=env)
+        self.chan = self._connect(self.proc, address, secret)
         self.snap = Snapshotter(self.chan, rank=0)
+
+    @staticmethod
+    def _connect(proc: subprocess.Popen[bytes], address: str, secret: bytes) -> Channel:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the bench agent exited with {proc.returncode}")
+            with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+                return Channel.connect(address, secret)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the bench agent did not listen on {address} in 120 s")
+            time.sleep(0.05)
 
     @property
     def snapshotter(self) -> Snapshotter:
@@ -213,25 +235,36 @@ class _Rig:
         self.step += 1
         return self.snapshotter.take(self.step, state)
 
+    def call(self, op: str, **fields: Any) -> Message:
+        assert self.chan is not None
+        return self.chan.call(op, timeout=600, **fields)
+
     def sync(self) -> None:
         """Wait, untimed, for the agent's checksums of the snapshots sent so far."""
         self.snapshotter.fence()
-        self.chan.call("sync", timeout=600)
+        self.call("sync")
 
     def close(self) -> None:
-        """Stop the copy thread, the agent, and remove any segment left behind."""
+        """Stop the copy thread and the agent; remove any segment left behind."""
         try:
             if self.snap is not None:
                 self.snap.close()
         finally:
-            self.chan.close()  # the agent sees EOF, unlinks its slots and exits
-            self.proc.join(timeout=60)
-            if self.proc.is_alive():
-                log.warning("bench agent %d did not exit; killing it", self.proc.pid)
-                self.proc.kill()
-                self.proc.join(timeout=10)
+            if self.chan is not None:
+                self.chan.close()  # the agent sees EOF, unlinks its slots and exits
+            if self.proc is not None:
+                self._stop(self.proc, wait=60 if self.chan is not None else 0)
             if left := remove_job_segments(self.job_id):
                 log.warning("removed %d shared-memory segments the bench agent left", left)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[bytes], wait: float) -> None:
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            log.warning("bench agent %d did not exit in %.0f s; killing it", proc.pid, wait)
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def _need(taken: bool) -> None:
@@ -409,7 +442,7 @@ def _bench_write(rig: _Rig, plain: _Plain, tmp: Path, repeats: int) -> dict[str,
     seq_bps: list[float] = []
     root = tmp / "durable"
     for r in range(WARMUP + repeats):
-        reply = rig.chan.call("persist", timeout=600, root=str(root), step=rig.step)
+        reply = rig.call("persist", root=str(root), step=rig.step)
         shutil.rmtree(root)
         nbytes = int(reply["nbytes"])
         seq_s = _sequential_write(tmp / "sequential.bin", plain.buf, nbytes)
@@ -543,6 +576,7 @@ def run(size_mib: int, repeats: int) -> dict[str, Any]:
         _process_group(stack)
         rig = _Rig(job_id)
         stack.callback(rig.close)
+        rig.start(tmp)
         results.update(_big_sections(rig, tmp, size_mib, repeats))
         results["step"] = _bench_steps(rig, size_mib, repeats)
     return results
@@ -651,3 +685,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    _agent_main(sys.argv[1:])

@@ -142,6 +142,21 @@ class Job:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _peer_failed(e: RuntimeError) -> bool:
+    """A collective that failed because another rank died: expected, and not this rank's
+    fault, so it gets one line instead of a traceback."""
+    text = str(e)
+    return any(
+        m in text
+        for m in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "Socket closed",
+        )
+    )
+
+
 def _worker_env() -> dict[str, str] | None:
     if "TIERSWAP_AGENT" not in os.environ:
         return None
@@ -207,8 +222,14 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     except CorruptPartError as e:
         chan.send("corrupt", rank=rank, where=e.where, why=e.why)
         code = EXIT_CORRUPT
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        if isinstance(e, RuntimeError) and _peer_failed(e):
+            print(
+                f"[tierswap] rank {rank}: a peer failed in a collective: {str(e)[:100]}",
+                file=sys.stderr,
+            )
+        else:
+            traceback.print_exc()
         code = 1
     finally:
         chan.close()
