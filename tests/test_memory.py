@@ -169,7 +169,6 @@ def test_discard_after_frees_later_steps(make_ring: Callable[..., RankRing]) -> 
     assert ring.held()[2].checksum == "cs2"
 
 
-@pytest.mark.xfail(strict=True, reason="discard_after keeps leased later steps held (reported)")
 def test_abandoned_step_is_never_served_after_discard(make_ring: Callable[..., RankRing]) -> None:
     ring = make_ring(3)
     ring.allocate(_layout())
@@ -178,11 +177,13 @@ def test_abandoned_step_is_never_served_after_discard(make_ring: Callable[..., R
     persisting = ring.lease(2)  # the persister still reads step 2 of the old timeline
     assert persisting is not None
     ring.discard_after(0)
-    ring.unlease(persisting)
-    _write(ring, 1)  # the new timeline replays steps 1 and 2
+    assert persisting.state is SlotState.ABANDONED
+    _write(ring, 1)  # the new timeline replays steps 1 and 2 while the old 2 is still read
     _write(ring, 2)
     served = ring.lease(2)
     assert served is not None and served is not persisting
+    ring.unlease(persisting)
+    assert persisting.state is SlotState.FREE, "an abandoned slot is freed by its last lease"
 
 
 def test_same_layout_keeps_the_allocation(make_ring: Callable[..., RankRing]) -> None:

@@ -89,8 +89,9 @@ def test_snapshots_race_restores_and_persistence(tmp_path: Path) -> None:
             if slot is None:
                 continue
             step = slot.step
-            info = durable.write_part(str(tmp_path), step, 0, 1, layout, slot.tree,
-                                      slot.segment.buf, slot.checksum)
+            info = durable.write_part(
+                str(tmp_path), step, 0, 1, layout, slot.tree, slot.segment.buf, slot.checksum
+            )
             with lock:
                 ring.unlease(slot)
             got_layout, _, data = durable.read_part(str(tmp_path), step, 0, info)

@@ -244,7 +244,6 @@ def open_file() -> Iterator[Any]:
             lambda f: {"opt": {"z": torch.zeros(2, dtype=torch.complex64)}},
             "opt/z",
             "complex64",
-            marks=pytest.mark.xfail(strict=True, reason="dtype error omits the path (reported)"),
         ),
     ],
 )
@@ -302,7 +301,6 @@ def test_layout_from_json_rejects_entries_that_do_not_fit(entry: dict[str, Any])
         Layout.from_json({"nbytes": 16, "entries": [entry]})
 
 
-@pytest.mark.xfail(strict=True, reason="Layout.check accepts negative dimensions (reported)")
 @pytest.mark.parametrize("entry", [_entry(shape=[-1], nbytes=-4), _entry(shape=[-2, -2])])
 def test_layout_from_json_rejects_negative_dimensions(entry: dict[str, Any]) -> None:
     with pytest.raises(StateMismatchError):
@@ -323,7 +321,6 @@ def test_layout_is_aligned_and_views_alias_the_buffer() -> None:
     assert bytes(buf[:12]) == struct.pack("<3f", 2.0, 2.0, 2.0)
 
 
-@pytest.mark.xfail(strict=True, reason="Stateful tensors are loaded in place only (reported)")
 def test_stateful_tensor_of_another_shape_loads_into_fresh_object() -> None:
     # a data loader's shuffled order: a fresh loader does not know the saved length yet
     saved = Progress(10)
@@ -334,7 +331,6 @@ def test_stateful_tensor_of_another_shape_loads_into_fresh_object() -> None:
     _assert_same(saved.order, fresh.order)
 
 
-@pytest.mark.xfail(strict=True, reason="non-finite numpy values are not strict JSON (reported)")
 def test_numpy_array_with_nan_is_strict_json() -> None:
     snap = _snapshot({"a": np.array([np.nan, np.inf, 1.0])}, with_rng=False)
     state: dict[str, Any] = {"a": None}

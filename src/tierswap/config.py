@@ -73,7 +73,7 @@ class Config:
             )
         if self.max_restarts < 0 or self.threads < 0:
             raise ValueError("max_restarts and threads must be >= 0")
-        if self.startup_timeout <= 0:
+        if not self.startup_timeout > 0:  # also refuses NaN
             raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
         for inj in self.inject:
             limit = self.nodes if inj.target == "node" else self.world_size

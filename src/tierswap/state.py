@@ -148,7 +148,8 @@ class Layout:
         """Raise StateMismatchError if the entries do not fit the buffer (crafted input)."""
         for e in self.entries:
             want = math.prod(e.shape) * torch_dtype(e.dtype).itemsize
-            if e.nbytes != want or e.offset < 0 or e.offset + e.nbytes > self.nbytes:
+            negative = any(d < 0 for d in e.shape)
+            if negative or e.nbytes != want or e.offset < 0 or e.offset + e.nbytes > self.nbytes:
                 raise StateMismatchError(f"layout entry {e.key!r} does not fit its buffer")
 
     def chunks(self, buf: memoryview) -> Iterator[memoryview]:
@@ -241,6 +242,11 @@ class _Flattener:
         local = _local(t).detach()
         if local.device.type not in ("cpu", "cuda"):
             raise NotSerializableError(f"state value at {path!r} is on {local.device}")
+        if local.dtype not in _DTYPES:
+            raise NotSerializableError(
+                f"state value at {path!r} has dtype {local.dtype}, which cannot be "
+                f"snapshotted; supported: {', '.join(str(d) for d in _DTYPES)}"
+            )
         entry = TensorEntry(
             key=path,
             dtype=dtype_code(local.dtype),
@@ -290,7 +296,8 @@ class _Flattener:
         if isinstance(v, torch.dtype):
             return {"__dtype__": str(v).removeprefix("torch.")}
         if isinstance(v, np.ndarray):
-            return {"__ndarray__": [str(v.dtype), list(v.shape), v.ravel().tolist()]}
+            raw = base64.b64encode(np.ascontiguousarray(v).tobytes()).decode()
+            return {"__ndarray__": [v.dtype.str, list(v.shape), raw]}
         if isinstance(v, np.generic):
             return self.value(path, v.item())
         raise NotSerializableError(
@@ -341,6 +348,9 @@ class _Loader:
     def __init__(self, tensors: list[torch.Tensor], entries: tuple[TensorEntry, ...]) -> None:
         self.tensors = tensors
         self.entries = entries
+        self.in_place = True
+        """Copy into the live tensors (modules, optimizers); else a changed shape is taken
+        as it was saved (a data loader's permutation, say)."""
 
     def value(self, path: str, v: Any, template: Any = None) -> Any:
         if isinstance(v, list):
@@ -373,7 +383,10 @@ class _Loader:
             return dt
         if "__ndarray__" in v:
             dtype, shape, data = v["__ndarray__"]
-            return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)
+            dt = np.dtype(dtype)
+            if dt.hasobject:
+                raise StateMismatchError(f"{path}: object arrays are not loaded")
+            return np.frombuffer(base64.b64decode(data), dtype=dt).reshape(shape).copy()
         td = template if isinstance(template, dict) else {}
         return {k: self.value(f"{path}/{k}", x, td.get(k)) for k, x in v.items()}
 
@@ -385,7 +398,10 @@ class _Loader:
         if not isinstance(template, torch.Tensor):
             return src.clone()
         dst = _local(template)
-        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        misfit = tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype
+        if misfit and not self.in_place and dst is template:
+            return src.clone()
+        if misfit:
             raise StateMismatchError(
                 f"state value {path!r}: the snapshot has {entry.dtype}{list(src.shape)}, the "
                 f"live state has {dtype_code(dst.dtype)}{list(dst.shape)}. The state changed "
@@ -461,6 +477,7 @@ def load(
                 raise StateMismatchError(f"state[{name!r}] was a plain value in {what}")
             if isinstance(obj, torch.optim.Optimizer) and saved["__stateful__"].get("state"):
                 init_optimizer_state(obj)
+            loader.in_place = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
             value = loader.value(name, saved["__stateful__"], obj.state_dict())
             try:
                 obj.load_state_dict(value)

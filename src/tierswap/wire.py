@@ -48,7 +48,7 @@ class Channel:
             self.send(op, **fields)
             reply = self.recv(timeout)
         if reply is None:
-            raise TimeoutError(f"no reply to {op!r} within {timeout:.0f} s")
+            raise TimeoutError(f"no reply to {op!r} within {timeout:g} s")
         if reply["op"] == "error":
             raise RuntimeError(f"{op!r} failed: {reply.get('message')}")
         return reply

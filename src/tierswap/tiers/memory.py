@@ -21,6 +21,8 @@ class SlotState(Enum):
     WRITING = "writing"
     CHECKING = "checking"
     HELD = "held"
+    ABANDONED = "abandoned"
+    """Of a timeline a restore went back from; freed when its last lease goes."""
 
 
 @dataclass(slots=True)
@@ -148,9 +150,11 @@ class RankRing:
         dropped = []
         if self.alloc is not None:
             for s in self.alloc.slots:
-                if s.state is SlotState.HELD and s.step > step and not s.leases:
+                if s.state is SlotState.HELD and s.step > step:
                     dropped.append(s.step)
-                    s.state, s.step, s.checksum, s.tree = SlotState.FREE, -1, "", {}
+                    s.state = SlotState.ABANDONED if s.leases else SlotState.FREE
+                    if not s.leases:
+                        s.step, s.checksum, s.tree = -1, "", {}
         self.committed = min(self.committed, step)
         self.proposed.clear()
         return dropped
@@ -185,6 +189,8 @@ class RankRing:
 
     def unlease(self, slot: Slot) -> None:
         slot.leases = max(0, slot.leases - 1)
+        if slot.state is SlotState.ABANDONED and not slot.leases:
+            slot.state, slot.step, slot.checksum, slot.tree = SlotState.FREE, -1, "", {}
         self._drop_retired()
 
     def layout(self) -> Layout:
