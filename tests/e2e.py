@@ -99,5 +99,12 @@ def assert_same_bits(
     assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("tierswap-*")}
+def leaked_segments(tmp: Path) -> list[str]:
+    """Shared-memory segments still there of the jobs run under ``tmp``."""
+    ids = [
+        e["job_id"]
+        for ev in tmp.rglob("events.jsonl")
+        for e in events(ev.parent)
+        if e["event"] == "job_started"
+    ]
+    return [p.name for i in ids for p in Path("/dev/shm").glob(f"tierswap-{i}-*")]

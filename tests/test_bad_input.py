@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from e2e import assert_same_bits, events, final_state, run_job
+from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
 from tierswap.tiers import durable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 PERSIST = ("--persist-every", "4")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_memory(tmp_path: Path):
+    yield
+    assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
 
 
 def _listing(root: Path) -> dict[str, int]:

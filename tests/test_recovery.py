@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from e2e import TRAIN, assert_same_bits, events, final_state, kill_job, run_job, shm_segments
+from e2e import TRAIN, assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_memory():
-    before = shm_segments()
+def _no_leaked_memory(tmp_path: Path):
     yield
-    assert shm_segments() <= before, "the job left shared-memory segments behind"
+    assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
 
 
 def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:
@@ -62,7 +61,8 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
     (failure,) = events(run_dir, "failure_detected")
     assert failure["what"] == "node" and failure["node"] == 1
     (restored,) = events(run_dir, "restored")
-    assert set(restored["tiers"].values()) == {2}, "a lost node's ranks come from tier 2"
+    assert restored["tiers"]["1"] == 2, "the lost node's rank comes from tier 2"
+    assert restored["tiers"]["0"] in (0, 2), "a survivor takes its fastest tier holding the step"
 
 
 def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:

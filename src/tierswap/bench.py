@@ -1,27 +1,19 @@
 """``tierswap bench snapshot``: what a snapshot every step costs, against what users have.
 
-One run, one state: a module of large Linear layers and an AdamW optimizer that has taken a
-step, about ``--size-mib`` MiB of parameters and optimizer state. Four measurements:
+One run, one state (Linear layers and an AdamW that has taken a step, ``--size-mib`` MiB):
+1. blocking time per checkpoint of tierswap (``take`` + the wait at the next step's fence,
+   after a stand-in forward and backward), ``torch.save`` + fsync, ``dcp.save`` and
+   ``dcp.async_save`` (until it returns), interleaved per round (A B C D A B C D ...);
+2. the snapshot's copy throughput against a plain ``copy_`` into a touched buffer;
+3. ``durable.write_part`` of a held slot against a sequential write + fsync, same disk;
+4. the step time of a small MLP with a snapshot every step and without, A B / B A blocks,
+   on one torch thread (a core left to the copy and the agent) and on all.
 
-1. Blocking time per checkpoint, the time the training loop cannot go on. tierswap:
-   ``Snapshotter.take`` plus the wait at the fence of the next ``optimizer.step()``, after
-   a simulated forward and backward (matmuls for :data:`COMPUTE_FACTOR` times one plain
-   copy of the state). ``torch.save`` to a file with fsync; ``dcp.save``;
-   ``dcp.async_save`` until it returns (its future is awaited untimed). The methods are
-   interleaved per repeat (A B C D A B C D ...).
-2. Copy throughput: the snapshot's deferred copy against a plain ``copy_`` of the same
-   tensors into a touched buffer laid out like a slot.
-3. Tier-2 write throughput: ``durable.write_part`` of a held slot against a sequential
-   write and fsync of as many bytes to the same disk.
-4. Step time of a small MLP with a snapshot every step and without, on one torch thread
-   (a core left to the copy thread and the agent) and on all of them.
-
-The agent side is real: a :class:`~tierswap.tiers.memory.RankRing` in a spawned process
-serves ``alloc``/``slot``/``held`` over a :class:`~tierswap.wire.Channel` (an anonymous
-socket pair) and checksums each held slot, as the agent does. The first round of every
-measurement is warm-up (slot allocation, page touching, lazy imports) and is not counted.
-Before each timed call the agent's checksums are waited for, untimed, so that one
-method's background work never lands in another's time.
+The agent side is real: a ``RankRing`` in a process of its own serves ``alloc``, ``slot``
+and ``held`` over an authenticated unix socket and checksums each held slot. The first
+round of each measurement is warm-up (slot allocation, page touching, imports), left out.
+Before each timed call the copy and the agent's checksums are waited for, untimed; within
+section 4's blocks they overlap the steps, as in a real job.
 """
 
 from __future__ import annotations
@@ -66,30 +58,52 @@ from tierswap.wire import Channel, Message
 
 log = logging.getLogger(__name__)
 
-NSLOTS = 3
-"""Tier-0 slots of the benchmark's rank, as ``Config.slots`` defaults to."""
-WARMUP = 1
-"""Rounds of every measurement run first and not counted."""
+NSLOTS = 3  # tier-0 slots of the rank: Config.slots' default
+WARMUP = 1  # rounds of each measurement run first and left out
 COMPUTE_FACTOR = 2.0
-"""Section 1's simulated forward and backward runs matmuls for this many times one plain
-copy of the state: far less than a real model with that much state needs."""
+"""Section 1's stand-in forward and backward lasts this many plain copies of the state,
+far less than a real model holding that much state computes."""
 STATE_DEPTH = 8
-"""Linear layers of the benchmark state."""
-LOOP_MAX_MIB = 64
-"""Section 4's MLP holds min(--size-mib, this) MiB of parameters and optimizer state."""
-LOOP_DEPTH = 4
-LOOP_BATCH = 256
-LOOP_BLOCK = 5
-"""Timed steps per block of section 4, after one untimed step that enters the block."""
-_CHUNK = 64 << 20
+LOOP_MAX_MIB, LOOP_DEPTH, LOOP_BATCH = 64, 4, 512
+"""Section 4's MLP: at most 64 MiB of state, 4 layers, 512 rows a step (6 x 512 FLOP per
+parameter, a tiny fraction of a language model's step: little compute hides the copy)."""
+LOOP_BLOCK = 5  # timed steps per block, after an untimed one that enters the block
+TARGETS: dict[str, tuple[str, float]] = {
+    "tierswap/torch_save": ("<=", 0.01),
+    "snapshot/copy_": (">=", 0.8),
+    "write_part/sequential": (">=", 0.8),
+    "step_overhead/threads_1": ("<=", 0.02),
+    "step_overhead/threads_all": ("<=", 0.02),
+}
 _SECRET_ENV = "TIERSWAP_BENCH_SECRET"
-_GIB = float(1 << 30)
+_CHUNK = 64 << 20
 
 Sample = dict[str, float]
+Stats = dict[str, Any]
 
 
-def _stats(xs: Sequence[float]) -> dict[str, Any]:
+def _stats(xs: Sequence[float]) -> Stats:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": list(xs)}
+
+
+def _interleave(
+    methods: Mapping[str, Callable[[], Sample]],
+    repeats: int,
+    between: Callable[[], None],
+    *,
+    alternate: bool = False,
+) -> dict[str, dict[str, Stats]]:
+    """``WARMUP + repeats`` rounds of the methods in turn (order reversed every other round
+    with ``alternate``); the stats of every number they return, warm-up left out."""
+    samples: dict[str, list[Sample]] = {name: [] for name in methods}
+    for r in range(WARMUP + repeats):
+        order = list(methods)[:: -1 if alternate and r % 2 else 1]
+        for name in order:
+            between()
+            sample = methods[name]()
+            if r >= WARMUP:
+                samples[name].append(sample)
+    return {n: {k: _stats([s[k] for s in ss]) for k in ss[0]} for n, ss in samples.items()}
 
 
 def _width(size_mib: float, depth: int) -> int:
@@ -113,22 +127,21 @@ class _Agent:
     def serve(self) -> None:
         try:
             while (msg := self.chan.recv()) is not None:
-                if msg["op"] == "held":
-                    self._held(msg)
-                else:
-                    self._call(msg)
+                self._on(msg)
         except EOFError:
             pass  # the benchmark closed its end: done
         finally:
             self.pool.shutdown(wait=True)
             self.ring.close()
 
-    def _call(self, msg: Message) -> None:
-        handler: Callable[[Message], dict[str, Any]] | None = getattr(self, f"_{msg['op']}", None)
-        if handler is None:
-            self.chan.send("error", message=f"unknown request {msg['op']!r}")
+    def _on(self, msg: Message) -> None:
+        if msg["op"] == "held":
+            self._held(msg)  # no reply; an error here ends the process, and so the bench
             return
+        handler = getattr(self, f"_{msg['op']}", None)
         try:
+            if handler is None:
+                raise ValueError(f"unknown request {msg['op']!r}")
             reply = handler(msg)
         except (ValueError, KeyError, OSError) as e:
             self.chan.send("error", message=f"{type(e).__name__}: {e}")
@@ -156,7 +169,7 @@ class _Agent:
         digest = checksum_chunks(layout.chunks(slot.segment.buf))
         with self.lock:
             self.ring.checked(slot, digest)
-            self.ring.set_committed(step)  # one rank: held by every rank means committed
+            self.ring.set_committed(step)  # one rank: held by all ranks means committed
 
     def _sync(self, msg: Message) -> dict[str, Any]:
         for check in self.checks:
@@ -166,16 +179,16 @@ class _Agent:
 
     def _persist(self, msg: Message) -> dict[str, Any]:
         self._sync(msg)
-        step = int(msg["step"])
         with self.lock:
-            slot, layout = self.ring.lease(step), self.ring.layout()
+            slot, layout = self.ring.lease(int(msg["step"])), self.ring.layout()
         if slot is None:
-            raise ValueError(f"step {step} is not held")
+            raise ValueError(f"step {msg['step']} is not held")
         try:
             t0 = time.monotonic()
             info = durable.write_part(
-                str(msg["root"]), step, 0, 1, layout, slot.tree, slot.segment.buf, slot.checksum
-            )
+                str(msg["root"]), slot.step, 0, 1, layout, slot.tree, slot.segment.buf,
+                slot.checksum,
+            )  # fmt: skip
             seconds = time.monotonic() - t0
         finally:
             with self.lock:
@@ -211,36 +224,32 @@ class _Rig:
         env = {**os.environ, _SECRET_ENV: secret.hex()}
         cmd = [sys.executable, "-m", "tierswap.bench", address, self.job_id]
         self.proc = subprocess.Popen(cmd, env=env)
-        self.chan = self._connect(self.proc, address, secret)
-        self.snap = Snapshotter(self.chan, rank=0)
-
-    @staticmethod
-    def _connect(proc: subprocess.Popen[bytes], address: str, secret: bytes) -> Channel:
         deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the bench agent exited with {proc.returncode}")
+        while self.chan is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                code = self.proc.poll()
+                raise RuntimeError(f"bench agent: no listener at {address} (exit code {code})")
             with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-                return Channel.connect(address, secret)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the bench agent did not listen on {address} in 120 s")
-            time.sleep(0.05)
+                self.chan = Channel.connect(address, secret)
+            time.sleep(0.02)
+        self.snap = Snapshotter(self.chan, rank=0)
 
     @property
     def snapshotter(self) -> Snapshotter:
         assert self.snap is not None
         return self.snap
 
-    def take(self, state: Mapping[str, Any]) -> bool:
+    def take(self, state: Mapping[str, Any]) -> None:
         self.step += 1
-        return self.snapshotter.take(self.step, state)
+        if not self.snapshotter.take(self.step, state):
+            raise RuntimeError(f"tierswap skipped step {self.step} (no free slot)")
 
     def call(self, op: str, **fields: Any) -> Message:
         assert self.chan is not None
         return self.chan.call(op, timeout=600, **fields)
 
     def sync(self) -> None:
-        """Wait, untimed, for the agent's checksums of the snapshots sent so far."""
+        """Wait, untimed, for the copy in flight and the agent's checksums."""
         self.snapshotter.fence()
         self.call("sync")
 
@@ -253,23 +262,14 @@ class _Rig:
             if self.chan is not None:
                 self.chan.close()  # the agent sees EOF, unlinks its slots and exits
             if self.proc is not None:
-                self._stop(self.proc, wait=60 if self.chan is not None else 0)
+                try:
+                    self.proc.wait(timeout=60 if self.chan is not None else 0)
+                except subprocess.TimeoutExpired:
+                    log.warning("bench agent %d did not exit; killing it", self.proc.pid)
+                    self.proc.kill()
+                    self.proc.wait(timeout=10)
             if left := remove_job_segments(self.job_id):
                 log.warning("removed %d shared-memory segments the bench agent left", left)
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen[bytes], wait: float) -> None:
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            log.warning("bench agent %d did not exit in %.0f s; killing it", proc.pid, wait)
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def _need(taken: bool) -> None:
-    if not taken:
-        raise RuntimeError("tierswap skipped a snapshot (no free slot): the timing is void")
 
 
 # ---------------------------------------------------------------- state
@@ -289,18 +289,15 @@ def make_state(size_mib: float) -> dict[str, Any]:
 
 class _Plain:
     """The tensors a snapshot copies off the critical path, and a touched buffer laid out
-    like a slot to copy them into with plain ``copy_``."""
+    like a slot to ``copy_`` them into."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         flat = flatten(state, with_rng=False)
         layout = make_layout(flat)
         self.buf = bytearray(layout.nbytes)  # zero-filled, so touched
         views = [tensor_view(memoryview(self.buf), e) for e in layout.entries]
-        self.pairs = [
-            (src, dst)
-            for e, src, dst in zip(layout.entries, flat.tensors, views, strict=True)
-            if e.deferred
-        ]
+        pairs = zip(layout.entries, flat.tensors, views, strict=True)
+        self.pairs = [(src, dst) for e, src, dst in pairs if e.deferred]
         self.nbytes = sum(e.nbytes for e in layout.entries if e.deferred)
 
     def copy(self) -> float:
@@ -312,8 +309,7 @@ class _Plain:
 
 def _compute(seconds: float) -> None:
     """A stand-in for forward and backward: matmuls for ``seconds``."""
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    out = torch.empty(256, 256)
+    a, b, out = torch.randn(256, 256), torch.randn(256, 256), torch.empty(256, 256)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         torch.mm(a, b, out=out)
@@ -325,21 +321,19 @@ def _compute(seconds: float) -> None:
 def _tierswap_once(rig: _Rig, state: Mapping[str, Any], compute_s: float) -> Sample:
     stats = rig.snapshotter.stats
     t0 = time.monotonic()
-    _need(rig.take(state))
+    rig.take(state)
     take = time.monotonic() - t0
     waits = len(stats.fence_waits)
     _compute(compute_s)
-    state["optim"].step()  # no gradients: only the pre-hook's fence does work
-    fence = stats.fence_waits[-1] if len(stats.fence_waits) > waits else 0.0
+    state["optim"].step()  # no gradients: only its pre-hook, the fence, does work
+    fence = sum(stats.fence_waits[waits:])
     return {"blocking": take + fence, "take": take, "fence": fence, "copy": stats.copy_times[-1]}
 
 
-def _torch_save_once(state: Mapping[str, Any], tmp: Path) -> Sample:
-    path = tmp / "torch-save.pt"
+def _torch_save_once(state: Mapping[str, Any], path: Path) -> Sample:
     t0 = time.monotonic()
-    sd = {name: obj.state_dict() for name, obj in state.items()}
     with open(path, "wb") as f:
-        torch.save(sd, f)
+        torch.save({name: obj.state_dict() for name, obj in state.items()}, f)
         f.flush()
         os.fsync(f.fileno())
     blocking = time.monotonic() - t0
@@ -352,22 +346,19 @@ def _dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _dcp_save_once(state: Mapping[str, Any], tmp: Path) -> Sample:
-    path = tmp / "dcp"
+def _dcp_save_once(state: Mapping[str, Any], path: Path) -> Sample:
     t0 = time.monotonic()
-    save(_dcp_state(state), checkpoint_id=path)  # FileSystemWriter fsyncs its files
+    save(_dcp_state(state), checkpoint_id=path)  # its FileSystemWriter fsyncs each file
     blocking = time.monotonic() - t0
     shutil.rmtree(path)
     return {"blocking": blocking}
 
 
-def _async_save_once(state: Mapping[str, Any], tmp: Path) -> Sample:
-    path = tmp / "dcp-async"
+def _async_save_once(state: Mapping[str, Any], path: Path) -> Sample:
     t0 = time.monotonic()
     res = async_save(_dcp_state(state), checkpoint_id=path)
     blocking = time.monotonic() - t0
-    fut = res if isinstance(res, Future) else res.upload_completion
-    fut.result(timeout=600)
+    (res if isinstance(res, Future) else res.upload_completion).result(timeout=600)
     total = time.monotonic() - t0
     shutil.rmtree(path)
     return {"blocking": blocking, "total": total}
@@ -378,51 +369,29 @@ def _bench_blocking(
 ) -> dict[str, Any]:
     methods: dict[str, Callable[[], Sample]] = {
         "tierswap": lambda: _tierswap_once(rig, state, compute_s),
-        "torch_save": lambda: _torch_save_once(state, tmp),
-        "dcp_save": lambda: _dcp_save_once(state, tmp),
-        "dcp_async_save": lambda: _async_save_once(state, tmp),
+        "torch_save": lambda: _torch_save_once(state, tmp / "torch-save.pt"),
+        "dcp_save": lambda: _dcp_save_once(state, tmp / "dcp"),
+        "dcp_async_save": lambda: _async_save_once(state, tmp / "dcp-async"),
     }
-    samples: dict[str, list[Sample]] = {name: [] for name in methods}
-    for r in range(WARMUP + repeats):
-        for name, once in methods.items():
-            rig.sync()
-            sample = once()
-            if r >= WARMUP:
-                samples[name].append(sample)
-    out: dict[str, Any] = {
-        name: {key: _stats([s[key] for s in ss]) for key in ss[0]} for name, ss in samples.items()
-    }
-    out["compute_s"] = compute_s
-    ts = out["tierswap"]["blocking"]["median"]
-    out["ratios"] = {
-        f"tierswap/{name}": ts / out[name]["blocking"]["median"]
-        for name in ("torch_save", "dcp_save", "dcp_async_save")
-    }
-    return out
+    return {"compute_s": compute_s, **_interleave(methods, repeats, rig.sync)}
 
 
 # ---------------------------------------------------------------- 2. and 3. throughput
 
 
-def _bench_copy(rig: _Rig, state: Mapping[str, Any], plain: _Plain, repeats: int) -> dict[str, Any]:
-    snap_bps: list[float] = []
-    plain_bps: list[float] = []
-    for r in range(WARMUP + repeats):
-        rig.sync()
-        _need(rig.take(state))
-        rig.snapshotter.fence()
-        snap_s = rig.snapshotter.stats.copy_times[-1]
-        rig.sync()
-        plain_s = plain.copy()
-        if r >= WARMUP:
-            snap_bps.append(plain.nbytes / snap_s)
-            plain_bps.append(plain.nbytes / plain_s)
-    snap, ref = _stats(snap_bps), _stats(plain_bps)
-    ratio = snap["median"] / ref["median"]
-    return {"nbytes": plain.nbytes, "snapshot_bps": snap, "copy_bps": ref, "ratio": ratio}
+def _snapshot_copy_once(rig: _Rig, state: Mapping[str, Any], nbytes: int) -> Sample:
+    rig.take(state)
+    rig.snapshotter.fence()
+    return {"bps": nbytes / rig.snapshotter.stats.copy_times[-1]}
 
 
-def _sequential_write(path: Path, buf: bytearray, nbytes: int) -> float:
+def _write_part_once(rig: _Rig, root: Path) -> Sample:
+    reply = rig.call("persist", root=str(root), step=rig.step)
+    shutil.rmtree(root)
+    return {"bps": int(reply["nbytes"]) / float(reply["seconds"])}
+
+
+def _sequential_once(path: Path, buf: bytearray, nbytes: int) -> Sample:
     data = memoryview(buf)[:nbytes]
     t0 = time.monotonic()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -434,24 +403,27 @@ def _sequential_write(path: Path, buf: bytearray, nbytes: int) -> float:
         os.close(fd)
     seconds = time.monotonic() - t0
     path.unlink()
-    return seconds
+    return {"bps": nbytes / seconds}
 
 
-def _bench_write(rig: _Rig, plain: _Plain, tmp: Path, repeats: int) -> dict[str, Any]:
-    part_bps: list[float] = []
-    seq_bps: list[float] = []
-    root = tmp / "durable"
-    for r in range(WARMUP + repeats):
-        reply = rig.call("persist", root=str(root), step=rig.step)
-        shutil.rmtree(root)
-        nbytes = int(reply["nbytes"])
-        seq_s = _sequential_write(tmp / "sequential.bin", plain.buf, nbytes)
-        if r >= WARMUP:
-            part_bps.append(nbytes / float(reply["seconds"]))
-            seq_bps.append(nbytes / seq_s)
-    part, seq = _stats(part_bps), _stats(seq_bps)
-    ratio = part["median"] / seq["median"]
-    return {"nbytes": nbytes, "write_part_bps": part, "sequential_bps": seq, "ratio": ratio}
+def _bench_throughput(
+    rig: _Rig, state: Mapping[str, Any], tmp: Path, repeats: int
+) -> dict[str, Any]:
+    """Sections 2 and 3; section 1's stand-in compute lasts COMPUTE_FACTOR plain copies."""
+    plain = _Plain(state)
+    n = plain.nbytes
+    copy = _interleave(
+        {"snapshot": lambda: _snapshot_copy_once(rig, state, n),
+         "copy_": lambda: {"bps": n / plain.copy()}},
+        repeats, rig.sync,
+    )  # fmt: skip
+    write = _interleave(
+        {"write_part": lambda: _write_part_once(rig, tmp / "durable"),
+         "sequential": lambda: _sequential_once(tmp / "sequential.bin", plain.buf, n)},
+        repeats, rig.sync,
+    )  # fmt: skip
+    compute_s = COMPUTE_FACTOR * n / copy["copy_"]["bps"]["median"]
+    return {"compute_s": compute_s, "copy": {"nbytes": n, **copy}, "write": {"nbytes": n, **write}}
 
 
 # ---------------------------------------------------------------- 4. step time
@@ -472,13 +444,11 @@ class _Loop:
             layers += [nn.Linear(width, width), nn.ReLU()]
         model = nn.Sequential(*layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x, y = torch.randn(LOOP_BATCH, width), torch.randn(LOOP_BATCH, width)
-        return _Loop(model, opt, x, y)
+        return _Loop(model, opt, torch.randn(LOOP_BATCH, width), torch.randn(LOOP_BATCH, width))
 
     def step(self, rig: _Rig | None) -> float:
         t0 = time.monotonic()
-        loss = F.mse_loss(self.model(self.x), self.y)
-        loss.backward()  # type: ignore[no-untyped-call]
+        F.mse_loss(self.model(self.x), self.y).backward()  # type: ignore[no-untyped-call]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if rig is not None:
@@ -486,69 +456,59 @@ class _Loop:
         return time.monotonic() - t0
 
 
-def _block(loop: _Loop, rig: _Rig, snapshot: bool) -> float:
-    """Mean step time over a block; its first step (which enters it) is not timed."""
+def _block(loop: _Loop, rig: _Rig, snapshot: bool) -> Sample:
+    """Mean step time over ``LOOP_BLOCK`` steps after an untimed one that enters the block;
+    with snapshots also the stall (time in take and at fences) and the background copy."""
     who = rig if snapshot else None
     loop.step(who)
+    stats = rig.snapshotter.stats
+    takes, waits, copies = len(stats.sync_copies), len(stats.fence_waits), len(stats.copy_times)
     seconds = sum(loop.step(who) for _ in range(LOOP_BLOCK)) / LOOP_BLOCK
-    rig.sync()
-    return seconds
-
-
-def _ab(loop: _Loop, rig: _Rig, repeats: int) -> dict[str, Any]:
-    with_s: list[float] = []
-    without_s: list[float] = []
-    for r in range(WARMUP + repeats):
-        order = (True, False) if r % 2 else (False, True)  # A B, then B A: drift cancels
-        times = {snap: _block(loop, rig, snap) for snap in order}
-        if r >= WARMUP:
-            with_s.append(times[True])
-            without_s.append(times[False])
-    paired = [100 * (w / wo - 1) for w, wo in zip(with_s, without_s, strict=True)]
-    return {
-        "with_snapshot_s": _stats(with_s),
-        "without_s": _stats(without_s),
-        "overhead_pct": _stats(paired),
-    }
+    if not snapshot:
+        return {"step_s": seconds}
+    stall = sum(stats.sync_copies[takes:]) + sum(stats.fence_waits[waits:])
+    copy = sum(stats.copy_times[copies:])
+    return {"step_s": seconds, "stall_s": stall / LOOP_BLOCK, "copy_s": copy / LOOP_BLOCK}
 
 
 def _bench_steps(rig: _Rig, size_mib: int, repeats: int) -> dict[str, Any]:
     loop = _Loop.make(size_mib)
-    width = loop.x.shape[1]
-    out: dict[str, Any] = {"width": width, "depth": LOOP_DEPTH, "batch": LOOP_BATCH}
-    skipped = rig.snapshotter.stats.skipped
+    params = sum(p.numel() for p in loop.model.parameters())
+    out: dict[str, Any] = {"params": params, "batch": LOOP_BATCH, "state_bytes": 12 * params}
     for key, threads in (("threads_1", 1), ("threads_all", os.cpu_count() or 1)):
         torch.set_num_threads(threads)
-        out[key] = {"threads": threads, **_ab(loop, rig, repeats)}
-    out["skipped"] = rig.snapshotter.stats.skipped - skipped
-    out["state_bytes"] = sum(3 * p.numel() * p.element_size() for p in loop.model.parameters())
+        methods: dict[str, Callable[[], Sample]] = {
+            "with_snapshot": lambda: _block(loop, rig, True),
+            "without": lambda: _block(loop, rig, False),
+        }
+        ab = _interleave(methods, repeats, rig.sync, alternate=True)
+        w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
+        pairs = zip(w, wo, strict=True)
+        out[key] = {"threads": threads, **ab, "overhead": _stats([a / b - 1 for a, b in pairs])}
     return out
 
 
 # ---------------------------------------------------------------- the run
 
 
-def _big_sections(rig: _Rig, tmp: Path, size_mib: int, repeats: int) -> dict[str, Any]:
-    """Sections 1 to 3, on one state of ``size_mib`` MiB."""
-    state = make_state(size_mib)
-    plain = _Plain(state)
-    compute_s = COMPUTE_FACTOR * min(plain.copy() for _ in range(WARMUP + 2))
-    return {
-        "state_bytes": plain.nbytes,
-        "blocking": _bench_blocking(rig, state, tmp, repeats, compute_s),
-        "copy": _bench_copy(rig, state, plain, repeats),
-        "write": _bench_write(rig, plain, tmp, repeats),
-    }
+def _ratios(res: Mapping[str, Any]) -> dict[str, float]:
+    def med(*path: str) -> float:
+        node: Any = res
+        for key in path:
+            node = node[key]
+        return float(node["median"])
+
+    ts = med("blocking", "tierswap", "blocking")
+    out = {f"tierswap/{k}": ts / med("blocking", k, "blocking") for k in _BASELINES}
+    out["snapshot/copy_"] = med("copy", "snapshot", "bps") / med("copy", "copy_", "bps")
+    write = med("write", "write_part", "bps") / med("write", "sequential", "bps")
+    out["write_part/sequential"] = write
+    for key in ("threads_1", "threads_all"):
+        out[f"step_overhead/{key}"] = med("step", key, "overhead")
+    return out
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+_BASELINES = ("torch_save", "dcp_save", "dcp_async_save")
 
 
 def _process_group(stack: contextlib.ExitStack) -> None:
@@ -558,118 +518,97 @@ def _process_group(stack: contextlib.ExitStack) -> None:
         stack.callback(dist.destroy_process_group)
 
 
+def _measure(rig: _Rig, tmp: Path, size_mib: int, repeats: int) -> dict[str, Any]:
+    state = make_state(size_mib)
+    res = _bench_throughput(rig, state, tmp, repeats)
+    res["blocking"] = _bench_blocking(rig, state, tmp, repeats, res.pop("compute_s"))
+    del state  # free the big state before the loop's
+    res["step"] = _bench_steps(rig, size_mib, repeats)
+    return res
+
+
 def run(size_mib: int, repeats: int) -> dict[str, Any]:
-    """Every measurement; temp files, segments, threads and the group are gone after."""
+    """Every measurement, then the ratios; temp files, segments, the agent process, threads
+    and a process group made here are gone when it returns."""
     job_id = f"bench-{secrets.token_hex(4)}"
-    results: dict[str, Any] = {"machine": _machine()}
+    machine = {"cpu_count": os.cpu_count(), "torch": torch.__version__,
+               "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+               "platform": platform.platform()}  # fmt: skip
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tierswap-bench-")))
-        results["config"] = {
-            "size_mib": size_mib,
-            "repeats": repeats,
-            "warmup": WARMUP,
-            "job_id": job_id,
-            "disk_dir": str(tmp),
-            "slots": NSLOTS,
-        }
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         _process_group(stack)
         rig = _Rig(job_id)
         stack.callback(rig.close)
         rig.start(tmp)
-        results.update(_big_sections(rig, tmp, size_mib, repeats))
-        results["step"] = _bench_steps(rig, size_mib, repeats)
-    return results
+        res = _measure(rig, tmp, size_mib, repeats)
+    config = {"size_mib": size_mib, "repeats": repeats, "warmup": WARMUP, "slots": NSLOTS,
+              "compute_factor": COMPUTE_FACTOR, "job_id": job_id, "disk_dir": str(tmp)}  # fmt: skip
+    return {"machine": machine, "config": config, **res, "ratios": _ratios(res)}
 
 
 # ---------------------------------------------------------------- the report
 
+_ROWS = (  # section, measure, path to its stats, unit
+    ("blocking", "tierswap: take + fence", "blocking/tierswap/blocking", "ms"),
+    ("", "  in take", "blocking/tierswap/take", "ms"),
+    ("", "  at the fence", "blocking/tierswap/fence", "ms"),
+    ("", "  (copy, overlapping compute)", "blocking/tierswap/copy", "ms"),
+    ("", "torch.save + fsync", "blocking/torch_save/blocking", "ms"),
+    ("", "dcp.save", "blocking/dcp_save/blocking", "ms"),
+    ("", "dcp.async_save, until it returns", "blocking/dcp_async_save/blocking", "ms"),
+    ("", "  (until its future is done)", "blocking/dcp_async_save/total", "ms"),
+    ("copy", "snapshot copy", "copy/snapshot/bps", "GiB/s"),
+    ("", "plain copy_", "copy/copy_/bps", "GiB/s"),
+    ("write", "durable.write_part", "write/write_part/bps", "GiB/s"),
+    ("", "sequential write + fsync", "write/sequential/bps", "GiB/s"),
+    ("step", "{n} thread(s), snapshot every step", "step/{k}/with_snapshot/step_s", "ms"),
+    ("", "  stall per step (take + fence)", "step/{k}/with_snapshot/stall_s", "ms"),
+    ("", "  (copy per step, in the background)", "step/{k}/with_snapshot/copy_s", "ms"),
+    ("", "{n} thread(s), no snapshot", "step/{k}/without/step_s", "ms"),
+)
 
-def _ms(s: Mapping[str, Any]) -> tuple[str, str]:
-    return f"{1e3 * s['median']:.1f} ms", f"{1e3 * s['min']:.1f} – {1e3 * s['max']:.1f}"
+
+def _cells(stats: Stats, unit: str) -> tuple[str, str]:
+    scale = 1e3 if unit == "ms" else 1 / (1 << 30)
+    lo, mid, hi = (scale * stats[k] for k in ("min", "median", "max"))
+    digits = 1 if unit == "ms" else 2
+    return f"{mid:.{digits}f} {unit}", f"{lo:.{digits}f} – {hi:.{digits}f}"
 
 
-def _gibs(s: Mapping[str, Any]) -> tuple[str, str]:
-    return f"{s['median'] / _GIB:.2f} GiB/s", f"{s['min'] / _GIB:.2f} – {s['max'] / _GIB:.2f}"
-
-
-def _rows(res: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
-    b, c, w = res["blocking"], res["copy"], res["write"]
-    rows = [("blocking", "tierswap (take + fence)", *_ms(b["tierswap"]["blocking"]))]
-    rows += [("", f"  of which {k}", *_ms(b["tierswap"][k])) for k in ("take", "fence")]
-    rows.append(("", "  copy, overlapped", *_ms(b["tierswap"]["copy"])))
-    rows += [
-        ("", n, *_ms(b[k]["blocking"]))
-        for k, n in (
-            ("torch_save", "torch.save + fsync"),
-            ("dcp_save", "dcp.save"),
-            ("dcp_async_save", "dcp.async_save (until it returns)"),
-        )
-    ]
-    rows.append(("", "  async_save until done", *_ms(b["dcp_async_save"]["total"])))
-    rows.append(("copy", "snapshot copy", *_gibs(c["snapshot_bps"])))
-    rows.append(("", "plain copy_", *_gibs(c["copy_bps"])))
-    rows.append(("write", "durable.write_part", *_gibs(w["write_part_bps"])))
-    rows.append(("", "sequential write + fsync", *_gibs(w["sequential_bps"])))
-    for key in ("threads_1", "threads_all"):
-        s = res["step"][key]
-        n = s["threads"]
-        rows.append(("step", f"{n} thread(s), snapshot every step", *_ms(s["with_snapshot_s"])))
-        rows.append(("", f"{n} thread(s), no snapshot", *_ms(s["without_s"])))
+def _rows(res: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    for k in ("", "threads_1", "threads_all"):
+        for section, measure, path, unit in _ROWS:
+            if ("{k}" in path) != bool(k):
+                continue
+            node: Any = res
+            for part in path.format(k=k).split("/"):
+                node = node[part]
+            n = res["step"][k]["threads"] if k else 0
+            rows.append((section, measure.format(n=n), *_cells(node, unit)))
     return rows
 
 
-def _ratios(res: Mapping[str, Any]) -> list[tuple[str, float, str, bool]]:
-    r = res["blocking"]["ratios"]
-    out = [
-        (
-            "tierswap / torch.save (blocking)",
-            100 * r["tierswap/torch_save"],
-            "<= 1 %",
-            r["tierswap/torch_save"] <= 0.01,
-        ),
-        ("tierswap / dcp.save (blocking)", 100 * r["tierswap/dcp_save"], "", True),
-        ("tierswap / dcp.async_save (blocking)", 100 * r["tierswap/dcp_async_save"], "", True),
-        (
-            "snapshot copy / plain copy_",
-            100 * res["copy"]["ratio"],
-            ">= 80 %",
-            res["copy"]["ratio"] >= 0.8,
-        ),
-        (
-            "write_part / sequential write",
-            100 * res["write"]["ratio"],
-            ">= 80 %",
-            res["write"]["ratio"] >= 0.8,
-        ),
-    ]
-    for key in ("threads_1", "threads_all"):
-        s = res["step"][key]
-        pct = s["overhead_pct"]["median"]
-        out.append((f"step overhead, {s['threads']} thread(s)", pct, "<= 2 %", abs(pct) <= 2))
-    return out
-
-
 def report(res: Mapping[str, Any]) -> None:
-    """Print the results as two tables."""
+    """Print the measurements and the ratios as two tables."""
     from rich.console import Console
     from rich.table import Table
 
-    size = res["state_bytes"] / 2**20
-    title = (
-        f"tierswap bench snapshot: {size:.0f} MiB state, {res['config']['repeats']} "
-        f"repeats (+{WARMUP} warm-up), {res['machine']['cpu_count']} CPUs, "
-        f"torch {res['machine']['torch']}"
-    )
+    m, c = res["machine"], res["config"]
+    title = (f"tierswap bench snapshot: {res['copy']['nbytes'] / 2**20:.0f} MiB of state, "
+             f"{c['repeats']} repeats (+{c['warmup']} warm-up), {m['cpu_count']} CPUs, "
+             f"torch {m['torch']}")  # fmt: skip
     table = Table("section", "measure", "median", "min – max", title=title)
     for row in _rows(res):
         table.add_row(*row)
-    ratios = Table("ratio", "value", "target", "met")
-    for name, pct, target, met in _ratios(res):
-        ratios.add_row(name, f"{pct:.2f} %", target, ("yes" if met else "NO") if target else "")
-    console = Console()
-    console.print(table)
-    console.print(ratios)
+    ratios = Table("ratio", "median", "target", "met")
+    for name, value in res["ratios"].items():
+        op, goal = TARGETS.get(name, ("", 0.0))
+        met = value <= goal if op == "<=" else value >= goal
+        ratios.add_row(name, f"{100 * value:.2f} %", f"{op} {100 * goal:g} %" if op else "",
+                       ("yes" if met else "NO") if op else "")  # fmt: skip
+    Console().print(table, ratios)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -677,9 +616,7 @@ def main(args: argparse.Namespace) -> int:
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: only 'snapshot' is measured")
     if args.size_mib < 1 or args.repeats < 1:
-        raise ValueError(
-            f"--size-mib {args.size_mib} --repeats {args.repeats}: both must be at least 1"
-        )
+        raise ValueError(f"--size-mib {args.size_mib}, --repeats {args.repeats}: use >= 1 each")
     res = run(args.size_mib, args.repeats)
     report(res)
     if args.json:
