@@ -131,9 +131,10 @@ class Snapshotter:
             self.stats.skipped += 1
             return False
         views = alloc.slot_views(slot)
-        for entry, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
-            if not entry.deferred:
-                dst.copy_(src)
+        with torch.no_grad():
+            for entry, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
+                if not entry.deferred:
+                    dst.copy_(src)
         job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
         self.stats.sync_copies.append(time.monotonic() - t0)
         self._idle.clear()
@@ -224,9 +225,12 @@ class Snapshotter:
     def _copy(self, job: _Job) -> None:
         t0 = time.monotonic()
         views = job.alloc.slot_views(job.slot)
-        for entry, src, dst in zip(job.alloc.layout.entries, job.flat.tensors, views, strict=True):
-            if entry.deferred and not src.is_cuda:
-                dst.copy_(src)
+        with torch.no_grad():
+            for entry, src, dst in zip(
+                job.alloc.layout.entries, job.flat.tensors, views, strict=True
+            ):
+                if entry.deferred and not src.is_cuda:
+                    dst.copy_(src)
         if job.event is not None:
             job.event.synchronize()
         self.stats.copy_times.append(time.monotonic() - t0)

@@ -43,6 +43,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -239,21 +240,22 @@ class _Flattener:
         self.deferred: set[int] = set()
 
     def tensor(self, path: str, t: torch.Tensor) -> dict[str, Any]:
-        local = _local(t).detach()
-        if local.device.type not in ("cpu", "cuda"):
-            raise NotSerializableError(f"state value at {path!r} is on {local.device}")
-        if local.dtype not in _DTYPES:
+        # Runs for every tensor at every step: plain tensors skip the DTensor look-up.
+        local = t if type(t) in _PLAIN else _local(t).detach()
+        code = _DTYPES.get(local.dtype)
+        if code is None or local.device.type not in ("cpu", "cuda"):
             raise NotSerializableError(
-                f"state value at {path!r} has dtype {local.dtype}, which cannot be "
-                f"snapshotted; supported: {', '.join(str(d) for d in _DTYPES)}"
+                f"state value at {path!r} is a {local.dtype} tensor on {local.device}, which "
+                f"cannot be snapshotted; supported dtypes: {', '.join(map(str, _DTYPES))}"
             )
+        nbytes = local.numel() * local.element_size()
         entry = TensorEntry(
-            key=path,
-            dtype=dtype_code(local.dtype),
-            shape=tuple(local.shape),
-            offset=0,
-            nbytes=local.numel() * local.element_size(),
-            deferred=local.data_ptr() in self.deferred and local.numel() > 0,
+            path,
+            code,
+            tuple(local.shape),
+            0,
+            nbytes,
+            nbytes > 0 and local.data_ptr() in self.deferred,
         )
         if local is not t and hasattr(t, "device_mesh"):
             mesh = t.device_mesh
@@ -308,12 +310,18 @@ class _Flattener:
         )
 
 
+def _python_rng() -> dict[str, Any]:
+    """``random.getstate()`` with its 625 words as one tensor, not 625 JSON numbers."""
+    version, words, gauss = random.getstate()
+    return {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss}
+
+
 def capture_rng() -> dict[str, Any]:
     """The RNG states of torch (CPU and CUDA), numpy and Python's ``random``."""
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(legacy=True),
-        "python": random.getstate(),
+        "python": _python_rng(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -448,7 +456,7 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     np_state = rng["numpy"]
     np.random.set_state(tuple(np_state))
     py = rng["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
 
