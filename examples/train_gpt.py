@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -60,6 +62,8 @@ def save_final(out: str, rank: int, state: dict[str, Any]) -> None:
 
 def train(job: tierswap.Job) -> None:
     args = parse()
+    random.seed(0)  # every RNG the run touches starts from a seed, so runs can be compared
+    np.random.seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
     model = build_model(cfg, args.mode, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
+import tempfile
 import threading
 from pathlib import Path
 
@@ -13,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from tierswap import bench
+from tierswap.bench.rig import Rig
+from tierswap.checksum import checksum_chunks
 from tierswap.shm import PREFIX, SHM_DIR
+from tierswap.state import flatten
 
 
 def _bench_segments() -> set[str]:
@@ -55,3 +60,27 @@ def test_bench_snapshot_writes_every_section_and_cleans_up(tmp_path: Path) -> No
     assert not dist.is_initialized()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tierswap-")]
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.timeout(60)
+def test_rig_slot_holds_the_state_as_the_agent_checksummed_it() -> None:
+    state = bench.make_state(1)
+    with tempfile.TemporaryDirectory(prefix="tierswap-rig-") as tmp:
+        rig = Rig(f"rig-{secrets.token_hex(4)}")
+        try:
+            rig.start(Path(tmp))
+            rig.take(state)
+            rig.snapshotter.fence()
+            reply = rig.call("holding", step=rig.step)
+            alloc = rig.snapshotter._alloc
+            assert alloc is not None
+            slot = int(reply["slot"])
+            buf = alloc.segments[slot].buf
+            assert checksum_chunks(alloc.layout.chunks(buf)) == reply["checksum"]
+            flat = flatten(state, with_rng=False)
+            pairs = zip(alloc.layout.entries, alloc.slot_views(slot), strict=True)
+            views = {e.key: v for e, v in pairs}
+            for entry, t in zip(flat.entries, flat.tensors, strict=True):
+                assert torch.equal(views[entry.key], t), entry.key
+        finally:
+            rig.close()

@@ -25,11 +25,11 @@ pytestmark = pytest.mark.timeout(60)
         ({"threads": -2}, "threads"),
         ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
         (
-            {"nodes": 2, "inject": (Injection("node", 2, 5),)},
+            {"nodes": 2, "inject": (Injection("kill", "node", 2, 5),)},
             r"--inject kill:node=2:step=5: there are only 2 nodes",
         ),
         (
-            {"nodes": 2, "nproc_per_node": 2, "inject": (Injection("rank", 4, 1),)},
+            {"nodes": 2, "nproc_per_node": 2, "inject": (Injection("kill", "rank", 4, 1),)},
             r"--inject kill:rank=4:step=1: there are only 4 ranks",
         ),
     ],
@@ -58,7 +58,9 @@ def configs(draw: st.DrawFn) -> Config:
     for target in draw(st.lists(targets, max_size=3)):
         limit = nodes if target == "node" else nodes * nproc
         index = draw(st.integers(min_value=0, max_value=limit - 1))
-        inject.append(Injection(target, index, draw(st.integers(min_value=0, max_value=10**6))))
+        inject.append(
+            Injection("kill", target, index, draw(st.integers(min_value=0, max_value=10**6)))
+        )
     text = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\0"))
     return Config(
         nodes=nodes,
@@ -91,7 +93,7 @@ def test_env_round_trip_with_injections() -> None:
         nodes=3,
         nproc_per_node=2,
         persist="file:///tmp/ckpt",
-        inject=(Injection("node", 1, 20), Injection("rank", 5, 7)),
+        inject=(Injection("kill", "node", 1, 20), Injection("kill", "rank", 5, 7)),
         startup_timeout=2.5,
         console=False,
     )
@@ -131,8 +133,8 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("kill:node=1:step=20", Injection("node", 1, 20)),
-        (" kill:rank=0:step=0 ", Injection("rank", 0, 0)),
+        ("kill:node=1:step=20", Injection("kill", "node", 1, 20)),
+        (" kill:rank=0:step=0 ", Injection("kill", "rank", 0, 0)),
     ],
 )
 def test_injection_parse_and_str(spec: str, expected: Injection) -> None:

@@ -48,6 +48,8 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
         steps=16,
         mode="fsdp",
         extra=(
+            "--replicas",
+            "0",
             "--persist",
             str(persist),
             "--persist-every",
@@ -120,7 +122,7 @@ def test_exact_ddp_three_ranks_worker_killed_bit_exact(tmp_path: Path) -> None:
 
 def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) -> None:
     code, run_dir, out = run_job(
-        tmp_path, "lost", steps=40, extra=("--inject", "kill:node=1:step=5")
+        tmp_path, "lost", steps=40, extra=("--replicas", "0", "--inject", "kill:node=1:step=5")
     )
     assert code == 1
     assert "--persist" in out and "no step can be restored" in out

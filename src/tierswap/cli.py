@@ -26,6 +26,9 @@ def _run(args: argparse.Namespace) -> int:
         inject=tuple(Injection.parse(s) for s in args.inject) or None,
         max_restarts=args.max_restarts,
         threads=args.threads,
+        replicas=args.replicas,
+        max_peer_memory=args.max_peer_memory,
+        bind=args.bind,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
@@ -106,6 +109,19 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-restarts", type=int, default=None)
     run.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    run.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="tier-1 copies of each rank in other nodes' memory (default 1)",
+    )
+    run.add_argument(
+        "--max-peer-memory",
+        type=int,
+        default=None,
+        help="bytes one node may hold for others (default: no bound)",
+    )
+    run.add_argument("--bind", default=None, help="interface of the replica server")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)

@@ -14,24 +14,36 @@ ENV_PREFIX = "TIERSWAP_"
 
 @dataclass(frozen=True, slots=True)
 class Injection:
-    """A fault to inject: kill a node (agent and workers) or one rank when a step is reached."""
+    """A fault to inject, for tests and demos.
 
+    ``kill:node=I:step=S`` kills node I (agent and workers) when the job reaches step S;
+    ``kill:rank=R:step=S`` kills one worker; ``corrupt:rank=R:step=S:where=flight|memory``
+    flips a byte of every tier-1 replica of rank R from step S on, as it arrives (before
+    its checksum is checked) or once it is stored.
+    """
+
+    action: str
     target: str
-    """``"node"`` or ``"rank"``."""
     index: int
     step: int
+    where: str = ""
 
     @staticmethod
     def parse(spec: str) -> Injection:
-        m = re.fullmatch(r"kill:(node|rank)=(\d+):step=(\d+)", spec.strip())
-        if m is None:
-            raise ValueError(
-                f"--inject {spec!r}: expected kill:node=I:step=S or kill:rank=R:step=S"
-            )
-        return Injection(m.group(1), int(m.group(2)), int(m.group(3)))
+        kill = re.fullmatch(r"kill:(node|rank)=(\d+):step=(\d+)", spec.strip())
+        if kill is not None:
+            return Injection("kill", kill.group(1), int(kill.group(2)), int(kill.group(3)))
+        bad = re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory)", spec.strip())
+        if bad is not None:
+            return Injection("corrupt", "rank", int(bad.group(1)), int(bad.group(2)), bad.group(3))
+        raise ValueError(
+            f"--inject {spec!r}: expected kill:node=I:step=S, kill:rank=R:step=S or "
+            "corrupt:rank=R:step=S:where=flight|memory"
+        )
 
     def __str__(self) -> str:
-        return f"kill:{self.target}={self.index}:step={self.step}"
+        where = f":where={self.where}" if self.where else ""
+        return f"{self.action}:{self.target}={self.index}:step={self.step}{where}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +66,13 @@ class Config:
     """Tier-0 slots per rank: the committed step, the one in flight and one being written."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo."""
+    replicas: int = 1
+    """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
+    a job with fewer nodes uses what it has)."""
+    max_peer_memory: int = 0
+    """Bytes of replicas one node may hold for others; 0 is no bound."""
+    bind: str = "127.0.0.1"
+    """Interface the replica server listens on."""
     max_restarts: int = 10
     """Failures the job recovers from before it gives up."""
     startup_timeout: float = 120.0
@@ -71,8 +90,9 @@ class Config:
             raise ValueError(
                 f"slots must be >= 3 (committed, in flight, being written), got {self.slots}"
             )
-        if self.max_restarts < 0 or self.threads < 0:
-            raise ValueError("max_restarts and threads must be >= 0")
+        for name in ("max_restarts", "threads", "replicas", "max_peer_memory"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.startup_timeout > 0:  # also refuses NaN
             raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
         for inj in self.inject:

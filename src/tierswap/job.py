@@ -21,7 +21,7 @@ from tierswap.config import Injection
 from tierswap.errors import CorruptPartError, UsageError
 from tierswap.shm import Segment
 from tierswap.state import Layout, load, tensor_view
-from tierswap.tiers import durable
+from tierswap.tiers import durable, peer
 from tierswap.wire import Channel
 
 EXIT_USAGE = 3
@@ -42,13 +42,17 @@ class Job:
         generation: int = 0,
         chan: Channel | None = None,
         injections: tuple[Injection, ...] = (),
+        secret: bytes = b"",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.generation = generation
         self._chan = chan
-        self._injections = tuple(i for i in injections if i.target == "rank" and i.index == rank)
+        self._secret = secret
+        self._injections = tuple(
+            i for i in injections if i.action == "kill" and i.target == "rank" and i.index == rank
+        )
         self._snap: snapshot.Snapshotter | None = None
         self.restored_step: int | None = None
         self.last_step = -1
@@ -106,6 +110,8 @@ class Job:
         source = plan["source"]
         if source["tier"] == 0:
             self._load_memory(state, source)
+        elif source["tier"] == 1:
+            self._load_peer(state, source, step)
         else:
             self._load_durable(state, source, step)
         seconds = time.monotonic() - t0
@@ -125,6 +131,14 @@ class Job:
             del views
         finally:
             seg.close()
+
+    def _load_peer(
+        self, state: MutableMapping[str, Any], source: dict[str, Any], step: int
+    ) -> None:
+        host, port = source["address"]
+        layout, tree, buf = peer.fetch((str(host), int(port)), self._secret, self.rank, step)
+        views = [tensor_view(memoryview(buf), e) for e in layout.entries]
+        load(state, tree, views, layout, what=f"node {source['node']}'s replica of step {step}")
 
     def _load_durable(
         self, state: MutableMapping[str, Any], source: dict[str, Any], step: int
@@ -200,6 +214,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         generation=generation,
         chan=chan,
         injections=injections,
+        secret=bytes.fromhex(env["TIERSWAP_SECRET"]),
     )
     host, port = env["TIERSWAP_STORE"].rsplit(":", 1)
     timeout = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))

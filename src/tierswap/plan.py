@@ -5,7 +5,8 @@ A pure function, so every case can be tested without processes. Rules:
 - The step is the newest one that *every* rank can reach from some tier; a restore never
   mixes steps across ranks.
 - For each rank the fastest tier holding that step wins: its own node's memory (tier 0),
-  then durable storage (tier 2).
+  then a peer's memory (tier 1, spreading the ranks over the holders so they are fetched
+  in parallel), then durable storage (tier 2).
 - Parts known to be corrupt are not sources; a step passed over is named with the reason.
 """
 
@@ -38,6 +39,8 @@ class Holdings:
     """rank -> steps its own node's tier 0 holds, checksummed."""
     memory_node: Mapping[int, int] = field(default_factory=dict)
     """rank -> the node whose tier 0 holds its parts."""
+    peer: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
+    """rank -> node -> steps that node holds as tier-1 replicas of the rank."""
     durable: frozenset[int] = frozenset()
     """Steps committed in tier 2 by a job of the same world size."""
     bad: frozenset[tuple[Tier, int, int]] = frozenset()
@@ -56,9 +59,14 @@ class Plan:
         return sorted(r for r, s in self.sources.items() if s.tier == tier)
 
 
-def _source(h: Holdings, step: int, rank: int) -> Source | None:
+def _source(h: Holdings, step: int, rank: int, load: dict[int, int]) -> Source | None:
     if step in h.memory.get(rank, ()) and (Tier.MEMORY, step, rank) not in h.bad:
         return Source(Tier.MEMORY, h.memory_node.get(rank))
+    holders = sorted(n for n, steps in h.peer.get(rank, {}).items() if step in steps)
+    if holders and (Tier.PEER, step, rank) not in h.bad:
+        node = min(holders, key=lambda n: (load.get(n, 0), n))
+        load[node] = load.get(node, 0) + 1
+        return Source(Tier.PEER, node)
     if step in h.durable and (Tier.DURABLE, step, rank) not in h.bad:
         return Source(Tier.DURABLE)
     return None
@@ -71,9 +79,13 @@ def plan_restore(h: Holdings) -> Plan:
     candidates = set(h.durable)
     for steps in h.memory.values():
         candidates |= steps
+    for by_node in h.peer.values():
+        for steps in by_node.values():
+            candidates |= steps
     skipped: list[tuple[int, str]] = []
     for step in sorted(candidates, reverse=True):
-        sources = {r: _source(h, step, r) for r in range(h.world_size)}
+        load: dict[int, int] = {}
+        sources = {r: _source(h, step, r, load) for r in range(h.world_size)}
         lost = [r for r, s in sources.items() if s is None]
         if not lost:
             return Plan(step, {r: s for r, s in sources.items() if s is not None}, tuple(skipped))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -19,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.checksum import checksum_chunks
+from tierswap.cluster.replication import PeerStore, Replicator
 from tierswap.config import Config, Injection
 from tierswap.state import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.memory import RankRing, Slot
+from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
 
 Item = tuple[str, Any, Message | None]
@@ -59,6 +60,10 @@ class Agent:
         self.sock = str(run_dir / f"agent-{node}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
         serve(self.listener, self._on_worker_channel, "tierswap-accept")
+        report = self.coord.send
+        self.peers = PeerStore(job_id, cfg.slots, cfg.max_peer_memory, report)
+        self.replicator = Replicator(secret, node, self._post, cfg.nproc_per_node)
+        self.server = ReplicaServer(cfg.bind, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
     # ---------------------------------------------------------------- plumbing
@@ -67,7 +72,7 @@ class Agent:
         reader(chan, lambda m: self.events.put(("worker", chan, m)), "tierswap-worker")
 
     def run(self) -> None:
-        self.coord.send("hello", node=self.node, pid=os.getpid())
+        self.coord.send("hello", node=self.node, pid=os.getpid(), replica=self.server.address)
         try:
             while True:
                 source, chan, msg = self.deferred.pop(0) if self.deferred else self.events.get()
@@ -81,12 +86,18 @@ class Agent:
                 elif source == "local":
                     assert msg is not None
                     self._on_local(msg)
+                elif source == "ask":
+                    assert msg is not None
+                    self._answer(chan, msg)
         finally:
             self.shutdown()
 
     def shutdown(self) -> None:
         self._stop_workers()
         self.listener.close()
+        self.server.close()
+        self.replicator.close()
+        self.peers.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         for ring in self.rings.values():
             ring.close()
@@ -94,6 +105,26 @@ class Agent:
 
     def _post(self, op: str, **fields: Any) -> None:
         self.events.put(("local", None, {"op": op, **fields}))
+
+    def _ask(self, op: str, **fields: Any) -> Any:
+        """Run a replica-store operation on the event loop (from a server thread)."""
+        done: Future[Any] = Future()
+        self.events.put(("ask", done, {"op": op, **fields}))
+        return done.result(timeout=120)
+
+    def _answer(self, done: Future[Any], msg: Message) -> None:
+        op = msg.pop("op")
+        handlers: dict[str, Any] = {
+            "replica_slot": self.peers.slot,
+            "replica_received": self.peers.received,
+            "replica_written": self.peers.written,
+            "replica_lease": self.peers.lease,
+            "replica_unlease": self.peers.unlease,
+        }
+        try:
+            done.set_result(handlers[op](**msg))
+        except Exception as e:  # handed to the asking thread, which fails its transfer
+            done.set_exception(e)
 
     # ---------------------------------------------------------------- coordinator
 
@@ -103,24 +134,40 @@ class Agent:
             self._start(msg)
         elif op == "stop":
             self._stop_workers()
-            self.coord.send("stopped", node=self.node, holdings=self._holdings())
+            self.coord.send(
+                "stopped", node=self.node, holdings=self._holdings(), peer=self._peer_holdings()
+            )
         elif op == "propose":
             step = int(msg["step"])
-            ok = all(ring.propose(step) for ring in self.rings.values())
-            if not ok:
-                for ring in self.rings.values():
-                    ring.abort(step)
-            self.coord.send("vote", node=self.node, step=step, ok=ok)
+            if int(msg["tier"]) == 0:
+                ok = all(ring.propose(step) for ring in self.rings.values())
+                if not ok:
+                    for ring in self.rings.values():
+                        ring.abort(step)
+            else:
+                ok = self.peers.propose(step, [int(r) for r in msg["ranks"]])
+            self.coord.send("vote", node=self.node, tier=msg["tier"], step=step, ok=ok)
         elif op == "committed":
-            for ring in self.rings.values():
-                ring.set_committed(int(msg["step"]))
+            if int(msg["tier"]) == 0:
+                for ring in self.rings.values():
+                    ring.set_committed(int(msg["step"]))
+            else:
+                self.peers.committed(int(msg["step"]))
         elif op == "abort":
-            for ring in self.rings.values():
-                ring.abort(int(msg["step"]))
+            if int(msg["tier"]) == 0:
+                for ring in self.rings.values():
+                    ring.abort(int(msg["step"]))
+            else:
+                self.peers.abort(int(msg["step"]))
         elif op == "persist":
             self._persist(int(msg["step"]), str(msg["root"]), int(msg["world_size"]))
         else:
             raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
+
+    def _peer_holdings(self) -> dict[str, dict[str, str]]:
+        for rank, step in self.peers.verify():
+            self.coord.send("replica_rejected", rank=rank, step=step, why="corrupt in memory")
+        return self.peers.holdings()
 
     def _holdings(self) -> dict[str, dict[str, str]]:
         return {
@@ -135,8 +182,16 @@ class Agent:
         ranks = [int(r) for r in msg["ranks"]]
         for r in ranks:
             self.rings.setdefault(r, RankRing(self.job_id, r, self.cfg.slots))
+        restart = int(msg["restart_step"])
         for ring in self.rings.values():
-            ring.discard_after(int(msg["restart_step"]))
+            ring.discard_after(restart)
+        self.peers.discard_after(restart)
+        self.peers.protects = [int(r) for r in msg["protects"]]
+        self.peers.corrupt = [i for i in self.injections if i.action == "corrupt"]
+        targets = {int(r): tuple(int(n) for n in t) for r, t in msg["placement"].items()}
+        addresses = {int(n): (str(a[0]), int(a[1])) for n, a in msg["peers"].items()}
+        self.replicator.configure(targets, addresses)
+        self.replicator.reset()
         for local, rank in enumerate(ranks):
             self._spawn(rank, local, msg)
 
@@ -235,7 +290,6 @@ class Agent:
 
         self.checks.append(self.pool.submit(check))
         self.coord.send("progress", rank=rank, step=step, stall=msg.get("stall", 0.0))
-        self._maybe_kill_node(step)
 
     def _w_plan(self, chan: Channel, rank: int, msg: Message) -> None:
         plan = dict(self.plans.get(rank, {"step": None}))
@@ -278,19 +332,22 @@ class Agent:
         self.coord.send("inject_fired", spec=msg["spec"])
         chan.send("ok")
 
-    def _maybe_kill_node(self, step: int) -> None:
-        for inj in self.injections:
-            if inj.target == "node" and inj.index == self.node and step >= inj.step:
-                self.coord.send("inject_fired", spec=str(inj))
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-
     # ---------------------------------------------------------------- background results
 
     def _on_local(self, msg: Message) -> None:
         op = msg["op"]
         if op == "checked":
-            self.rings[msg["rank"]].checked(msg["slot"], msg["checksum"])
+            ring = self.rings[msg["rank"]]
+            ring.checked(msg["slot"], msg["checksum"])
             self.coord.send("held", rank=msg["rank"], step=msg["step"], checksum=msg["checksum"])
+            self.replicator.offer(msg["rank"], ring)
+        elif op == "replicated":
+            self._unlease(msg["slot"])
+            self.replicator.done(msg["rank"], msg["step"], self.rings[msg["rank"]])
+        elif op == "replicate_failed":
+            self.coord.send(
+                "replicate_failed", rank=msg["rank"], node=msg["node"], error=msg["error"]
+            )
         elif op == "exited":
             if msg["generation"] == self.generation and msg["rank"] in self.workers:
                 self.workers.pop(msg["rank"])

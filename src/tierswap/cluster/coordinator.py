@@ -17,12 +17,13 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
+from tierswap.cluster.commits import Commits
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
-from tierswap.config import Config
+from tierswap.config import Config, Injection
 from tierswap.events import EventLog, Progress
 from tierswap.plan import Holdings, Plan, Tier, plan_restore
 from tierswap.shm import remove_job_segments
-from tierswap.tiers import durable
+from tierswap.tiers import durable, peer
 from tierswap.wire import Channel, Message, reader, serve
 
 
@@ -63,20 +64,23 @@ class Coordinator:
         self.generation = -1
         self.phase = "starting"
         self.restarts = 0
-        self.held: dict[int, set[int]] = {r: set() for r in range(cfg.world_size)}
-        self.committed = {"memory": -1, "durable": -1}
+        self.replicas = min(cfg.replicas, cfg.nodes - 1)
+        self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
+        self.commits = Commits(cfg.world_size, self.targets, self._send_to)
+        self.peer_addresses: dict[int, list[Any]] = {}
+        self.durable_committed = -1
         self.bad: set[tuple[Tier, int, int]] = set()
         self.plan: Plan | None = None
         self.restored: dict[int, Message] = {}
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.holdings: dict[int, dict[str, dict[str, str]]] = {}
+        self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.waiting_hello: set[int] = set(range(cfg.nodes))
         self.persist: _Persist | None = None
-        self.proposal: int | None = None
-        self.votes: set[int] = set()
         self.last_persist_request = -1
         self.durability_ok = True
+        self.ever_committed = False
         self.last_step = -1
         self.last_loss: float | None = None
         self.deadline = time.monotonic() + cfg.startup_timeout
@@ -96,6 +100,7 @@ class Coordinator:
         )
         if warning:
             self._durability_failing(f"cannot write {self.cfg.persist}: {warning}")
+        self._announce_placement()
         for node in range(self.cfg.nodes):
             self.nodes.start(node, self.address)
         try:
@@ -137,6 +142,26 @@ class Coordinator:
             raise JobStopped(f"unknown message {msg['op']!r} from node {node}")
         handler(chan, node, msg)
 
+    def _announce_placement(self) -> None:
+        if not self.replicas:
+            self.progress.message("tier 1 off: replicas need at least 2 nodes")
+            return
+        text = peer.describe(self.targets, self.cfg.nproc_per_node)
+        self.log.emit(
+            "placement",
+            replicas=self.replicas,
+            targets={str(r): list(t) for r, t in self.targets.items()},
+        )
+        self.progress.message(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
+
+    def _send_to(self, node: int, op: str, **fields: Any) -> None:
+        chan = self.agents.get(node)
+        if chan is not None:
+            try:
+                chan.send(op, **fields)
+            except OSError:
+                pass  # its reader reports the loss
+
     def _broadcast(self, op: str, **fields: Any) -> None:
         """Send to every live agent; a dead one is noticed by its reader, not here."""
         for chan in list(self.agents.values()):
@@ -160,6 +185,8 @@ class Coordinator:
         node = int(msg["node"])
         self.agents[node] = chan
         self.agent_pids[node] = int(msg["pid"])
+        self.peer_addresses[node] = list(msg["replica"])
+        self.commits.live.add(node)
         self.waiting_hello.discard(node)
         self.log.emit("node_joined", node=node, pid=msg["pid"])
         self._maybe_start()
@@ -170,10 +197,12 @@ class Coordinator:
 
     def _node_lost(self, node: int) -> None:
         self.agents.pop(node, None)
+        self.commits.node_lost(node)
         if self.phase in ("done", "finishing"):
             return
         self.stopping.discard(node)
         self.holdings.pop(node, None)
+        self.peer_holdings.pop(node, None)
         if self.phase == "running":
             self._failure("node", node, self._ranks_of(node), "agent connection lost")
         self.nodes.kill(node)
@@ -207,10 +236,10 @@ class Coordinator:
                 f"{self.restarts} failures, more than --max-restarts {self.cfg.max_restarts}"
             )
         self.phase = "recovering"
-        self.proposal = None
         self.persist = None  # parts of a dead node never come; the step is persisted again
         self.deadline = time.monotonic() + self.cfg.startup_timeout
         self.holdings.clear()
+        self.peer_holdings.clear()
         self.stopping = set(self.agents)
         self._broadcast("stop")
 
@@ -218,6 +247,7 @@ class Coordinator:
         assert node is not None
         self.stopping.discard(node)
         self.holdings[node] = msg["holdings"]
+        self.peer_holdings[node] = msg.get("peer", {})
         self._maybe_start()
 
     def _maybe_start(self) -> None:
@@ -234,7 +264,10 @@ class Coordinator:
             for rank, steps in per_rank.items():
                 memory[int(rank)] = frozenset(int(s) for s in steps)
                 memory_node[int(rank)] = node
-        self.held = {r: set(memory.get(r, ())) for r in range(self.cfg.world_size)}
+        peers: dict[int, dict[int, frozenset[int]]] = {}
+        for node, per_rank in self.peer_holdings.items():
+            for rank, steps in per_rank.items():
+                peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
         durable_steps: frozenset[int] = frozenset()
         if self.cfg.persist is not None:
             try:
@@ -246,7 +279,7 @@ class Coordinator:
                 s.step for s in listing if s.committed and s.world_size == self.cfg.world_size
             )
         return Holdings(
-            self.cfg.world_size, memory, memory_node, durable_steps, frozenset(self.bad)
+            self.cfg.world_size, memory, memory_node, peers, durable_steps, frozenset(self.bad)
         )
 
     def _start_generation(self) -> None:
@@ -254,7 +287,7 @@ class Coordinator:
         plan = plan_restore(holdings)
         for step, why in plan.skipped:
             self.log.emit("restore_skipped", step=step, reason=why)
-        if plan.step is None and (self.committed["memory"] >= 0 or holdings.durable):
+        if plan.step is None and (self.ever_committed or holdings.durable):
             raise JobStopped(self._lost_message(plan))
         self.plan = plan
         self.generation += 1
@@ -262,9 +295,9 @@ class Coordinator:
         self.restored.clear()
         self.finished.clear()
         restart = -1 if plan.step is None else plan.step
-        self.held = {r: {s for s in h if s <= restart} for r, h in self.held.items()}
-        common = set.intersection(*self.held.values()) if self.held else set()
-        self.committed["memory"] = max(common, default=-1)
+        memory = {r: set(s) for r, s in holdings.memory.items()}
+        peers = {r: {n: set(s) for n, s in by.items()} for r, by in holdings.peer.items()}
+        self.commits.reset(restart, memory, peers)
         self.last_persist_request = restart
         self.deadline = float("inf")
         plans = self._rank_plans(plan)
@@ -280,6 +313,9 @@ class Coordinator:
                     plans={str(r): plans[r] for r in ranks},
                     inject=self.injections,
                     restart_step=restart,
+                    placement={str(r): list(self.targets[r]) for r in ranks},
+                    protects=[r for r, t in self.targets.items() if node in t],
+                    peers={str(n): a for n, a in self.peer_addresses.items() if n in self.agents},
                 )
             except OSError:
                 pass  # its reader reports the loss, and the node is replaced
@@ -302,6 +338,9 @@ class Coordinator:
             source: dict[str, Any] = {"tier": int(src.tier)}
             if src.tier == Tier.DURABLE:
                 source.update(root=self.cfg.persist, part=parts[r].to_json())
+            elif src.tier == Tier.PEER:
+                assert src.node is not None
+                source.update(node=src.node, address=self.peer_addresses[src.node])
             out[r] = {"step": plan.step, "source": source}
         return out
 
@@ -358,50 +397,61 @@ class Coordinator:
     # ---------------------------------------------------------------- commits
 
     def _on_held(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.held.setdefault(int(msg["rank"]), set()).add(int(msg["step"]))
-        self._maybe_propose()
-
-    def _maybe_propose(self) -> None:
-        """Two-phase commit in tier 0: every agent must still hold the step and protect it
-        before it counts as committed, so a commit never names a step someone dropped."""
-        if self.proposal is not None or self.phase not in ("running", "finishing"):
-            return
-        common = set.intersection(*(self.held.get(r, set()) for r in range(self.cfg.world_size)))
-        step = max(common, default=-1)
-        if step <= self.committed["memory"]:
-            return
-        self.proposal, self.votes = step, set()
-        self._broadcast("propose", step=step)
-
-    def _on_vote(self, chan: Channel, node: int | None, msg: Message) -> None:
-        step = int(msg["step"])
-        if step != self.proposal or node is None:
-            return
-        if not msg["ok"]:
-            self.proposal = None
-            self._broadcast("abort", step=step)
-            self._maybe_propose()
-            return
-        self.votes.add(node)
-        if self.votes < set(self.agents):
-            return
-        self.proposal = None
-        self.committed["memory"] = step
-        self.log.emit("snapshot_committed", tier=0, step=step)
-        self._broadcast("committed", step=step)
-        self._maybe_persist(step)
-        self._maybe_propose()
-        self._maybe_done()
+        self.commits.held_add(int(msg["rank"]), int(msg["step"]))
+        self._propose(0)
 
     def _on_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.held.setdefault(int(msg["rank"]), set()).difference_update(msg["steps"])
+        self.commits.dropped(int(msg["rank"]), [int(s) for s in msg["steps"]])
+
+    def _on_replica_held(self, chan: Channel, node: int | None, msg: Message) -> None:
+        assert node is not None
+        self.commits.replica_add(int(msg["rank"]), node, int(msg["step"]))
+        self._propose(1)
+
+    def _on_replica_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
+        assert node is not None
+        self.commits.replica_dropped(int(msg["rank"]), node, [int(s) for s in msg["steps"]])
+
+    def _on_replica_rejected(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit(
+            "replica_rejected", node=node, rank=msg["rank"], step=msg["step"], why=msg["why"]
+        )
+
+    def _on_replicate_failed(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit(
+            "replicate_failed", node=node, rank=msg["rank"], peer=msg["node"], error=msg["error"]
+        )
+
+    def _on_peer_memory_exceeded(self, chan: Channel, node: int | None, msg: Message) -> None:
+        raise JobStopped(
+            f"node {node} must hold {self.cfg.slots} slots x {msg['need'] // self.cfg.slots:,} "
+            f"bytes of replicas for ranks {msg['ranks']} ({msg['need']:,} bytes), more than "
+            f"--max-peer-memory {msg['limit']:,}. Raise --max-peer-memory, add nodes, or "
+            "lower --replicas."
+        )
+
+    def _propose(self, tier: int) -> None:
+        if self.phase in ("running", "finishing"):
+            self.commits.maybe_propose(tier)
+
+    def _on_vote(self, chan: Channel, node: int | None, msg: Message) -> None:
+        assert node is not None
+        tier, step = int(msg["tier"]), int(msg["step"])
+        done = self.commits.vote(tier, node, step, bool(msg["ok"]))
+        if done is not None:
+            self.ever_committed = True
+            self.log.emit("snapshot_committed", tier=tier, step=done)
+            if tier == 0:
+                self._maybe_persist(done)
+        self._propose(tier)
+        self._maybe_done()
 
     def _maybe_persist(self, step: int, final: bool = False) -> None:
         every = self.cfg.persist_every
         due = step // every > self.last_persist_request // every or self.last_persist_request < 0
         if self.cfg.persist is None or self.persist is not None or not (due or final):
             return
-        if step <= self.committed["durable"]:
+        if step <= self.durable_committed:
             return
         self.last_persist_request = step
         self.persist = _Persist(step)
@@ -434,7 +484,8 @@ class Coordinator:
         except OSError as e:
             self._durability_failing(f"step {p.step}: COMMIT not written: {e}")
             return
-        self.committed["durable"] = p.step
+        self.durable_committed = p.step
+        self.ever_committed = True
         self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
         if not self.durability_ok:
             self.durability_ok = True
@@ -449,9 +500,19 @@ class Coordinator:
 
     def _on_progress(self, chan: Channel, node: int | None, msg: Message) -> None:
         step = int(msg["step"])
+        self._kill_nodes_due(step)
         self.last_step = max(self.last_step, step)
         if int(msg["rank"]) == 0:
             self.progress.update(step, self.last_loss, float(msg["stall"]), self._tiers())
+
+    def _kill_nodes_due(self, step: int) -> None:
+        """Fault injection: kill every node whose ``kill:node`` step is reached, at once."""
+        for spec in list(self.injections):
+            inj = Injection.parse(spec)
+            if inj.action == "kill" and inj.target == "node" and step >= inj.step:
+                self.injections.remove(spec)
+                self.log.emit("fault_injected", spec=spec)
+                self.nodes.kill(inj.index)
 
     def _on_report(self, chan: Channel, node: int | None, msg: Message) -> None:
         if "total" in msg:
@@ -462,13 +523,17 @@ class Coordinator:
             self.log.emit("report", step=msg["step"], **metrics)
 
     def _on_memory(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit("memory", node=node, rank=msg["rank"], tier=0, bytes=msg["nbytes"])
+        self.log.emit(
+            "memory", node=node, rank=msg["rank"], tier=msg.get("tier", 0), bytes=msg["nbytes"]
+        )
 
     def _on_skipped(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.log.emit("snapshot_skipped", rank=msg["rank"], step=msg["step"])
 
     def _tiers(self) -> dict[str, int]:
-        return {k: v for k, v in self.committed.items() if v >= 0}
+        c = self.commits.committed
+        named = {"memory": c[0], "peer": c[1], "durable": self.durable_committed}
+        return {k: v for k, v in named.items() if v >= 0}
 
     def _on_finished(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.finished.add(int(msg["rank"]))
@@ -479,12 +544,13 @@ class Coordinator:
             self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if self.phase != "finishing" or self.committed["memory"] < self.last_step:
+        memory = self.commits.committed[0]
+        if self.phase != "finishing" or memory < self.last_step:
             return
         if self.persist is not None:
             return
-        if self.durability_ok and self.committed["durable"] < self.committed["memory"]:
-            self._maybe_persist(self.committed["memory"], final=True)
+        if self.durability_ok and self.durable_committed < memory:
+            self._maybe_persist(memory, final=True)
             if self.persist is not None:
                 return
         self.phase = "done"

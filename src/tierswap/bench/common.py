@@ -1,0 +1,43 @@
+"""What every measurement shares: rounds of the methods in turn, warm-up left out, the
+stats of what they return, and the width of a state of a given size."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+WARMUP = 1  # rounds of each measurement run first and left out
+
+Sample = dict[str, float]
+Stats = dict[str, Any]
+
+
+def stats(xs: Sequence[float]) -> Stats:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": list(xs)}
+
+
+def interleave(
+    methods: Mapping[str, Callable[[], Sample]],
+    repeats: int,
+    between: Callable[[], None],
+    *,
+    alternate: bool = False,
+) -> dict[str, dict[str, Stats]]:
+    """``WARMUP + repeats`` rounds of the methods in turn (order reversed every other round
+    with ``alternate``); the stats of every number they return, warm-up left out."""
+    samples: dict[str, list[Sample]] = {name: [] for name in methods}
+    for r in range(WARMUP + repeats):
+        order = list(methods)[:: -1 if alternate and r % 2 else 1]
+        for name in order:
+            between()
+            sample = methods[name]()
+            if r >= WARMUP:
+                samples[name].append(sample)
+    return {n: {k: stats([s[k] for s in ss]) for k in ss[0]} for n, ss in samples.items()}
+
+
+def width(size_mib: float, depth: int) -> int:
+    """Width of ``depth`` square layers holding ``size_mib`` MiB with AdamW (12 B/param)."""
+    return max(8, int(math.sqrt(size_mib * 2**20 / 12 / depth)))

@@ -1,0 +1,84 @@
+"""Section 4: the step time of a small MLP with a snapshot every step and without, in
+A B / B A blocks, on one torch thread (a core left to the copy and the agent) and on all."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierswap.bench.common import Sample, interleave, stats, width
+from tierswap.bench.rig import Rig
+
+LOOP_MAX_MIB, LOOP_DEPTH, LOOP_BATCH = 64, 4, 512
+"""The MLP: at most 64 MiB of state, 4 layers, 512 rows a step (6 x 512 FLOP per
+parameter, a tiny fraction of a language model's step: little compute hides the copy)."""
+LOOP_BLOCK = 5  # timed steps per block, after an untimed one that enters the block
+
+
+@dataclass(slots=True)
+class _Loop:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @staticmethod
+    def make(size_mib: int) -> _Loop:
+        w = width(min(size_mib, LOOP_MAX_MIB), LOOP_DEPTH)
+        layers: list[nn.Module] = []
+        for _ in range(LOOP_DEPTH):
+            layers += [nn.Linear(w, w), nn.ReLU()]
+        model = nn.Sequential(*layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return _Loop(model, opt, torch.randn(LOOP_BATCH, w), torch.randn(LOOP_BATCH, w))
+
+    def step(self, rig: Rig | None) -> float:
+        t0 = time.monotonic()
+        F.mse_loss(self.model(self.x), self.y).backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if rig is not None:
+            rig.take({"model": self.model, "optim": self.opt}, required=False)
+        return time.monotonic() - t0
+
+
+def _block(loop: _Loop, rig: Rig, snapshot: bool) -> Sample:
+    """Mean step time over ``LOOP_BLOCK`` steps after an untimed one that enters the block;
+    with snapshots also the stall (time in take and at fences) and the background copy."""
+    who = rig if snapshot else None
+    loop.step(who)
+    st = rig.snapshotter.stats
+    takes, waits, copies = len(st.sync_copies), len(st.fence_waits), len(st.copy_times)
+    seconds = sum(loop.step(who) for _ in range(LOOP_BLOCK)) / LOOP_BLOCK
+    if not snapshot:
+        return {"step_s": seconds}
+    stall = sum(st.sync_copies[takes:]) + sum(st.fence_waits[waits:])
+    copy = sum(st.copy_times[copies:])
+    return {"step_s": seconds, "stall_s": stall / LOOP_BLOCK, "copy_s": copy / LOOP_BLOCK}
+
+
+def bench_steps(rig: Rig, size_mib: int, repeats: int) -> dict[str, Any]:
+    """Section 4 on one torch thread, then on all; the caller restores the thread count."""
+    loop = _Loop.make(size_mib)
+    params = sum(p.numel() for p in loop.model.parameters())
+    out: dict[str, Any] = {"params": params, "batch": LOOP_BATCH, "state_bytes": 12 * params}
+    skipped = rig.snapshotter.stats.skipped
+    for key, threads in (("threads_1", 1), ("threads_all", os.cpu_count() or 1)):
+        torch.set_num_threads(threads)
+        methods: dict[str, Callable[[], Sample]] = {
+            "with_snapshot": lambda: _block(loop, rig, True),
+            "without": lambda: _block(loop, rig, False),
+        }
+        ab = interleave(methods, repeats, rig.sync, alternate=True)
+        w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
+        pairs = zip(w, wo, strict=True)
+        out[key] = {"threads": threads, **ab, "overhead": stats([a / b - 1 for a, b in pairs])}
+    out["skipped"] = rig.snapshotter.stats.skipped - skipped
+    return out

@@ -1,0 +1,180 @@
+"""Tier 1: replicas of every rank's snapshots in other nodes' memory.
+
+Placement is a pure function of the job's shape. Every agent runs a :class:`ReplicaServer`
+that accepts only peers of its own job (HMAC handshake with the job's secret), receives
+replicas into rings of shared memory, checks the checksum of each one, and serves them
+back to a restoring worker. The ring bookkeeping stays on the agent's event loop: the
+server's connection threads ask it through ``ask``; the bytes move outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from multiprocessing.connection import Listener
+from typing import Any
+
+from tierswap.checksum import checksum_chunks
+from tierswap.errors import CorruptPartError
+from tierswap.state import Layout
+from tierswap.wire import Address, Channel, serve
+
+Ask = Callable[..., Any]
+"""``ask(op, **fields)``: run ``op`` on the agent's event loop and return its result."""
+
+
+def placement(nodes: int, nproc_per_node: int, replicas: int) -> dict[int, tuple[int, ...]]:
+    """rank -> the peer nodes that hold its replicas.
+
+    Node n's local rank i goes to nodes ``n + 1 + (i + j) mod (nodes - 1)`` for
+    j < replicas: never its own node, R distinct peers (so any R node failures leave one
+    copy), and the ranks of one node spread over distinct peers, which restores them in
+    parallel.
+    """
+    if replicas < 0:
+        raise ValueError(f"replicas must be >= 0, got {replicas}")
+    if replicas > nodes - 1:
+        raise ValueError(
+            f"--replicas {replicas} needs at least {replicas + 1} nodes (a replica never "
+            f"lands on the node it protects); this job has {nodes}"
+        )
+    out: dict[int, tuple[int, ...]] = {}
+    for node in range(nodes):
+        for i in range(nproc_per_node):
+            peers = ((node + 1 + (i + j) % (nodes - 1)) % nodes for j in range(replicas))
+            out[node * nproc_per_node + i] = tuple(peers)
+    return out
+
+
+def describe(pl: dict[int, tuple[int, ...]], nproc_per_node: int) -> str:
+    """One line per node: where its ranks' replicas go."""
+    lines = []
+    for node in range(len(pl) // max(nproc_per_node, 1)):
+        ranks = range(node * nproc_per_node, (node + 1) * nproc_per_node)
+        parts = ", ".join(f"rank {r} -> node {'/'.join(map(str, pl[r]))}" for r in ranks)
+        lines.append(f"node {node}: {parts}")
+    return "\n".join(lines)
+
+
+class ReplicaServer:
+    """Receives replicas from peers and serves them to restoring workers."""
+
+    def __init__(self, bind: str, secret: bytes, ask: Ask) -> None:
+        self.ask = ask
+        self.listener = Listener((bind, 0), authkey=secret)
+        serve(self.listener, self._serve, "tierswap-replica-accept")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.listener.address
+        return str(host), int(port)
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _serve(self, chan: Channel) -> None:
+        import threading
+
+        threading.Thread(
+            target=self._loop, args=(chan,), daemon=True, name="tierswap-replica"
+        ).start()
+
+    def _loop(self, chan: Channel) -> None:
+        try:
+            while (msg := chan.recv()) is not None:
+                if msg["op"] == "replica":
+                    self._receive(chan, msg)
+                elif msg["op"] == "fetch":
+                    self._send(chan, msg)
+                else:
+                    chan.send("error", message=f"unknown request {msg['op']!r}")
+        except (EOFError, OSError, ValueError):
+            pass
+        finally:
+            chan.close()
+
+    def _receive(self, chan: Channel, msg: dict[str, Any]) -> None:
+        rank, step = int(msg["rank"]), int(msg["step"])
+        layout = Layout.from_json(msg["layout"])
+        slot = self.ask("replica_slot", rank=rank, step=step, layout=layout)
+        chan.send("ready", ok=slot is not None)
+        if slot is None:
+            return
+        buf = slot.segment.buf[: layout.nbytes]
+        try:
+            chan.recv_raw_into(buf)
+        except BaseException:
+            self.ask(
+                "replica_written", rank=rank, slot=slot, ok=False, step=step, why="transfer cut off"
+            )
+            raise
+        self.ask("replica_received", rank=rank, step=step, slot=slot)  # fault injection
+        ok = checksum_chunks(layout.chunks(buf)) == msg["checksum"]
+        self.ask(
+            "replica_written",
+            rank=rank,
+            slot=slot,
+            ok=ok,
+            step=step,
+            tree=msg["tree"],
+            checksum=msg["checksum"],
+            why="" if ok else "checksum mismatch",
+        )
+        chan.send("ok", accepted=ok)
+
+    def _send(self, chan: Channel, msg: dict[str, Any]) -> None:
+        got = self.ask("replica_lease", rank=int(msg["rank"]), step=int(msg["step"]))
+        if got is None:
+            chan.send("missing")
+            return
+        slot, layout = got
+        try:
+            chan.send("part", layout=layout.to_json(), tree=slot.tree, checksum=slot.checksum)
+            chan.send_raw(slot.segment.buf[: layout.nbytes])
+        finally:
+            self.ask("replica_unlease", rank=int(msg["rank"]), slot=slot)
+
+
+def push(
+    chan: Channel,
+    rank: int,
+    step: int,
+    layout: Layout,
+    tree: dict[str, Any],
+    checksum: str,
+    buf: memoryview,
+) -> bool:
+    """Send one replica to a peer; True when it was stored and its checksum matched."""
+    reply = chan.call(
+        "replica",
+        timeout=60,
+        rank=rank,
+        step=step,
+        layout=layout.to_json(),
+        tree=tree,
+        checksum=checksum,
+    )
+    if not reply.get("ok"):
+        return False
+    chan.send_raw(buf[: layout.nbytes])
+    done = chan.recv(timeout=300)
+    return done is not None and bool(done.get("accepted"))
+
+
+def fetch(
+    address: Address, secret: bytes, rank: int, step: int
+) -> tuple[Layout, dict[str, Any], bytearray]:
+    """A worker pulls its replica of ``step`` from a peer; the checksum is verified."""
+    where = f"tier-1 replica of rank {rank} step {step} at {address}"
+    chan = Channel.connect(address, secret)
+    try:
+        reply = chan.call("fetch", timeout=60, rank=rank, step=step)
+        if reply["op"] != "part":
+            raise CorruptPartError(where, "the peer no longer holds it")
+        layout = Layout.from_json(reply["layout"])
+        buf = bytearray(layout.nbytes)
+        chan.recv_raw_into(memoryview(buf))
+    finally:
+        chan.close()
+    if checksum_chunks(layout.chunks(memoryview(buf))) != reply["checksum"]:
+        raise CorruptPartError(where, "checksum mismatch")
+    return layout, reply["tree"], buf

@@ -1,0 +1,87 @@
+"""Tier 1: a lost node's ranks come back from peer memory, bit for bit, without disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_memory(tmp_path: Path):
+    yield
+    assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
+
+
+def _restored(run_dir: Path) -> dict[int, int]:
+    return {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, mode: str) -> None:
+    assert run_job(tmp_path, "base", steps=14, mode=mode)[0] == 0
+    code, run_dir, out = run_job(
+        tmp_path, "kill", steps=14, mode=mode, extra=("--inject", "kill:node=1:step=8")
+    )
+    assert code == 0, out
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1, the survivor's tier 0"
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(tmp_path: Path) -> None:
+    assert run_job(tmp_path, "base", nodes=3, steps=10, mode="ddp-exact")[0] == 0
+    code, run_dir, out = run_job(
+        tmp_path, "kill", nodes=3, steps=10, mode="ddp-exact",
+        extra=("--inject", "kill:node=1:step=6"),
+    )
+    assert code == 0, out
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}
+
+
+def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path) -> None:
+    persist = tmp_path / "ckpt"
+    assert run_job(tmp_path, "base", nodes=3, steps=12, mode="ddp-exact")[0] == 0
+    code, run_dir, out = run_job(
+        tmp_path, "kill", nodes=3, steps=12, mode="ddp-exact",
+        extra=("--persist", str(persist), "--persist-every", "3",
+               "--inject", "kill:node=1:step=7", "--inject", "kill:node=2:step=7"),
+    )
+    assert code == 0, out
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    restored = _restored(run_dir)
+    assert restored[1] == 2 and restored[2] == 2, restored
+    skipped = events(run_dir, "restore_skipped")
+    assert skipped and "ranks 1" in skipped[0]["reason"], skipped
+
+
+def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path: Path) -> None:
+    code, run_dir, out = run_job(
+        tmp_path, "kill", nodes=3, steps=40, mode="ddp-exact",
+        extra=("--inject", "kill:node=1:step=5", "--inject", "kill:node=2:step=5"),
+    )
+    assert code == 1
+    assert "no step can be restored" in out and "ranks 1-2" in out
+    assert events(run_dir, "job_failed")
+
+
+@pytest.mark.parametrize("where", ["flight", "memory"])
+def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, where: str) -> None:
+    persist = tmp_path / "ckpt"
+    assert run_job(tmp_path, "base", steps=14)[0] == 0
+    code, run_dir, out = run_job(
+        tmp_path, "kill", steps=14,
+        extra=("--persist", str(persist), "--persist-every", "3",
+               "--inject", f"corrupt:rank=1:step=0:where={where}",
+               "--inject", "kill:node=1:step=8"),
+    )
+    assert code == 0, out
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    rejected = events(run_dir, "replica_rejected")
+    assert rejected and all(e["rank"] == 1 for e in rejected)
+    assert _restored(run_dir)[1] == 2, "a corrupt replica is never a source"
