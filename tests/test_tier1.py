@@ -17,6 +17,10 @@ def _no_leaked_memory(tmp_path: Path):
     assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
 
 
+SLOW = ("--sleep", "0.05")
+"""Steps long enough for replication to keep up on 2 busy cores, as on real hardware."""
+
+
 def _restored(run_dir: Path) -> dict[int, int]:
     return {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()}
 
@@ -25,7 +29,12 @@ def _restored(run_dir: Path) -> dict[int, int]:
 def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, mode: str) -> None:
     assert run_job(tmp_path, "base", steps=14, mode=mode)[0] == 0
     code, run_dir, out = run_job(
-        tmp_path, "kill", steps=14, mode=mode, extra=("--inject", "kill:node=1:step=8")
+        tmp_path,
+        "kill",
+        steps=14,
+        mode=mode,
+        train_args=SLOW,
+        extra=("--inject", "kill:node=1:step=8"),
     )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
@@ -36,7 +45,12 @@ def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, mode: str
 def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(tmp_path: Path) -> None:
     assert run_job(tmp_path, "base", nodes=3, steps=10, mode="ddp-exact")[0] == 0
     code, run_dir, out = run_job(
-        tmp_path, "kill", nodes=3, steps=10, mode="ddp-exact",
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=10,
+        mode="ddp-exact",
+        train_args=SLOW,
         extra=("--inject", "kill:node=1:step=6"),
     )
     assert code == 0, out
@@ -48,9 +62,22 @@ def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path) -> None:
     persist = tmp_path / "ckpt"
     assert run_job(tmp_path, "base", nodes=3, steps=12, mode="ddp-exact")[0] == 0
     code, run_dir, out = run_job(
-        tmp_path, "kill", nodes=3, steps=12, mode="ddp-exact",
-        extra=("--persist", str(persist), "--persist-every", "3",
-               "--inject", "kill:node=1:step=7", "--inject", "kill:node=2:step=7"),
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=12,
+        mode="ddp-exact",
+        train_args=SLOW,
+        extra=(
+            "--persist",
+            str(persist),
+            "--persist-every",
+            "3",
+            "--inject",
+            "kill:node=1:step=7",
+            "--inject",
+            "kill:node=2:step=7",
+        ),
     )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
@@ -62,7 +89,11 @@ def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path) -> None:
 
 def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path: Path) -> None:
     code, run_dir, out = run_job(
-        tmp_path, "kill", nodes=3, steps=40, mode="ddp-exact",
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=40,
+        mode="ddp-exact",
         extra=("--inject", "kill:node=1:step=5", "--inject", "kill:node=2:step=5"),
     )
     assert code == 1
@@ -75,10 +106,20 @@ def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, where: str) ->
     persist = tmp_path / "ckpt"
     assert run_job(tmp_path, "base", steps=14)[0] == 0
     code, run_dir, out = run_job(
-        tmp_path, "kill", steps=14,
-        extra=("--persist", str(persist), "--persist-every", "3",
-               "--inject", f"corrupt:rank=1:step=0:where={where}",
-               "--inject", "kill:node=1:step=8"),
+        tmp_path,
+        "kill",
+        steps=14,
+        train_args=SLOW,
+        extra=(
+            "--persist",
+            str(persist),
+            "--persist-every",
+            "3",
+            "--inject",
+            f"corrupt:rank=1:step=0:where={where}",
+            "--inject",
+            "kill:node=1:step=8",
+        ),
     )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))

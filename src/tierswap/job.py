@@ -55,6 +55,8 @@ class Job:
         )
         self._snap: snapshot.Snapshotter | None = None
         self.restored_step: int | None = None
+        self.plan_step: int | None = None
+        self.plan_tier: int | None = None
         self.last_step = -1
 
     def steps(self, state: MutableMapping[str, Any], total: int) -> Iterator[int]:
@@ -108,6 +110,7 @@ class Job:
         if step is None:
             return 0
         source = plan["source"]
+        self.plan_step, self.plan_tier = int(step), int(source["tier"])
         if source["tier"] == 0:
             self._load_memory(state, source)
         elif source["tier"] == 1:
@@ -201,6 +204,7 @@ def _run_standalone(train: Callable[[Job], Any]) -> None:
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     rank = int(env["TIERSWAP_RANK"])
     chan = Channel.connect(env["TIERSWAP_AGENT"], bytes.fromhex(env["TIERSWAP_SECRET"]))
+    chan.stamp = {"gen": int(env["TIERSWAP_GENERATION"])}  # the agent drops stale messages
     threads = int(env.get("TIERSWAP_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
@@ -232,10 +236,12 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         job.close()
         chan.call("finished", rank=rank, step=job.last_step)
     except UsageError as e:
-        chan.send("fatal", rank=rank, message=f"{type(e).__name__}: {e}")
+        chan.call("fatal", rank=rank, message=f"{type(e).__name__}: {e}")
         code = EXIT_USAGE
     except CorruptPartError as e:
-        chan.send("corrupt", rank=rank, where=e.where, why=e.why)
+        chan.call(
+            "corrupt", rank=rank, where=e.where, why=e.why, step=job.plan_step, tier=job.plan_tier
+        )
         code = EXIT_CORRUPT
     except BaseException as e:
         if isinstance(e, RuntimeError) and _peer_failed(e):

@@ -30,6 +30,9 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            # Reserve the pages now: on tmpfs a full /dev/shm would otherwise surface as
+            # SIGBUS in a worker at its first snapshot, not as an error here.
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except BaseException:
             os.unlink(path)
@@ -52,7 +55,8 @@ class Segment:
         return cls(path, size, mm)
 
     def close(self) -> None:
-        """Unmap. Views into ``buf`` must be gone; a segment still exported stays mapped."""
+        """Unmap. Tensors made with ``torch.frombuffer`` do not pin the mapping: drop every
+        view into ``buf`` before closing."""
         if self._mm is None:
             return
         self.buf.release()

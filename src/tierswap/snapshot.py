@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierswap.errors import UsageError
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
 from tierswap.wire import Channel
@@ -58,6 +59,14 @@ class Stats:
     sync_copies: list[float] = field(default_factory=list)
     copy_times: list[float] = field(default_factory=list)
 
+    LIMIT = 100_000
+    """Samples kept per list: a long run must not grow without bound."""
+
+    def record(self, samples: list[float], seconds: float) -> None:
+        samples.append(seconds)
+        if len(samples) > self.LIMIT:
+            del samples[: self.LIMIT // 2]
+
     def last_stall(self) -> float:
         wait = self.fence_waits[-1] if self.fence_waits else 0.0
         sync = self.sync_copies[-1] if self.sync_copies else 0.0
@@ -70,7 +79,8 @@ class _Allocation:
     layout: Layout
     segments: list[Segment]
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    pinned: set[int] = field(default_factory=set)
+    pinned: dict[int, int] = field(default_factory=dict)
+    """slot -> address registered with cudaHostRegister."""
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         views = self.views.get(slot)
@@ -81,6 +91,9 @@ class _Allocation:
 
     def close(self) -> None:
         self.views.clear()
+        for ptr in self.pinned.values():  # unpin before unmapping, or a later map may alias
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+        self.pinned.clear()
         for seg in self.segments:
             seg.close()
 
@@ -136,7 +149,7 @@ class Snapshotter:
                 if not entry.deferred:
                     dst.copy_(src)
         job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
-        self.stats.sync_copies.append(time.monotonic() - t0)
+        self.stats.record(self.stats.sync_copies, time.monotonic() - t0)
         self._idle.clear()
         self._queue.put(job)
         return True
@@ -150,7 +163,7 @@ class Snapshotter:
         if not self._idle.is_set():
             t0 = time.monotonic()
             self._idle.wait()
-            self.stats.fence_waits.append(time.monotonic() - t0)
+            self.stats.record(self.stats.fence_waits, time.monotonic() - t0)
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"snapshot copy of rank {self.rank} failed: {error}") from error
@@ -178,7 +191,10 @@ class Snapshotter:
         ):
             return current
         layout = make_layout(flat)
-        reply = self.chan.call("alloc", timeout=300, rank=self.rank, layout=layout.to_json())
+        try:
+            reply = self.chan.call("alloc", timeout=300, rank=self.rank, layout=layout.to_json())
+        except RuntimeError as e:  # no memory for the slots: restarting would fail the same way
+            raise UsageError(str(e)) from e
         segments = [Segment.attach(name, layout.nbytes) for name in reply["segments"]]
         if current is not None:
             current.close()
@@ -199,8 +215,10 @@ class Snapshotter:
         if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
             buf = alloc.segments[slot].buf
             ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-            torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)  # type: ignore[no-untyped-call]
-            alloc.pinned.add(slot)
+            err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)  # type: ignore[no-untyped-call]
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of tier-0 slot {slot} failed: error {err}")
+            alloc.pinned[slot] = ptr
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())
@@ -233,7 +251,7 @@ class Snapshotter:
                     dst.copy_(src)
         if job.event is not None:
             job.event.synchronize()
-        self.stats.copy_times.append(time.monotonic() - t0)
+        self.stats.record(self.stats.copy_times, time.monotonic() - t0)
         self.stats.taken += 1
         self.chan.send(
             "held",

@@ -26,13 +26,15 @@ class Channel:
         self._send_lock = threading.Lock()
         self._call_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self.stamp: dict[str, Any] = {}
+        """Fields added to every message sent (a worker's generation)."""
 
     @classmethod
     def connect(cls, address: Address, secret: bytes) -> Channel:
         return cls(Client(address, authkey=secret))
 
     def send(self, op: str, **fields: Any) -> None:
-        data = json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
+        data = json.dumps({"op": op, **self.stamp, **fields}, separators=(",", ":")).encode()
         with self._send_lock:
             self.conn.send_bytes(data)
 

@@ -20,6 +20,8 @@ from typing import Any
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.replication import PeerStore, Replicator
 from tierswap.config import Config, Injection
+from tierswap.errors import UsageError
+from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.memory import RankRing, Slot
@@ -56,7 +58,10 @@ class Agent:
         self.generation = -1
         self.injections: list[Injection] = []
         self.checks: list[Future[None]] = []
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-agent")
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-check")
+        # tier-2 writes get their own threads: a slow disk must not hold up checksums
+        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-persist")
+        self.last_skipped: dict[int, int] = {}
         self.sock = str(run_dir / f"agent-{node}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
         serve(self.listener, self._on_worker_channel, "tierswap-accept")
@@ -99,6 +104,7 @@ class Agent:
         self.replicator.close()
         self.peers.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.writers.shutdown(wait=True, cancel_futures=True)
         for ring in self.rings.values():
             ring.close()
         Path(self.sock).unlink(missing_ok=True)
@@ -160,7 +166,9 @@ class Agent:
             else:
                 self.peers.abort(int(msg["step"]))
         elif op == "persist":
-            self._persist(int(msg["step"]), str(msg["root"]), int(msg["world_size"]))
+            self._persist(
+                int(msg["step"]), str(msg["root"]), int(msg["world_size"]), int(msg["token"])
+            )
         else:
             raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
 
@@ -185,7 +193,8 @@ class Agent:
         restart = int(msg["restart_step"])
         for ring in self.rings.values():
             ring.discard_after(restart)
-        self.peers.discard_after(restart)
+            ring.protect(int(msg["committed"][0]))
+        self.peers.discard_after(restart, int(msg["committed"][1]))
         self.peers.protects = [int(r) for r in msg["protects"]]
         self.peers.corrupt = [i for i in self.injections if i.action == "corrupt"]
         targets = {int(r): tuple(int(n) for n in t) for r, t in msg["placement"].items()}
@@ -252,30 +261,59 @@ class Agent:
 
     # ---------------------------------------------------------------- workers
 
+    CALLS = frozenset({"alloc", "slot", "plan", "finished", "fatal", "corrupt", "inject_fired"})
+    """Worker messages that wait for a reply; the others are one-way."""
+
     def _on_worker(self, chan: Channel, msg: Message) -> None:
         op = msg["op"]
         rank = int(msg.get("rank", -1))
+        if msg.get("gen") != self.generation or rank not in self.workers:
+            return  # from a worker of a stopped generation: its slots were reclaimed
+        handler = getattr(self, f"_w_{op}", None)
         try:
-            handler = getattr(self, f"_w_{op}")
-        except AttributeError:
-            chan.send("error", message=f"unknown request {op!r}")
-            return
-        try:
+            if handler is None:
+                raise ValueError(f"unknown request {op!r}")
             handler(chan, rank, msg)
-        except (ValueError, KeyError) as e:
-            chan.send("error", message=str(e))
+        except (ValueError, KeyError, OSError) as e:  # UsageError is a ValueError
+            if op in self.CALLS:
+                self._reply(chan, "error", message=f"{type(e).__name__}: {e}")
+            else:
+                self.coord.send("agent_error", rank=rank, request=op, error=str(e))
+
+    @staticmethod
+    def _reply(chan: Channel, op: str, **fields: Any) -> None:
+        """Answer a worker; one that died meanwhile is noticed by its exit watcher."""
+        try:
+            chan.send(op, **fields)
+        except OSError:
+            pass
 
     def _w_alloc(self, chan: Channel, rank: int, msg: Message) -> None:
-        alloc = self.rings[rank].allocate(Layout.from_json(msg["layout"]))
-        self.coord.send("memory", node=self.node, rank=rank, nbytes=self.rings[rank].nbytes())
-        chan.send("ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots])
+        ring = self.rings[rank]
+        before = set(ring.held())
+        try:
+            alloc = ring.allocate(Layout.from_json(msg["layout"]))
+        except OSError as e:
+            raise UsageError(
+                f"node {self.node} cannot allocate {self.cfg.slots} tier-0 slots of "
+                f"{Layout.from_json(msg['layout']).nbytes:,} bytes for rank {rank} in "
+                f"{SHM_DIR}: {e}. Free or enlarge {SHM_DIR} (a container's --shm-size), or "
+                "use fewer --slots."
+            ) from e
+        if lost := sorted(before - set(ring.held())):
+            self.coord.send("dropped", rank=rank, steps=lost)  # the layout changed
+        self.coord.send("memory", node=self.node, rank=rank, nbytes=ring.nbytes())
+        self._reply(
+            chan, "ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots]
+        )
 
     def _w_slot(self, chan: Channel, rank: int, msg: Message) -> None:
         slot, dropped = self.rings[rank].begin_write(int(msg["step"]), int(msg["alloc"]))
-        chan.send("ok", slot=slot)
+        self._reply(chan, "ok", slot=slot)
         if dropped:
             self.coord.send("dropped", rank=rank, steps=dropped)
-        if slot is None:
+        if slot is None and self.last_skipped.get(rank) != msg["step"]:
+            self.last_skipped[rank] = msg["step"]
             self.coord.send("skipped", rank=rank, step=msg["step"])
 
     def _w_held(self, chan: Channel, rank: int, msg: Message) -> None:
@@ -288,6 +326,7 @@ class Agent:
             digest = checksum_chunks(layout.chunks(slot.segment.buf))
             self._post("checked", rank=rank, step=step, slot=slot, checksum=digest)
 
+        self.checks = [f for f in self.checks if not f.done()]
         self.checks.append(self.pool.submit(check))
         self.coord.send("progress", rank=rank, step=step, stall=msg.get("stall", 0.0))
 
@@ -307,7 +346,7 @@ class Agent:
                 tree=slot.tree,
                 checksum=slot.checksum,
             )
-        chan.send("ok", **plan)
+        self._reply(chan, "ok", **plan)
 
     def _w_restored(self, chan: Channel, rank: int, msg: Message) -> None:
         slot = self.restore_leases.pop(rank, None)
@@ -320,17 +359,20 @@ class Agent:
 
     def _w_finished(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("finished", rank=rank, step=msg.get("step", -1))
-        chan.send("ok")
+        self._reply(chan, "ok")
 
     def _w_fatal(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("fatal", rank=rank, message=msg["message"])
+        self._reply(chan, "ok")
 
     def _w_corrupt(self, chan: Channel, rank: int, msg: Message) -> None:
-        self.coord.send("corrupt", rank=rank, where=msg["where"], why=msg["why"])
+        fields = {k: msg[k] for k in ("where", "why", "step", "tier")}
+        self.coord.send("corrupt", rank=rank, **fields)
+        self._reply(chan, "ok")
 
     def _w_inject_fired(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("inject_fired", spec=msg["spec"])
-        chan.send("ok")
+        self._reply(chan, "ok")
 
     # ---------------------------------------------------------------- background results
 
@@ -356,24 +398,36 @@ class Agent:
             self._unlease(msg["slot"])
             self.coord.send("part", **{k: v for k, v in msg.items() if k not in ("op", "slot")})
 
-    def _persist(self, step: int, root: str, world_size: int) -> None:
+    def _persist(self, step: int, root: str, world_size: int, token: int) -> None:
         for rank, ring in self.rings.items():
             slot = ring.lease(step)
             if slot is None:
-                self.coord.send("part", rank=rank, step=step, error="tier 0 no longer holds it")
+                self.coord.send(
+                    "part", rank=rank, step=step, token=token, error="tier 0 no longer holds it"
+                )
                 continue
-            self.pool.submit(self._write_part, root, step, rank, world_size, ring.layout(), slot)
+            self.writers.submit(
+                self._write_part, root, step, rank, world_size, ring.layout(), slot, token
+            )
 
     def _write_part(
-        self, root: str, step: int, rank: int, world_size: int, layout: Layout, slot: Slot
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        layout: Layout,
+        slot: Slot,
+        token: int,
     ) -> None:
+        done = {"rank": rank, "step": step, "slot": slot, "token": token}
         try:
             info = durable.write_part(
                 root, step, rank, world_size, layout, slot.tree, slot.segment.buf, slot.checksum
             )
-            self._post("persisted", rank=rank, step=step, slot=slot, part=info.to_json())
-        except Exception as e:
-            self._post("persisted", rank=rank, step=step, slot=slot, error=f"{e}")
+            self._post("persisted", part=info.to_json(), **done)
+        except Exception as e:  # reported: the job keeps training on the memory tiers
+            self._post("persisted", error=f"{type(e).__name__}: {e}", **done)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 from tierswap.cluster.commits import Commits
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
 from tierswap.config import Config, Injection
+from tierswap.errors import CorruptPartError
 from tierswap.events import EventLog, Progress
 from tierswap.plan import Holdings, Plan, Tier, plan_restore
 from tierswap.shm import remove_job_segments
@@ -34,6 +35,7 @@ class JobStopped(Exception):
 @dataclass(slots=True)
 class _Persist:
     step: int
+    token: int
     parts: dict[int, durable.PartInfo] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     answered: set[int] = field(default_factory=set)
@@ -79,6 +81,7 @@ class Coordinator:
         self.waiting_hello: set[int] = set(range(cfg.nodes))
         self.persist: _Persist | None = None
         self.last_persist_request = -1
+        self.persist_token = 0
         self.durability_ok = True
         self.ever_committed = False
         self.last_step = -1
@@ -126,11 +129,12 @@ class Coordinator:
         try:
             chan, msg = self.events.get(timeout=0.5)
         except queue.Empty:
+            if self.waiting_hello:
+                gone = self.nodes.exited_before_joining(set(self.agents))
+                if gone:
+                    raise JobStopped(f"{gone}; its output above says why") from None
             if time.monotonic() > self.deadline:
-                raise JobStopped(
-                    f"timed out in phase {self.phase!r} "
-                    f"(waiting for nodes {sorted(self.waiting_hello)})"
-                ) from None
+                raise JobStopped(f"timed out {self._waiting_for()}") from None
             return
         node = next((n for n, c in self.agents.items() if c is chan), None)
         if msg is None:
@@ -170,6 +174,18 @@ class Coordinator:
             except OSError:
                 pass
 
+    def _waiting_for(self) -> str:
+        if self.waiting_hello:
+            return f"waiting for nodes {sorted(self.waiting_hello)} to join"
+        if self.stopping:
+            return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
+        if self.persist is not None:
+            return f"waiting for step {self.persist.step} to be written to {self.cfg.persist}"
+        return (
+            f"in phase {self.phase!r} waiting for step {self.last_step} to be committed "
+            f"in memory (committed: {self._tiers()})"
+        )
+
     def shutdown(self) -> None:
         self._broadcast("exit")
         self.nodes.stop_all()
@@ -198,7 +214,25 @@ class Coordinator:
     def _node_lost(self, node: int) -> None:
         self.agents.pop(node, None)
         self.commits.node_lost(node)
-        if self.phase in ("done", "finishing"):
+        if self.phase == "finishing":
+            self.log.emit(
+                "failure_detected",
+                what="node",
+                node=node,
+                ranks=self._ranks_of(node),
+                detail="lost after every rank finished",
+                generation=self.generation,
+            )
+            self.persist = None
+            self.durability_ok = False  # finish with what is committed; say what is not
+            self.progress.message(
+                f"node {node} lost after the last step; finishing with the "
+                f"steps already committed: {self._tiers()}"
+            )
+            self.last_step = min(self.last_step, self.commits.committed[0])
+            self._maybe_done()
+            return
+        if self.phase == "done":
             return
         self.stopping.discard(node)
         self.holdings.pop(node, None)
@@ -282,9 +316,20 @@ class Coordinator:
             self.cfg.world_size, memory, memory_node, peers, durable_steps, frozenset(self.bad)
         )
 
+    def _plan(self) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
+        """Plan the restore; a durable step whose COMMIT is unreadable is skipped."""
+        while True:
+            holdings = self._collect()
+            plan = plan_restore(holdings)
+            try:
+                return holdings, plan, self._rank_plans(plan)
+            except (CorruptPartError, OSError) as e:
+                assert plan.step is not None
+                self.log.emit("corrupt_part", step=plan.step, tier=2, where="COMMIT", why=str(e))
+                self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.cfg.world_size)}
+
     def _start_generation(self) -> None:
-        holdings = self._collect()
-        plan = plan_restore(holdings)
+        holdings, plan, plans = self._plan()
         for step, why in plan.skipped:
             self.log.emit("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
@@ -299,8 +344,9 @@ class Coordinator:
         peers = {r: {n: set(s) for n, s in by.items()} for r, by in holdings.peer.items()}
         self.commits.reset(restart, memory, peers)
         self.last_persist_request = restart
+        # parts of later steps will be written anew by this timeline
+        self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= restart}
         self.deadline = float("inf")
-        plans = self._rank_plans(plan)
         for node, chan in sorted(self.agents.items()):
             ranks = self._ranks_of(node)
             try:
@@ -313,6 +359,7 @@ class Coordinator:
                     plans={str(r): plans[r] for r in ranks},
                     inject=self.injections,
                     restart_step=restart,
+                    committed=[self.commits.committed[0], self.commits.committed[1]],
                     placement={str(r): list(self.targets[r]) for r in ranks},
                     protects=[r for r, t in self.targets.items() if node in t],
                     peers={str(n): a for n, a in self.peer_addresses.items() if n in self.agents},
@@ -373,18 +420,18 @@ class Coordinator:
         self.progress.message(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
 
     def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
-        rank = int(msg["rank"])
-        src = self.plan.sources.get(rank) if self.plan else None
-        if src is not None and self.plan is not None and self.plan.step is not None:
-            self.bad.add((src.tier, self.plan.step, rank))
+        rank, step, tier = int(msg["rank"]), msg.get("step"), msg.get("tier")
+        if step is not None and tier is not None:
+            self.bad.add((Tier(int(tier)), int(step), rank))
         self.log.emit(
-            "corrupt_part",
-            rank=rank,
-            where=msg["where"],
-            why=msg["why"],
-            step=self.plan.step if self.plan else None,
+            "corrupt_part", rank=rank, where=msg["where"], why=msg["why"], step=step, tier=tier
         )
         self.progress.message(f"rank {rank}: {msg['where']}: {msg['why']}; trying an older step")
+
+    def _on_agent_error(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit(
+            "agent_error", node=node, rank=msg["rank"], request=msg["request"], error=msg["error"]
+        )
 
     def _on_fatal(self, chan: Channel, node: int | None, msg: Message) -> None:
         raise JobStopped(f"rank {msg['rank']}: {msg['message']}")
@@ -454,13 +501,20 @@ class Coordinator:
         if step <= self.durable_committed:
             return
         self.last_persist_request = step
-        self.persist = _Persist(step)
-        self._broadcast("persist", step=step, root=self.cfg.persist, world_size=self.cfg.world_size)
+        self.persist_token += 1
+        self.persist = _Persist(step, self.persist_token)
+        self._broadcast(
+            "persist",
+            step=step,
+            root=self.cfg.persist,
+            world_size=self.cfg.world_size,
+            token=self.persist_token,
+        )
 
     def _on_part(self, chan: Channel, node: int | None, msg: Message) -> None:
         p = self.persist
-        if p is None or int(msg["step"]) != p.step:
-            return
+        if p is None or int(msg["token"]) != p.token:
+            return  # a write requested before a failure: its step is asked for again
         rank = int(msg["rank"])
         p.answered.add(rank)
         if "error" in msg:
@@ -480,10 +534,15 @@ class Coordinator:
         assert self.cfg.persist is not None
         try:
             durable.write_commit(self.cfg.persist, p.step, self.cfg.world_size, p.parts)
-            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
         except OSError as e:
             self._durability_failing(f"step {p.step}: COMMIT not written: {e}")
             return
+        self.bad = {b for b in self.bad if not (b[0] == Tier.DURABLE and b[1] == p.step)}
+        try:
+            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
+        except OSError as e:
+            deleted = []
+            self.log.emit("retention_failed", error=str(e))
         self.durable_committed = p.step
         self.ever_committed = True
         self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
@@ -540,7 +599,8 @@ class Coordinator:
         self.last_step = max(self.last_step, int(msg["step"]))
         if len(self.finished) == self.cfg.world_size:
             self.phase = "finishing"
-            self.deadline = time.monotonic() + self.cfg.startup_timeout
+            # the last step's checksums, commit and durable write: a slow disk is no failure
+            self.deadline = time.monotonic() + max(self.cfg.startup_timeout, 600.0)
             self._maybe_done()
 
     def _maybe_done(self) -> None:

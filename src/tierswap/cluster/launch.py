@@ -51,8 +51,16 @@ class LocalNodes:
 
     def kill(self, node: int) -> None:
         proc = self.procs.get(node)
-        if proc is not None and proc.poll() is None:
-            _killpg(proc.pid)
+        if proc is not None:
+            _killpg(proc.pid)  # also when the agent is gone: its workers may live on
+
+    def exited_before_joining(self, joined: set[int]) -> str | None:
+        """A node whose agent exited before it said hello, as a message; else None."""
+        for node, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None and node not in joined:
+                return f"node {node}'s agent exited with code {code} before joining the job"
+        return None
 
     def stop_all(self, timeout: float = 20.0) -> None:
         """Wait for agents to exit by themselves, then kill what is left, groups included."""

@@ -131,9 +131,10 @@ class PeerStore:
         for ring in self.rings.values():
             ring.abort(step)
 
-    def discard_after(self, step: int) -> None:
+    def discard_after(self, step: int, committed: int) -> None:
         for ring in self.rings.values():
             ring.discard_after(step)
+            ring.protect(committed)
 
     def close(self) -> None:
         for ring in self.rings.values():

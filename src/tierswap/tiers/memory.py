@@ -166,6 +166,11 @@ class RankRing:
         self.proposed.add(step)
         return True
 
+    def protect(self, step: int) -> None:
+        """A new generation starts: ``step`` is the committed one, whatever came before."""
+        self.committed = step
+        self.proposed.clear()
+
     def set_committed(self, step: int) -> None:
         self.proposed = {p for p in self.proposed if p > step}
         self.committed = max(self.committed, step)
