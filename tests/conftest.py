@@ -2,3 +2,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+import pytest
+
+from e2e import final_state, run_job
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory):
+    """Final states of uninterrupted runs, one run per shape, shared by the tests."""
+    cache = {}
+
+    def get(nodes: int = 2, mode: str = "ddp", steps: int = 12):
+        key = (nodes, mode, steps)
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("baseline")
+            code, _, out = run_job(tmp, "base", nodes=nodes, steps=steps, mode=mode)
+            assert code == 0, out
+            cache[key] = final_state(tmp, "base")
+        return cache[key]
+
+    return get

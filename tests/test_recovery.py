@@ -23,29 +23,27 @@ def _no_leaked_memory(tmp_path: Path):
     assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
 
 
-def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:
-    code, _, _ = run_job(tmp_path, "base", steps=16)
-    assert code == 0
+def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
-        tmp_path, "kill", steps=16, extra=("--inject", "kill:rank=1:step=9")
+        tmp_path, "kill", steps=12, extra=("--inject", "kill:rank=1:step=9")
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     (failure,) = events(run_dir, "failure_detected")
     assert failure["ranks"] == [1] and failure["what"] == "worker"
     (restored,) = events(run_dir, "restored")
     assert set(restored["tiers"].values()) == {0}, "a worker crash restores from tier 0"
-    assert events(run_dir, "job_finished")[0]["step"] == 15
+    assert events(run_dir, "job_finished")[0]["step"] == 11
 
 
-def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> None:
+def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
-    code, _, _ = run_job(tmp_path, "base", steps=16, mode="fsdp")
-    assert code == 0
+    base = baseline(nodes=2, mode="fsdp")
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
-        steps=16,
+        steps=12,
         mode="fsdp",
         extra=(
             "--replicas",
@@ -59,7 +57,7 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
         ),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     (failure,) = events(run_dir, "failure_detected")
     assert failure["what"] == "node" and failure["node"] == 1
     (restored,) = events(run_dir, "restored")
@@ -67,27 +65,25 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path) -> No
     assert restored["tiers"]["0"] in (0, 2), "a survivor takes its fastest tier holding the step"
 
 
-def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path) -> None:
-    code, _, _ = run_job(tmp_path, "base", steps=12, mode="fsdp")
-    assert code == 0
+def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="fsdp")
     code, run_dir, out = run_job(
         tmp_path, "kill", steps=12, mode="fsdp", extra=("--inject", "kill:rank=0:step=7")
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     assert set(events(run_dir, "restored")[0]["tiers"].values()) == {0}
 
 
-def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path) -> None:
+def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
-    code, _, _ = run_job(tmp_path, "base", steps=30)
-    assert code == 0
+    base = baseline(nodes=2, mode="ddp")
     run_dir = tmp_path / "first"
-    proc = _start(tmp_path, run_dir, persist, steps=30)
+    proc = _start(tmp_path, run_dir, persist, steps=12)
     try:
         _wait_for(
             lambda: any(
-                e["tier"] == 2 and e["step"] >= 8
+                e["tier"] == 2 and e["step"] >= 4
                 for e in _safe_events(run_dir, "snapshot_committed")
             ),
             120,
@@ -97,27 +93,27 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path) -> None
         proc.wait()
     _remove_segments_of(run_dir)
     code, run_dir2, out = run_job(
-        tmp_path, "second", steps=30, extra=("--persist", str(persist), "--persist-every", "4")
+        tmp_path, "second", steps=12, extra=("--persist", str(persist), "--persist-every", "2")
     )
     assert code == 0, out
     (restored,) = events(run_dir2, "restored")
-    assert restored["step"] >= 8 and set(restored["tiers"].values()) == {2}
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "second"))
+    assert 4 <= restored["step"] < 11 and set(restored["tiers"].values()) == {2}
+    assert not events(run_dir, "job_finished"), "the first run was killed before its end"
+    assert_same_bits(base, final_state(tmp_path, "second"))
 
 
-def test_exact_ddp_three_ranks_worker_killed_bit_exact(tmp_path: Path) -> None:
-    code, _, _ = run_job(tmp_path, "base", nodes=3, steps=10, mode="ddp-exact")
-    assert code == 0
+def test_exact_ddp_three_ranks_worker_killed_bit_exact(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=3, mode="ddp-exact")
     code, _, out = run_job(
         tmp_path,
         "kill",
         nodes=3,
-        steps=10,
+        steps=12,
         mode="ddp-exact",
         extra=("--inject", "kill:rank=2:step=6"),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
 
 
 def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) -> None:
@@ -149,12 +145,12 @@ def _start(tmp: Path, run_dir: Path, persist: Path, steps: int) -> subprocess.Po
         "--persist",
         str(persist),
         "--persist-every",
-        "4",
+        "2",
         str(TRAIN),
         "--steps",
         str(steps),
         "--sleep",
-        "0.05",
+        "0.2",
     ]
     log = (tmp / "first.log").open("w")
     return subprocess.Popen(

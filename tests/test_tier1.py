@@ -26,41 +26,43 @@ def _restored(run_dir: Path) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, mode: str) -> None:
-    assert run_job(tmp_path, "base", steps=14, mode=mode)[0] == 0
+def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, baseline, mode: str) -> None:
+    base = baseline(nodes=2, mode=mode)
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
-        steps=14,
+        steps=12,
         mode=mode,
         train_args=SLOW,
         extra=("--inject", "kill:node=1:step=8"),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1, the survivor's tier 0"
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(tmp_path: Path) -> None:
-    assert run_job(tmp_path, "base", nodes=3, steps=10, mode="ddp-exact")[0] == 0
+def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
+    tmp_path: Path, baseline
+) -> None:
+    base = baseline(nodes=3, mode="ddp-exact")
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
         nodes=3,
-        steps=10,
+        steps=12,
         mode="ddp-exact",
         train_args=SLOW,
         extra=("--inject", "kill:node=1:step=6"),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}
 
 
-def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path) -> None:
+def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
-    assert run_job(tmp_path, "base", nodes=3, steps=12, mode="ddp-exact")[0] == 0
+    base = baseline(nodes=3, mode="ddp-exact")
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
@@ -80,9 +82,11 @@ def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path) -> None:
         ),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     restored = _restored(run_dir)
-    assert restored[1] == 2 and restored[2] == 2, restored
+    # placement 0->1, 1->2, 2->0: rank 1 lost both its copies; the others take whatever
+    # fastest tier still holds the step every rank can reach
+    assert restored[1] == 2, restored
     skipped = events(run_dir, "restore_skipped")
     assert skipped and "ranks 1" in skipped[0]["reason"], skipped
 
@@ -97,18 +101,18 @@ def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path:
         extra=("--inject", "kill:node=1:step=5", "--inject", "kill:node=2:step=5"),
     )
     assert code == 1
-    assert "no step can be restored" in out and "ranks 1-2" in out
+    assert "no step can be restored" in out and "no tier holds a good part of ranks 1" in out
     assert events(run_dir, "job_failed")
 
 
 @pytest.mark.parametrize("where", ["flight", "memory"])
-def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, where: str) -> None:
+def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, baseline, where: str) -> None:
     persist = tmp_path / "ckpt"
-    assert run_job(tmp_path, "base", steps=14)[0] == 0
+    base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
-        steps=14,
+        steps=12,
         train_args=SLOW,
         extra=(
             "--persist",
@@ -122,7 +126,7 @@ def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, where: str) ->
         ),
     )
     assert code == 0, out
-    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "kill"))
+    assert_same_bits(base, final_state(tmp_path, "kill"))
     rejected = events(run_dir, "replica_rejected")
     assert rejected and all(e["rank"] == 1 for e in rejected)
     assert _restored(run_dir)[1] == 2, "a corrupt replica is never a source"

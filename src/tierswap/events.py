@@ -40,7 +40,7 @@ class Progress:
 
     def __init__(self, enabled: bool, total: int | None = None) -> None:
         self.enabled = enabled
-        self.console = Console(file=sys.stderr, highlight=False)
+        self.console = Console(file=sys.stderr, highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal
         self._last = 0.0
         self.total = total

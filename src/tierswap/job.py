@@ -155,7 +155,7 @@ class Job:
         for inj in self._injections:
             if inj.step == step and self._chan is not None:
                 self.fence()
-                self._chan.call("inject_fired", spec=str(inj))
+                self._chan.call("inject_fired", rank=self.rank, spec=str(inj))
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
