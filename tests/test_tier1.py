@@ -39,6 +39,13 @@ def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, baseline,
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1, the survivor's tier 0"
+    restored_at = events(run_dir, "restored")[-1]["time"]
+    later = [
+        e
+        for e in events(run_dir, "snapshot_committed")
+        if e["tier"] == 1 and e["time"] > restored_at
+    ]
+    assert later, "the fresh node re-joined the replication ring"
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -130,3 +137,10 @@ def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, baseline, wher
     rejected = events(run_dir, "replica_rejected")
     assert rejected and all(e["rank"] == 1 for e in rejected)
     assert _restored(run_dir)[1] == 2, "a corrupt replica is never a source"
+
+
+def test_placement_that_cannot_fit_peer_memory_is_refused(tmp_path: Path) -> None:
+    code, run_dir, out = run_job(tmp_path, "small", steps=12, extra=("--max-peer-memory", "100000"))
+    assert code == 1
+    assert "--max-peer-memory 100,000" in out and "replicas for ranks" in out
+    assert events(run_dir, "job_failed")

@@ -83,8 +83,14 @@ class Channel:
         return self._sock
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
+        """Close; a thread blocked reading this channel wakes up with EOF."""
+        try:
+            sock = self._socket()
+            sock.shutdown(socket.SHUT_RDWR)  # a plain close does not wake a poll()
+            sock.close()
+        except OSError:
+            pass
+        self._sock = None
         self.conn.close()
 
 

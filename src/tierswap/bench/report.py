@@ -83,9 +83,13 @@ def report(res: Mapping[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tierswap bench snapshot [--size-mib M] [--repeats N] [--json PATH]``."""
+    """``tierswap bench snapshot|replication [--size-mib M] [--repeats N] [--json PATH]``."""
+    if args.what == "replication":
+        from tierswap.bench import replication
+
+        return replication.main(args)
     if args.what != "snapshot":
-        raise ValueError(f"bench {args.what!r}: only 'snapshot' is measured")
+        raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
     if args.size_mib < 1 or args.repeats < 1:
         raise ValueError(f"--size-mib {args.size_mib}, --repeats {args.repeats}: use >= 1 each")
     res = run(args.size_mib, args.repeats)

@@ -446,6 +446,11 @@ def main() -> None:
         script=sys.argv[1:],
     )
     agent.run()
+    # Everything is released by now (workers killed, segments unlinked); do not wait at exit
+    # for a replication thread whose peer is gone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
