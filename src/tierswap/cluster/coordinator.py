@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import queue
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Listener
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from tierswap.cluster.commits import Commits
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
+from tierswap.cluster.persistence import Persistence
 from tierswap.config import Config, Injection
 from tierswap.errors import CorruptPartError
 from tierswap.events import EventLog, Progress
@@ -30,15 +30,6 @@ from tierswap.wire import Channel, Message, reader, serve
 
 class JobStopped(Exception):
     """The job cannot go on; the message says why and what is kept."""
-
-
-@dataclass(slots=True)
-class _Persist:
-    step: int
-    token: int
-    parts: dict[int, durable.PartInfo] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    answered: set[int] = field(default_factory=set)
 
 
 class Coordinator:
@@ -70,7 +61,6 @@ class Coordinator:
         self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
         self.commits = Commits(cfg.world_size, self.targets, self._send_to)
         self.peer_addresses: dict[int, list[Any]] = {}
-        self.durable_committed = -1
         self.bad: set[tuple[Tier, int, int]] = set()
         self.plan: Plan | None = None
         self.restored: dict[int, Message] = {}
@@ -79,10 +69,7 @@ class Coordinator:
         self.holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.waiting_hello: set[int] = set(range(cfg.nodes))
-        self.persist: _Persist | None = None
-        self.last_persist_request = -1
-        self.persist_token = 0
-        self.durability_ok = True
+        self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
         self.ever_committed = False
         self.last_step = -1
         self.last_loss: float | None = None
@@ -102,7 +89,7 @@ class Coordinator:
             job_id=self.job_id,
         )
         if warning:
-            self._durability_failing(f"cannot write {self.cfg.persist}: {warning}")
+            self.persister.failing(f"cannot write {self.cfg.persist}: {warning}")
         self._announce_placement()
         for node in range(self.cfg.nodes):
             self.nodes.start(node, self.address)
@@ -179,8 +166,9 @@ class Coordinator:
             return f"waiting for nodes {sorted(self.waiting_hello)} to join"
         if self.stopping:
             return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
-        if self.persist is not None:
-            return f"waiting for step {self.persist.step} to be written to {self.cfg.persist}"
+        if self.persister.inflight is not None:
+            step = self.persister.inflight.step
+            return f"waiting for step {step} to be written to {self.cfg.persist}"
         return (
             f"in phase {self.phase!r} waiting for step {self.last_step} to be committed "
             f"in memory (committed: {self._tiers()})"
@@ -223,8 +211,8 @@ class Coordinator:
                 detail="lost after every rank finished",
                 generation=self.generation,
             )
-            self.persist = None
-            self.durability_ok = False  # finish with what is committed; say what is not
+            self.persister.cancel()
+            self.persister.ok = False  # finish with what is committed; say what is not
             self.progress.message(
                 f"node {node} lost after the last step; finishing with the "
                 f"steps already committed: {self._tiers()}"
@@ -270,7 +258,7 @@ class Coordinator:
                 f"{self.restarts} failures, more than --max-restarts {self.cfg.max_restarts}"
             )
         self.phase = "recovering"
-        self.persist = None  # parts of a dead node never come; the step is persisted again
+        self.persister.cancel()
         self.deadline = time.monotonic() + self.cfg.startup_timeout
         self.holdings.clear()
         self.peer_holdings.clear()
@@ -308,7 +296,7 @@ class Coordinator:
                 listing = durable.list_steps(self.cfg.persist)
             except OSError as e:
                 listing = []
-                self._durability_failing(f"cannot list {self.cfg.persist}: {e}")
+                self.persister.failing(f"cannot list {self.cfg.persist}: {e}")
             durable_steps = frozenset(
                 s.step for s in listing if s.committed and s.world_size == self.cfg.world_size
             )
@@ -343,7 +331,7 @@ class Coordinator:
         memory = {r: set(s) for r, s in holdings.memory.items()}
         peers = {r: {n: set(s) for n, s in by.items()} for r, by in holdings.peer.items()}
         self.commits.reset(restart, memory, peers)
-        self.last_persist_request = restart
+        self.persister.cancel(restart)
         # parts of later steps will be written anew by this timeline
         self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= restart}
         self.deadline = float("inf")
@@ -489,71 +477,16 @@ class Coordinator:
             self.ever_committed = True
             self.log.emit("snapshot_committed", tier=tier, step=done)
             if tier == 0:
-                self._maybe_persist(done)
+                self.persister.maybe_persist(done)
         self._propose(tier)
         self._maybe_done()
 
-    def _maybe_persist(self, step: int, final: bool = False) -> None:
-        every = self.cfg.persist_every
-        due = step // every > self.last_persist_request // every or self.last_persist_request < 0
-        if self.cfg.persist is None or self.persist is not None or not (due or final):
-            return
-        if step <= self.durable_committed:
-            return
-        self.last_persist_request = step
-        self.persist_token += 1
-        self.persist = _Persist(step, self.persist_token)
-        self._broadcast(
-            "persist",
-            step=step,
-            root=self.cfg.persist,
-            world_size=self.cfg.world_size,
-            token=self.persist_token,
-        )
-
     def _on_part(self, chan: Channel, node: int | None, msg: Message) -> None:
-        p = self.persist
-        if p is None or int(msg["token"]) != p.token:
-            return  # a write requested before a failure: its step is asked for again
-        rank = int(msg["rank"])
-        p.answered.add(rank)
-        if "error" in msg:
-            p.errors.append(f"rank {rank}: {msg['error']}")
-        else:
-            p.parts[rank] = durable.PartInfo.from_json(rank, msg["part"])
-        if len(p.answered) < self.cfg.world_size:
-            return
-        self.persist = None
-        if p.errors:
-            self._durability_failing(f"step {p.step} not persisted: {p.errors[0]}")
-        else:
-            self._commit_durable(p)
+        step = self.persister.on_part(msg)
+        if step is not None:
+            self.ever_committed = True
+            self.bad = {b for b in self.bad if not (b[0] == Tier.DURABLE and b[1] == step)}
         self._maybe_done()
-
-    def _commit_durable(self, p: _Persist) -> None:
-        assert self.cfg.persist is not None
-        try:
-            durable.write_commit(self.cfg.persist, p.step, self.cfg.world_size, p.parts)
-        except OSError as e:
-            self._durability_failing(f"step {p.step}: COMMIT not written: {e}")
-            return
-        self.bad = {b for b in self.bad if not (b[0] == Tier.DURABLE and b[1] == p.step)}
-        try:
-            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
-        except OSError as e:
-            deleted = []
-            self.log.emit("retention_failed", error=str(e))
-        self.durable_committed = p.step
-        self.ever_committed = True
-        self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
-        if not self.durability_ok:
-            self.durability_ok = True
-            self.progress.message(f"durability restored: step {p.step} is in {self.cfg.persist}")
-
-    def _durability_failing(self, why: str) -> None:
-        self.durability_ok = False
-        self.log.emit("durability_failing", reason=why)
-        self.progress.message(f"durability failing, training goes on in memory: {why}")
 
     # ---------------------------------------------------------------- progress and the end
 
@@ -591,7 +524,7 @@ class Coordinator:
 
     def _tiers(self) -> dict[str, int]:
         c = self.commits.committed
-        named = {"memory": c[0], "peer": c[1], "durable": self.durable_committed}
+        named = {"memory": c[0], "peer": c[1], "durable": self.persister.committed}
         return {k: v for k, v in named.items() if v >= 0}
 
     def _on_finished(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -607,11 +540,11 @@ class Coordinator:
         memory = self.commits.committed[0]
         if self.phase != "finishing" or memory < self.last_step:
             return
-        if self.persist is not None:
+        if self.persister.inflight is not None:
             return
-        if self.durability_ok and self.durable_committed < memory:
-            self._maybe_persist(memory, final=True)
-            if self.persist is not None:
+        if self.persister.ok and self.persister.committed < memory:
+            self.persister.maybe_persist(memory, final=True)
+            if self.persister.inflight is not None:
                 return
         self.phase = "done"
         self.log.emit(

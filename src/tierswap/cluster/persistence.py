@@ -1,0 +1,109 @@
+"""Tier 2 from the coordinator's side: when to persist, collecting parts, writing COMMIT.
+
+Agents write the parts (never the trainer); the coordinator writes ``COMMIT`` last, once
+every part is durable, then applies retention. Failures to write never stop training:
+they are reported as ``durability_failing`` until a later step makes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierswap.config import Config
+from tierswap.events import EventLog, Progress
+from tierswap.tiers import durable
+
+
+@dataclass(slots=True)
+class Request:
+    step: int
+    token: int
+    """Tells this request's parts from those of one abandoned at a failure."""
+    parts: dict[int, durable.PartInfo] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)
+
+
+class Persistence:
+    def __init__(
+        self, cfg: Config, log: EventLog, progress: Progress, broadcast: Callable[..., None]
+    ) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.progress = progress
+        self.broadcast = broadcast
+        self.inflight: Request | None = None
+        self.last_request = -1
+        self.token = 0
+        self.committed = -1
+        self.ok = True
+
+    def maybe_persist(self, step: int, final: bool = False) -> None:
+        """Ask the agents to write ``step`` (committed in tier 0) when it is due."""
+        every = self.cfg.persist_every
+        due = self.last_request < 0 or step // every > self.last_request // every
+        if self.cfg.persist is None or self.inflight is not None or not (due or final):
+            return
+        if step <= self.committed:
+            return
+        self.last_request = step
+        self.token += 1
+        self.inflight = Request(step, self.token)
+        self.broadcast(
+            "persist",
+            step=step,
+            root=self.cfg.persist,
+            world_size=self.cfg.world_size,
+            token=self.token,
+        )
+
+    def cancel(self, restart: int | None = None) -> None:
+        """A failure: parts of a dead node never come; the next due step is asked anew."""
+        self.inflight = None
+        if restart is not None:
+            self.last_request = restart
+
+    def on_part(self, msg: dict[str, Any]) -> int | None:
+        """One rank's part is written (or failed). Returns the step when it got committed."""
+        p = self.inflight
+        if p is None or int(msg["token"]) != p.token:
+            return None  # a write requested before a failure
+        rank = int(msg["rank"])
+        p.answered.add(rank)
+        if "error" in msg:
+            p.errors.append(f"rank {rank}: {msg['error']}")
+        else:
+            p.parts[rank] = durable.PartInfo.from_json(rank, msg["part"])
+        if len(p.answered) < self.cfg.world_size:
+            return None
+        self.inflight = None
+        if p.errors:
+            self.failing(f"step {p.step} not persisted: {p.errors[0]}")
+            return None
+        return self._commit(p)
+
+    def _commit(self, p: Request) -> int | None:
+        assert self.cfg.persist is not None
+        try:
+            durable.write_commit(self.cfg.persist, p.step, self.cfg.world_size, p.parts)
+        except OSError as e:
+            self.failing(f"step {p.step}: COMMIT not written: {e}")
+            return None
+        try:
+            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
+        except OSError as e:
+            deleted = []
+            self.log.emit("retention_failed", error=str(e))
+        self.committed = p.step
+        self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
+        if not self.ok:
+            self.ok = True
+            self.progress.message(f"durability restored: step {p.step} is in {self.cfg.persist}")
+        return p.step
+
+    def failing(self, why: str) -> None:
+        self.ok = False
+        self.log.emit("durability_failing", reason=why)
+        self.progress.message(f"durability failing, training goes on in memory: {why}")
