@@ -143,7 +143,12 @@ def parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure snapshot costs against alternatives")
     bench.add_argument("what", choices=["snapshot", "replication"])
-    bench.add_argument("--size-mib", type=int, default=1024)
+    bench.add_argument(
+        "--size-mib",
+        type=int,
+        default=None,
+        help="state size (default: 1024 for snapshot, 256 for replication)",
+    )
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)

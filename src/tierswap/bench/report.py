@@ -90,9 +90,10 @@ def main(args: argparse.Namespace) -> int:
         return replication.main(args)
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
-    if args.size_mib < 1 or args.repeats < 1:
-        raise ValueError(f"--size-mib {args.size_mib}, --repeats {args.repeats}: use >= 1 each")
-    res = run(args.size_mib, args.repeats)
+    size = 1024 if args.size_mib is None else args.size_mib
+    if size < 1 or args.repeats < 1:
+        raise ValueError(f"--size-mib {size}, --repeats {args.repeats}: use >= 1 each")
+    res = run(size, args.repeats)
     report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -64,7 +64,7 @@ class Agent:
         self.last_skipped: dict[int, int] = {}
         self.sock = str(run_dir / f"agent-{node}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
-        serve(self.listener, self._on_worker_channel, "tierswap-accept")
+        self._stop_accepting = serve(self.listener, self._on_worker_channel, "tierswap-accept")
         report = self.coord.send
         self.peers = PeerStore(job_id, cfg.slots, cfg.max_peer_memory, report)
         self.replicator = Replicator(secret, node, self._post, cfg.nproc_per_node)
@@ -99,7 +99,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self._stop_workers()
-        self.listener.close()
+        self._stop_accepting()
         self.server.close()
         self.replicator.close()
         self.peers.close()

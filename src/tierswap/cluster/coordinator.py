@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Listener
 from pathlib import Path
@@ -42,6 +43,7 @@ class Coordinator:
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = TCPStore(
             "127.0.0.1",
             0,
@@ -80,7 +82,7 @@ class Coordinator:
     def run(self) -> int:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
         warning = check_durable(self.cfg)
-        serve(self.listener, self._on_channel, "tierswap-coord-accept")
+        self._stop_accepting = serve(self.listener, self._on_channel, "tierswap-coord-accept")
         self.log.emit(
             "job_started",
             world_size=self.cfg.world_size,
@@ -177,7 +179,7 @@ class Coordinator:
     def shutdown(self) -> None:
         self._broadcast("exit")
         self.nodes.stop_all()
-        self.listener.close()
+        self._stop_accepting()
         n = remove_job_segments(self.job_id)
         if n:
             self.log.emit("memory_released", segments=n)

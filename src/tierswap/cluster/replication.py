@@ -80,7 +80,7 @@ class PeerStore:
                 "replica_rejected",
                 rank=rank,
                 step=step,
-                why="checksum mismatch" if not ok else "slot gone",
+                why=why or ("checksum mismatch" if not ok else "slot gone"),
             )
             return
         ring.written(slot.index, step, ring.alloc.id, tree or {})
@@ -193,17 +193,21 @@ class Replicator:
 
     def _send(self, rank: int, step: int, slot: Slot, layout: Layout) -> None:
         results = {}
-        for node in self.targets.get(rank, ()):
-            try:
-                chan = self._channel(rank, node)
-                results[node] = push(
-                    chan, rank, step, layout, slot.tree, slot.checksum, slot.segment.buf
-                )
-            except (OSError, EOFError, RuntimeError, TimeoutError, KeyError) as e:
-                self._drop(rank, node)
-                results[node] = False
-                self.post("replicate_failed", rank=rank, node=node, error=str(e))
-        self.post("replicated", rank=rank, step=step, slot=slot, results=results)
+        try:
+            for node in self.targets.get(rank, ()):
+                try:
+                    chan = self._channel(rank, node)
+                    results[node] = push(
+                        chan, rank, step, layout, slot.tree, slot.checksum, slot.segment.buf
+                    )
+                except Exception as e:  # any failure: a fresh connection next time, reported
+                    self._drop(rank, node)
+                    results[node] = False
+                    self.post(
+                        "replicate_failed", rank=rank, node=node, error=f"{type(e).__name__}: {e}"
+                    )
+        finally:  # always: the slot is unleased and the rank's next snapshot can go
+            self.post("replicated", rank=rank, step=step, slot=slot, results=results)
 
     def _channel(self, rank: int, node: int) -> Channel:
         address = self.addresses[node]

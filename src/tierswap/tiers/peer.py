@@ -61,7 +61,7 @@ class ReplicaServer:
     def __init__(self, bind: str, secret: bytes, ask: Ask) -> None:
         self.ask = ask
         self.listener = Listener((bind, 0), authkey=secret)
-        serve(self.listener, self._serve, "tierswap-replica-accept")
+        self._stop = serve(self.listener, self._serve, "tierswap-replica-accept")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -69,7 +69,7 @@ class ReplicaServer:
         return str(host), int(port)
 
     def close(self) -> None:
-        self.listener.close()
+        self._stop()
 
     def _serve(self, chan: Channel) -> None:
         import threading
@@ -157,7 +157,9 @@ def push(
         return False
     chan.send_raw(buf[: layout.nbytes])
     done = chan.recv(timeout=300)
-    return done is not None and bool(done.get("accepted"))
+    if done is None:  # a late reply would be read as the next one's: drop the channel
+        raise TimeoutError(f"no answer from the peer to replica of rank {rank} step {step}")
+    return bool(done.get("accepted"))
 
 
 def fetch(
@@ -165,7 +167,10 @@ def fetch(
 ) -> tuple[Layout, dict[str, Any], bytearray]:
     """A worker pulls its replica of ``step`` from a peer; the checksum is verified."""
     where = f"tier-1 replica of rank {rank} step {step} at {address}"
-    chan = Channel.connect(address, secret)
+    try:
+        chan = Channel.connect(address, secret)
+    except (OSError, EOFError) as e:
+        raise CorruptPartError(where, f"peer unreachable: {e}") from e
     try:
         reply = chan.call("fetch", timeout=60, rank=rank, step=step)
         if reply["op"] != "part":
@@ -173,6 +178,8 @@ def fetch(
         layout = Layout.from_json(reply["layout"])
         buf = bytearray(layout.nbytes)
         chan.recv_raw_into(memoryview(buf))
+    except (OSError, EOFError, TimeoutError, RuntimeError) as e:
+        raise CorruptPartError(where, f"transfer failed: {type(e).__name__}: {e}") from e
     finally:
         chan.close()
     if checksum_chunks(layout.chunks(memoryview(buf))) != reply["checksum"]:
