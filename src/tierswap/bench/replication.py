@@ -107,7 +107,7 @@ def _bench_replication(
 # ---------------------------------------------------------------- 2. restore
 
 
-def _load(state: MutableMapping[str, Any], layout: Layout, tree: Any, buf: bytearray) -> float:
+def _load(state: MutableMapping[str, Any], layout: Layout, tree: Any, buf: memoryview) -> float:
     t0 = time.monotonic()
     views = [tensor_view(memoryview(buf), e) for e in layout.entries]
     load(state, tree, views, layout, what="the bench's snapshot")

@@ -88,6 +88,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import replication
 
         return replication.main(args)
+    if args.what == "job-replication":
+        from tierswap.bench import jobstep
+
+        return jobstep.main(args)
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
     size = 1024 if args.size_mib is None else args.size_mib

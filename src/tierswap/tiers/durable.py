@@ -32,6 +32,7 @@ from typing import Any
 
 from tierswap.checksum import checksum_bytes, checksum_chunks
 from tierswap.errors import CorruptPartError
+from tierswap.shm import populated
 from tierswap.state import Layout
 from tierswap.tiers.files import (
     Reader,
@@ -232,20 +233,20 @@ def _check_header(path: str, f: Reader, size: int, layout: Layout) -> None:
 
 def _read(
     fs: Any, base: str, step: int, rank: int, expected: PartInfo | None, keep: bool
-) -> tuple[Layout, dict[str, Any], bytearray]:
+) -> tuple[Layout, dict[str, Any], memoryview]:
     """Read and check one part; without ``keep`` only check it (the data is streamed)."""
     folder = _step_dir(base, step)
     layout, tree, want = _read_meta(fs, f"{folder}/{_part(rank, 'json')}", step, rank, expected)
     if layout != _file_layout(layout):
         raise CorruptPartError(f"{folder}/{_part(rank, 'json')}", "layout is not contiguous")
     path = f"{folder}/{_part(rank, 'safetensors')}"
-    data = bytearray(layout.nbytes if keep else 0)
+    data = populated(layout.nbytes if keep else 0)
     try:
         size = int(fs.size(path))
         with open_read(fs, path) as f:
             _check_header(path, f, size, layout)
             if keep:
-                read_exact(f, memoryview(data))
+                read_exact(f, data)
                 got = checksum_bytes(data)
             else:
                 got = checksum_chunks(stream(f, layout.nbytes))
@@ -264,7 +265,7 @@ def _read(
 
 def read_part(
     root: str, step: int, rank: int, expected: PartInfo | None = None
-) -> tuple[Layout, dict[str, Any], bytearray]:
+) -> tuple[Layout, dict[str, Any], memoryview]:
     """One rank's layout (offsets into the returned buffer), tree and tensor bytes.
 
     Raises CorruptPartError if the part is missing, truncated, corrupt or does not match

@@ -30,7 +30,7 @@ _SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
 _REPLICATE = ("Replicate()", "R")
 
 _Piece = tuple[int, TensorEntry, torch.Tensor]
-_Part = tuple[Layout, dict[str, Any], bytearray]
+_Part = tuple[Layout, dict[str, Any], memoryview]
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tierswap.checksum import checksum_chunks
 from tierswap.errors import CorruptPartError
+from tierswap.shm import populated
 from tierswap.state import Layout
 from tierswap.wire import Address, Channel, serve
 
@@ -164,7 +165,7 @@ def push(
 
 def fetch(
     address: Address, secret: bytes, rank: int, step: int
-) -> tuple[Layout, dict[str, Any], bytearray]:
+) -> tuple[Layout, dict[str, Any], memoryview]:
     """A worker pulls its replica of ``step`` from a peer; the checksum is verified."""
     where = f"tier-1 replica of rank {rank} step {step} at {address}"
     try:
@@ -176,12 +177,12 @@ def fetch(
         if reply["op"] != "part":
             raise CorruptPartError(where, "the peer no longer holds it")
         layout = Layout.from_json(reply["layout"])
-        buf = bytearray(layout.nbytes)
-        chan.recv_raw_into(memoryview(buf))
+        buf = populated(layout.nbytes)
+        chan.recv_raw_into(buf)
     except (OSError, EOFError, TimeoutError, RuntimeError) as e:
         raise CorruptPartError(where, f"transfer failed: {type(e).__name__}: {e}") from e
     finally:
         chan.close()
-    if checksum_chunks(layout.chunks(memoryview(buf))) != reply["checksum"]:
+    if checksum_chunks(layout.chunks(buf)) != reply["checksum"]:
         raise CorruptPartError(where, "checksum mismatch")
     return layout, reply["tree"], buf
