@@ -6,16 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tierswap.demo import differing, load_final
+from tierswap.demo import EXAMPLE, differing, job_command, load_final
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "examples" / "train_gpt.py"
+TRAIN = EXAMPLE
 
 
 def run_job(
@@ -33,29 +31,12 @@ def run_job(
 ) -> tuple[int, Path, str]:
     """Run one job to its end. Returns (exit code, run dir, console output)."""
     run_dir = tmp / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierswap.cli",
-        "run",
-        "--nodes",
-        str(nodes),
-        "--nproc-per-node",
-        str(nproc),
-        "--run-dir",
-        str(run_dir),
-        "--threads",
-        "1",
-        *extra,
-        str(script),
-        "--steps",
-        str(steps),
-        "--mode",
-        mode,
-        "--out",
-        str(tmp / f"{name}-final"),
-        *train_args,
-    ]
+    cmd = job_command(
+        run_dir,
+        ["--nodes", str(nodes), "--nproc-per-node", str(nproc), *extra],
+        ["--steps", str(steps), "--mode", mode, "--out", str(tmp / f"{name}-final"), *train_args],
+        script,
+    )
     log = tmp / f"{name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e import TRAIN, assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
+from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
+from tierswap.demo import job_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -129,29 +130,11 @@ def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) ->
 
 
 def _start(tmp: Path, run_dir: Path, persist: Path, steps: int) -> subprocess.Popen[bytes]:
-    import sys
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierswap.cli",
-        "run",
-        "--nodes",
-        "2",
-        "--run-dir",
-        str(run_dir),
-        "--threads",
-        "1",
-        "--persist",
-        str(persist),
-        "--persist-every",
-        "2",
-        str(TRAIN),
-        "--steps",
-        str(steps),
-        "--sleep",
-        "0.2",
-    ]
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2"],
+        ["--steps", str(steps), "--sleep", "0.2"],
+    )
     log = (tmp / "first.log").open("w")
     return subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +45,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _run(console: Console, work: Path, name: str, steps: int, extra: list[str]) -> Path:
-    run_dir = work / name
-    cmd = [
+def job_command(
+    run_dir: Path, run_args: Sequence[str], script_args: Sequence[str], script: Path = EXAMPLE
+) -> list[str]:
+    """``tierswap run`` of the example (or ``script``) with 1 torch thread per worker."""
+    return [
         sys.executable,
         "-m",
         "tierswap.cli",
         "run",
-        "--nodes",
-        "2",
         "--threads",
         "1",
         "--run-dir",
         str(run_dir),
-        *extra,
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--out",
-        str(work / f"{name}-final"),
+        *run_args,
+        str(script),
+        *script_args,
     ]
+
+
+def _run(console: Console, work: Path, name: str, steps: int, extra: list[str]) -> Path:
+    run_dir = work / name
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", *extra],
+        ["--steps", str(steps), "--out", str(work / f"{name}-final")],
+    )
     console.print(f"[bold]$ tierswap run --nodes 2 {' '.join(extra)} train_gpt.py[/bold]")
     code = subprocess.call(cmd, cwd=work)
     if code != 0:

@@ -13,12 +13,11 @@ import itertools
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierswap.demo import EXAMPLE
+from tierswap.demo import EXAMPLE, job_command
 
 WARMUP_STEPS = 5
 
@@ -32,25 +31,11 @@ def _step_times(run_dir: Path) -> list[float]:
 
 def _run(work: Path, name: str, replicas: int, steps: int, layers: int) -> list[float]:
     run_dir = work / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierswap.cli",
-        "run",
-        "--nodes",
-        "2",
-        "--threads",
-        "1",
-        "--replicas",
-        str(replicas),
-        "--run-dir",
-        str(run_dir),
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--layers",
-        str(layers),
-    ]
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", "--replicas", str(replicas)],
+        ["--steps", str(steps), "--layers", str(layers)],
+    )
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{done.stderr[-2000:]}")
