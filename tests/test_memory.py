@@ -121,7 +121,7 @@ def test_slot_being_written_is_not_reused(make_ring: Callable[..., RankRing]) ->
     _write(ring, 1)
     _write(ring, 2)
     assert _write(ring, 3) == (1, [1])
-    assert ring.abandon_writes() == []  # the worker died mid-copy: its slot is free again
+    ring.abandon_writes()  # the worker died mid-copy: its slot is free again
     assert _states(ring)[0] is SlotState.FREE
     assert _write(ring, 4) == (0, [])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 Send = Callable[..., None]
 """``send(node, op, **fields)``."""
@@ -130,6 +129,3 @@ class Commits:
         for n in self.live:
             self.send(n, "committed", tier=tier, step=step)
         return step
-
-    def describe(self) -> dict[str, Any]:
-        return {"committed": dict(self.committed)}

@@ -136,13 +136,12 @@ class RankRing:
         slot.checksum = checksum
         slot.state = SlotState.HELD
 
-    def abandon_writes(self) -> list[int]:
-        """The worker died: slots it was writing are free again. Returns nothing held lost."""
+    def abandon_writes(self) -> None:
+        """The worker died: slots it was writing are free again."""
         if self.alloc is not None:
             for s in self.alloc.slots:
                 if s.state is SlotState.WRITING:
                     s.state, s.step = SlotState.FREE, -1
-        return []
 
     def discard_after(self, step: int) -> list[int]:
         """A restore went back to ``step``: snapshots of later steps belong to an abandoned
