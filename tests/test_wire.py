@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pickle
 import secrets
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError, Pipe
 from multiprocessing.connection import Client, Listener
@@ -146,3 +148,22 @@ def test_recv_raises_eof_when_peer_is_gone() -> None:
 def _pipe() -> tuple[Channel, Channel]:
     x, y = Pipe()
     return Channel(x), Channel(y)
+
+
+def test_a_silent_client_does_not_block_the_job() -> None:
+    """An outsider that connects and says nothing must not stop peers from connecting."""
+    got: list[Channel] = []
+    listener = Listener(("127.0.0.1", 0), authkey=b"job-secret")
+    stop = serve(listener, got.append, "test-silent")
+    try:
+        with socket.create_connection(listener.address):  # connects, sends nothing
+            chan = Channel.connect(listener.address, b"job-secret")
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got, "the job's own client was not served while an outsider sat idle"
+            chan.close()
+    finally:
+        stop()
+        for c in got:
+            c.close()

@@ -9,9 +9,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 from typing import Any
 
 Message = dict[str, Any]
@@ -104,19 +111,35 @@ def serve(
     """Accept connections in a daemon thread, one ``on_channel`` call each. Returns the
     function that stops it: closing a listener does not wake a thread blocked in accept."""
     stopped = threading.Event()
+    authkey = secret_of(listener)
+
+    def handshake(conn: Connection) -> None:
+        # Listener.accept() would run this on the accept thread, where one silent client
+        # blocks every later connection: here it runs on its own thread, with a deadline.
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.settimeout(None)
+                _set_timeout(sock, HANDSHAKE_TIMEOUT)
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+                _set_timeout(sock, 0.0)
+        except Exception:  # wrong secret, silence, a wake-up: refused
+            conn.close()
+            return
+        if stopped.is_set():
+            conn.close()
+            return
+        on_channel(Channel(conn))
 
     def loop() -> None:
         while not stopped.is_set():
             try:
-                conn = listener.accept()
+                conn = listener._listener.accept()  # type: ignore[attr-defined]
             except OSError:  # listener closed: shutting down
                 return
-            except Exception:  # a failed handshake (wrong secret, a wake-up): refused
-                continue
-            if stopped.is_set():
-                conn.close()
-                return
-            on_channel(Channel(conn))
+            threading.Thread(
+                target=handshake, args=(conn,), daemon=True, name=f"{name}-handshake"
+            ).start()
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
@@ -134,6 +157,26 @@ def serve(
         thread.join(timeout=5)
 
     return stop
+
+
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a connecting process has to prove it knows the job's secret."""
+
+
+def secret_of(listener: Listener) -> bytes:
+    key = listener._authkey  # type: ignore[attr-defined]
+    if not isinstance(key, bytes) or not key:
+        raise ValueError("tierswap listeners must have an authkey (the job's secret)")
+    return key
+
+
+def _set_timeout(sock: socket.socket, seconds: float) -> None:
+    """Receive/send timeout on the socket itself (SO_RCVTIMEO), which a blocking read of
+    the connection's file descriptor obeys; 0 removes it."""
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def reader(chan: Channel, deliver: Callable[[Message | None], None], name: str) -> None:
