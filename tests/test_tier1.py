@@ -144,3 +144,22 @@ def test_placement_that_cannot_fit_peer_memory_is_refused(tmp_path: Path) -> Non
     assert code == 1
     assert "--max-peer-memory 100,000" in out and "replicas for ranks" in out
     assert events(run_dir, "job_failed")
+
+
+def test_two_workers_per_node_spread_over_peers_and_restore(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=3, nproc=2, mode="ddp-exact")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "kill",
+        nodes=3,
+        nproc=2,
+        steps=12,
+        mode="ddp-exact",
+        train_args=SLOW,
+        extra=("--inject", "kill:node=1:step=7"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    (placement,) = events(run_dir, "placement")
+    assert placement["targets"]["2"] != placement["targets"]["3"], "node 1's ranks spread out"
+    assert _restored(run_dir) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0}
