@@ -133,9 +133,12 @@ def serve(
 
     def loop() -> None:
         while not stopped.is_set():
+            inner = listener._listener  # type: ignore[attr-defined]
+            if inner is None:  # listener closed: shutting down
+                return
             try:
-                conn = listener._listener.accept()  # type: ignore[attr-defined]
-            except OSError:  # listener closed: shutting down
+                conn = inner.accept()
+            except OSError:  # closed while waiting
                 return
             threading.Thread(
                 target=handshake, args=(conn,), daemon=True, name=f"{name}-handshake"
