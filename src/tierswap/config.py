@@ -62,8 +62,10 @@ class Config:
     """Committed steps kept in tier 2; the newest committed one is never deleted."""
     run_dir: str | None = None
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
-    slots: int = 3
-    """Tier-0 slots per rank: the committed step, the one in flight and one being written."""
+    slots: int = 4
+    """Tier-0 slots per rank: the step committed in tier 0, the one committed in tier 1
+    (when replication lags), the newest, and one being written. 3 is the least; with 3
+    and tier 1 on, snapshots are skipped while replication catches up."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo."""
     replicas: int = 1

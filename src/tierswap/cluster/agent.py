@@ -159,6 +159,8 @@ class Agent:
                     ring.set_committed(int(msg["step"]))
             else:
                 self.peers.committed(int(msg["step"]))
+                for ring in self.rings.values():
+                    ring.peer_committed = int(msg["step"])
         elif op == "abort":
             if int(msg["tier"]) == 0:
                 for ring in self.rings.values():
@@ -194,6 +196,7 @@ class Agent:
         for ring in self.rings.values():
             ring.discard_after(restart)
             ring.protect(int(msg["committed"][0]))
+            ring.peer_committed = int(msg["committed"][1])
         self.peers.discard_after(restart, int(msg["committed"][1]))
         self.peers.protects = [int(r) for r in msg["protects"]]
         self.peers.corrupt = [i for i in self.injections if i.action == "corrupt"]

@@ -61,6 +61,9 @@ class RankRing:
         self.retired: list[Allocation] = []
         self.committed = -1
         self.proposed: set[int] = set()
+        self.peer_committed = -1
+        """The step committed in tier 1: kept here too, so that after a node loss the
+        survivors still hold the step its ranks come back with from peers."""
         self.skipped = 0
 
     # ------------------------------------------------------------ allocation
@@ -108,7 +111,7 @@ class RankRing:
             raise ValueError(f"rank {self.rank}: unknown slot allocation {alloc_id}")
         live = [s.step for s in a.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
         newest = max(live, default=-1)
-        keep = {self.committed, *self.proposed, newest}
+        keep = {self.committed, *self.proposed, newest, self.peer_committed}
         free = [s for s in a.slots if s.state is SlotState.FREE and not s.leases]
         stale = [
             s for s in a.slots if s.state is SlotState.HELD and s.step not in keep and not s.leases
