@@ -21,15 +21,6 @@ SLOW = ("--sleep", "0.05")
 """Steps long enough for replication to keep up on 2 busy cores, as on real hardware."""
 
 
-def _ranks(reason: str) -> set[int]:
-    """The ranks a restore_skipped reason names: "... of ranks 0-1,3" -> {0, 1, 3}."""
-    out: set[int] = set()
-    for part in reason.rsplit("ranks ", 1)[-1].split(","):
-        lo, _, hi = part.partition("-")
-        out |= set(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def _restored(run_dir: Path) -> dict[int, int]:
     return {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()}
 
@@ -103,9 +94,8 @@ def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) 
     # placement 0->1, 1->2, 2->0: rank 1 lost both its copies; the others take whatever
     # fastest tier still holds the step every rank can reach
     assert restored[1] == 2, restored
-    skipped = events(run_dir, "restore_skipped")
-    lost = set().union(*(_ranks(e["reason"]) for e in skipped))
-    assert 1 in lost, f"the log says which rank could not be restored: {skipped}"
+    (fallback,) = events(run_dir, "restore_fallback")
+    assert fallback["ranks"] == [1] and "replicas lost" in fallback["reason"]
 
 
 def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path: Path) -> None:

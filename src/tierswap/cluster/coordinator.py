@@ -324,6 +324,7 @@ class Coordinator:
             self.log.emit("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
             raise JobStopped(self._lost_message(plan))
+        self._say_fallback(holdings, plan)
         self.plan = plan
         self.generation += 1
         self.phase = "running"
@@ -362,6 +363,20 @@ class Coordinator:
             step=plan.step,
             members=sorted(self.agents),
         )
+
+    def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
+        """Ranks that come from disk because no live node holds them in memory any more."""
+        if plan.step is None or not self.ever_committed:
+            return
+        gone = [
+            r
+            for r in plan.ranks_from(Tier.DURABLE)
+            if not holdings.memory.get(r) and not any(holdings.peer.get(r, {}).values())
+        ]
+        if gone:
+            why = "no live node holds their snapshots in memory (own node and replicas lost)"
+            self.log.emit("restore_fallback", step=plan.step, ranks=gone, tier=2, reason=why)
+            self.progress.message(f"ranks {gone} restored from tier 2 at step {plan.step}: {why}")
 
     def _rank_plans(self, plan: Plan) -> dict[int, dict[str, Any]]:
         if plan.step is None:
