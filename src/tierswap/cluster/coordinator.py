@@ -20,6 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 from tierswap.cluster.commits import Commits
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
 from tierswap.cluster.persistence import Persistence
+from tierswap.cluster.restore import lost_message, memory_lost, rank_plans
 from tierswap.config import Config, Injection
 from tierswap.errors import CorruptPartError
 from tierswap.events import EventLog, Progress
@@ -312,7 +313,11 @@ class Coordinator:
             holdings = self._collect()
             plan = plan_restore(holdings)
             try:
-                return holdings, plan, self._rank_plans(plan)
+                return (
+                    holdings,
+                    plan,
+                    rank_plans(plan, self.cfg.world_size, self.cfg.persist, self.peer_addresses),
+                )
             except (CorruptPartError, OSError) as e:
                 assert plan.step is not None
                 self.log.emit("corrupt_part", step=plan.step, tier=2, where="COMMIT", why=str(e))
@@ -323,7 +328,7 @@ class Coordinator:
         for step, why in plan.skipped:
             self.log.emit("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
-            raise JobStopped(self._lost_message(plan))
+            raise JobStopped(lost_message(plan, self.cfg.persist))
         self._say_fallback(holdings, plan)
         self.plan = plan
         self.generation += 1
@@ -365,51 +370,11 @@ class Coordinator:
         )
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
-        """Ranks that come from disk because no live node holds them in memory any more."""
-        if plan.step is None or not self.ever_committed:
-            return
-        gone = [
-            r
-            for r in plan.ranks_from(Tier.DURABLE)
-            if not holdings.memory.get(r) and not any(holdings.peer.get(r, {}).values())
-        ]
+        gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
         if gone:
             why = "no live node holds their snapshots in memory (own node and replicas lost)"
             self.log.emit("restore_fallback", step=plan.step, ranks=gone, tier=2, reason=why)
             self.progress.message(f"ranks {gone} restored from tier 2 at step {plan.step}: {why}")
-
-    def _rank_plans(self, plan: Plan) -> dict[int, dict[str, Any]]:
-        if plan.step is None:
-            return {r: {"step": None} for r in range(self.cfg.world_size)}
-        parts: dict[int, durable.PartInfo] = {}
-        if plan.ranks_from(Tier.DURABLE):
-            assert self.cfg.persist is not None
-            _, parts = durable.read_commit(self.cfg.persist, plan.step)
-        out: dict[int, dict[str, Any]] = {}
-        for r, src in plan.sources.items():
-            source: dict[str, Any] = {"tier": int(src.tier)}
-            if src.tier == Tier.DURABLE:
-                source.update(root=self.cfg.persist, part=parts[r].to_json())
-            elif src.tier == Tier.PEER:
-                assert src.node is not None
-                source.update(node=src.node, address=self.peer_addresses[src.node])
-            out[r] = {"step": plan.step, "source": source}
-        return out
-
-    def _lost_message(self, plan: Plan) -> str:
-        why = "; ".join(f"step {s}: {w}" for s, w in plan.skipped[:3]) or "no snapshot at all"
-        hint = (
-            ""
-            if self.cfg.persist
-            else " Without --persist only memory tiers hold state, and a lost node takes its"
-            " ranks' snapshots with it: run with --persist URL to survive node loss."
-        )
-        kept = (
-            f" Tier 2 at {self.cfg.persist} is intact; start the job again to resume."
-            if self.cfg.persist
-            else ""
-        )
-        return f"no step can be restored on every rank ({why}).{hint}{kept}"
 
     def _on_restored(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.restored[int(msg["rank"])] = msg

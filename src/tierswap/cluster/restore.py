@@ -1,0 +1,56 @@
+"""From a restore plan to what each worker is told, and to what a person reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tierswap.plan import Holdings, Plan, Tier
+from tierswap.tiers import durable
+
+
+def rank_plans(
+    plan: Plan, world_size: int, persist: str | None, peer_addresses: Mapping[int, Any]
+) -> dict[int, dict[str, Any]]:
+    """rank -> {step, source}: where each worker loads its part from.
+
+    Raises CorruptPartError or OSError when the chosen durable step's COMMIT is unreadable.
+    """
+    if plan.step is None:
+        return {r: {"step": None} for r in range(world_size)}
+    parts: dict[int, durable.PartInfo] = {}
+    if plan.ranks_from(Tier.DURABLE):
+        assert persist is not None
+        _, parts = durable.read_commit(persist, plan.step)
+    out: dict[int, dict[str, Any]] = {}
+    for r, src in plan.sources.items():
+        source: dict[str, Any] = {"tier": int(src.tier)}
+        if src.tier == Tier.DURABLE:
+            source.update(root=persist, part=parts[r].to_json())
+        elif src.tier == Tier.PEER:
+            assert src.node is not None
+            source.update(node=src.node, address=peer_addresses[src.node])
+        out[r] = {"step": plan.step, "source": source}
+    return out
+
+
+def memory_lost(holdings: Holdings, plan: Plan) -> list[int]:
+    """Ranks restored from disk because no live node holds them in memory any more."""
+    return [
+        r
+        for r in plan.ranks_from(Tier.DURABLE)
+        if not holdings.memory.get(r) and not any(holdings.peer.get(r, {}).values())
+    ]
+
+
+def lost_message(plan: Plan, persist: str | None) -> str:
+    """Why no step can be restored, and what to do about it."""
+    why = "; ".join(f"step {s}: {w}" for s, w in plan.skipped[:3]) or "no snapshot at all"
+    if persist:
+        hint = f" Tier 2 at {persist} is intact; start the job again to resume."
+    else:
+        hint = (
+            " Without --persist only memory tiers hold state, and a lost node takes its"
+            " ranks' snapshots with it: run with --persist URL to survive node loss."
+        )
+    return f"no step can be restored on every rank ({why}).{hint}"
