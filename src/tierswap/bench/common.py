@@ -41,3 +41,23 @@ def interleave(
 def width(size_mib: float, depth: int) -> int:
     """Width of ``depth`` square layers holding ``size_mib`` MiB with AdamW (12 B/param)."""
     return max(8, int(math.sqrt(size_mib * 2**20 / 12 / depth)))
+
+
+def run_and_report(
+    args: Any,
+    default_mib: int,
+    run: Callable[[int, int], dict[str, Any]],
+    report: Callable[[dict[str, Any]], None],
+) -> int:
+    """Validate ``--size-mib``/``--repeats``, measure, print, and write ``--json``."""
+    import json
+    from pathlib import Path
+
+    size = default_mib if args.size_mib is None else args.size_mib
+    if size < 1 or args.repeats < 1:
+        raise ValueError(f"--size-mib {size}, --repeats {args.repeats}: use >= 1 each")
+    res = run(size, args.repeats)
+    report(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0

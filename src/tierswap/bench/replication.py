@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import secrets
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from tierswap.bench import pagecache
-from tierswap.bench.common import WARMUP, Sample, interleave
+from tierswap.bench.common import WARMUP, Sample, interleave, run_and_report
 from tierswap.bench.measure import make_state
 from tierswap.bench.peerserver import NSLOTS, PeerServer
 from tierswap.checksum import checksum_chunks
@@ -259,11 +258,4 @@ def report(res: Mapping[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``tierswap bench replication [--size-mib M] [--repeats N] [--json PATH]``."""
-    size = DEFAULT_SIZE_MIB if args.size_mib is None else args.size_mib
-    if size < 1 or args.repeats < 1:
-        raise ValueError(f"--size-mib {size}, --repeats {args.repeats}: use >= 1 each")
-    res = run(size, args.repeats)
-    report(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return run_and_report(args, DEFAULT_SIZE_MIB, run, report)

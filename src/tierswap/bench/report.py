@@ -4,12 +4,10 @@ and ``tierswap bench snapshot``'s entry point, which also writes them as JSON.""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from tierswap.bench.common import Stats
+from tierswap.bench.common import Stats, run_and_report
 from tierswap.bench.measure import run
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -94,11 +92,4 @@ def main(args: argparse.Namespace) -> int:
         return jobstep.main(args)
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
-    size = 1024 if args.size_mib is None else args.size_mib
-    if size < 1 or args.repeats < 1:
-        raise ValueError(f"--size-mib {size}, --repeats {args.repeats}: use >= 1 each")
-    res = run(size, args.repeats)
-    report(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return run_and_report(args, 1024, run, report)
