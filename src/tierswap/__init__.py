@@ -4,6 +4,7 @@ from tierswap.config import Config
 from tierswap.ddp import make_exact, ordered_allreduce_hook
 from tierswap.errors import (
     CorruptPartError,
+    GenerationEnded,
     JobFailedError,
     NotSerializableError,
     StateMismatchError,
@@ -11,11 +12,13 @@ from tierswap.errors import (
     UsageError,
     WorldSizeMismatchError,
 )
-from tierswap.job import Job, launch
+from tierswap.job import Job
+from tierswap.worker import launch
 
 __all__ = [
     "Config",
     "CorruptPartError",
+    "GenerationEnded",
     "Job",
     "JobFailedError",
     "NotSerializableError",

@@ -12,10 +12,36 @@ from tierswap.config import Config, Injection
 from tierswap.errors import TierswapError
 
 
+def _join(args: argparse.Namespace) -> int:
+    """Join a running job as a spare node: this process becomes the node's agent."""
+    import os
+
+    secret = os.environ.get("TIERSWAP_SECRET")
+    if secret is None and args.run_dir:
+        ticket = Path(args.run_dir) / "join.json"
+        if ticket.is_file():
+            secret = json.loads(ticket.read_text())["secret"]
+    if secret is None:
+        raise SystemExit(
+            "tierswap run --join: the job's secret is needed: set TIERSWAP_SECRET, or give "
+            "--run-dir of the job (its join.json holds it)"
+        )
+    if ":" not in args.join:
+        raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
+    env = dict(os.environ, TIERSWAP_COORD=args.join, TIERSWAP_SECRET=secret)
+    env.pop("TIERSWAP_HOST", None)
+    script = [args.script, *args.args] if args.script else []
+    os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)
+
+
 def _run(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
     from tierswap.cluster.launch import default_run_dir
 
+    if args.join:
+        return _join(args)
+    if not args.script:
+        raise SystemExit("tierswap run: a SCRIPT to run is needed (or --join HOST:PORT)")
     cfg = Config.from_env(
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
@@ -29,6 +55,11 @@ def _run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         max_peer_memory=args.max_peer_memory,
         bind=args.bind,
+        spares=args.spares,
+        on_no_spare=args.on_no_spare,
+        heartbeat=args.heartbeat,
+        lease=args.lease,
+        collective_timeout=args.collective_timeout,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
@@ -122,7 +153,32 @@ def parser() -> argparse.ArgumentParser:
         help="bytes one node may hold for others (default: no bound)",
     )
     run.add_argument("--bind", default=None, help="interface of the replica server")
-    run.add_argument("script")
+    run.add_argument(
+        "--spares", type=int, default=None, help="parked spare nodes that take failed ones"
+    )
+    run.add_argument(
+        "--on-no-spare",
+        choices=["wait", "fail"],
+        default=None,
+        help="when no spare is left: wait for a node to join (default) or stop",
+    )
+    run.add_argument("--heartbeat", type=float, default=None, help="seconds between beats")
+    run.add_argument(
+        "--lease", type=float, default=None, help="seconds of silence that fail a process"
+    )
+    run.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        help="seconds a collective may block (torch's default is 30 minutes)",
+    )
+    run.add_argument(
+        "--join",
+        default=None,
+        metavar="HOST:PORT",
+        help="join the running job at this coordinator address as a spare node",
+    )
+    run.add_argument("script", nargs="?")
     run.add_argument("args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
 

@@ -17,9 +17,11 @@ class Injection:
     """A fault to inject, for tests and demos.
 
     ``kill:node=I:step=S`` kills node I (agent and workers) when the job reaches step S;
-    ``kill:rank=R:step=S`` kills one worker; ``corrupt:rank=R:step=S:where=flight|memory``
-    flips a byte of every tier-1 replica of rank R from step S on, as it arrives (before
-    its checksum is checked) or once it is stored.
+    ``kill:node=I:gen=G`` kills node I as soon as generation G starts (a spare taking
+    over, say); ``kill:rank=R:step=S`` kills one worker; ``stop:rank=R:step=S`` and
+    ``stop:node=I:step=S`` freeze a worker or a whole node with SIGSTOP (a hang);
+    ``corrupt:rank=R:step=S:where=flight|memory`` flips a byte of every tier-1 replica of
+    rank R from step S on, as it arrives (before its checksum is checked) or once stored.
     """
 
     action: str
@@ -27,23 +29,30 @@ class Injection:
     index: int
     step: int
     where: str = ""
+    gen: int = -1
+    """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
 
     @staticmethod
     def parse(spec: str) -> Injection:
-        kill = re.fullmatch(r"kill:(node|rank)=(\d+):step=(\d+)", spec.strip())
+        kill = re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", spec.strip())
         if kill is not None:
-            return Injection("kill", kill.group(1), int(kill.group(2)), int(kill.group(3)))
+            return Injection(kill.group(1), kill.group(2), int(kill.group(3)), int(kill.group(4)))
+        at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
+        if at_gen is not None:
+            return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
         bad = re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory)", spec.strip())
         if bad is not None:
             return Injection("corrupt", "rank", int(bad.group(1)), int(bad.group(2)), bad.group(3))
         raise ValueError(
-            f"--inject {spec!r}: expected kill:node=I:step=S, kill:rank=R:step=S or "
+            f"--inject {spec!r}: expected kill:node=I:step=S, kill:node=I:gen=G, "
+            "kill:rank=R:step=S, stop:node=I:step=S, stop:rank=R:step=S or "
             "corrupt:rank=R:step=S:where=flight|memory"
         )
 
     def __str__(self) -> str:
         where = f":where={self.where}" if self.where else ""
-        return f"{self.action}:{self.target}={self.index}:step={self.step}{where}"
+        when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
+        return f"{self.action}:{self.target}={self.index}:{when}{where}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +92,25 @@ class Config:
     """torch threads per worker; 0 leaves torch's default."""
     console: bool = True
     """Print progress and failures on the launcher's console."""
+    spares: int = 0
+    """Spare nodes, started with their workers imported and parked; a failed node's ranks
+    go to one while the survivors keep their processes."""
+    on_no_spare: str = "wait"
+    """When a node fails and no spare is parked: "wait" for a node to join (up to
+    ``join_timeout``), or "fail" (stop; every committed tier is kept for a resume)."""
+    join_timeout: float = 300.0
+    """Seconds to wait for a node to join when a failed node's ranks have no spare."""
+    heartbeat: float = 1.0
+    """Seconds between heartbeats: agents to the coordinator, workers to their agent."""
+    lease: float = 10.0
+    """Seconds without a heartbeat after which a process counts as failed: a silent agent
+    is fenced (its node is killed) and replaced, a silent worker is killed and replaced."""
+    collective_timeout: float = 60.0
+    """Seconds a collective may block before it fails (torch's default is 30 minutes);
+    also how long a worker may take to leave its step when a generation ends."""
+    revive: bool = True
+    """Simulated nodes: a killed node comes back empty and joins the spare pool, as a
+    rebooted host would."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "nproc_per_node", "persist_every", "keep"):
@@ -95,8 +123,18 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.startup_timeout > 0:  # also refuses NaN
-            raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+        if self.spares < 0:
+            raise ValueError(f"spares must be >= 0, got {self.spares}")
+        for name in ("startup_timeout", "join_timeout", "heartbeat", "collective_timeout"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.lease >= 2 * self.heartbeat:
+            raise ValueError(
+                f"lease ({self.lease} s) must be at least 2 heartbeats ({self.heartbeat} s) "
+                "or one late heartbeat fails a healthy process"
+            )
+        if self.on_no_spare not in ("wait", "fail"):
+            raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
         for inj in self.inject:
             limit = self.nodes if inj.target == "node" else self.world_size
             if inj.index >= limit:

@@ -38,3 +38,13 @@ class CorruptPartError(TierswapError):
 
 class JobFailedError(TierswapError):
     """The job stopped for good (no restore source left, too many failures, a usage error)."""
+
+
+class GenerationEnded(BaseException):
+    """Raised inside ``train(job)`` when the job's membership changes (a node failed
+    elsewhere): it unwinds the training loop so that this worker, in the same process,
+    joins the next generation and enters ``train(job)`` again.
+
+    It derives from BaseException, as KeyboardInterrupt does, so that a loop's
+    ``except Exception`` lets it through; do not catch it.
+    """

@@ -49,7 +49,7 @@ class Progress:
         if self.enabled:
             if self.live:
                 self.console.print(" " * 100, end="\r")
-            self.console.print(f"[tierswap] {text}")
+            self.console.print(f"[tierswap] {text}", markup=False, highlight=False)
 
     def update(
         self, step: int, loss: float | None, stall: float, committed: dict[str, int]

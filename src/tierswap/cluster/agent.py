@@ -1,5 +1,9 @@
 """The per-node agent: starts and watches workers, owns tier-0 memory, writes tier 2.
 
+Its workers start parked (script imported, no rank) and are assigned ranks by the
+coordinator's ``start``; a ``stop`` ends their generation without ending their processes.
+A spare node is an agent with parked workers and no ranks yet.
+
 One event loop reads a queue fed by the coordinator's connection, the workers'
 connections, the worker-exit watchers and the background jobs (checksums, persistence),
 so the agent's state is touched by one thread only.
@@ -9,10 +13,14 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
@@ -31,10 +39,27 @@ from tierswap.wire import Channel, Message, reader, serve
 Item = tuple[str, Any, Message | None]
 
 
+@dataclass(slots=True)
+class Worker:
+    """One worker process of this node, by its local index."""
+
+    local: int
+    proc: subprocess.Popen[bytes]
+    ctl: Channel | None = None
+    """Its control connection, once it has attached."""
+    rank: int | None = None
+    generation: int = -1
+    state: str = "starting"
+    """starting, parked, assigned (running a generation), leaving, finished."""
+    seen: float = field(default_factory=time.monotonic)
+    deadline: float = float("inf")
+    """When a leaving worker that has not parked yet is killed."""
+
+
 class Agent:
     def __init__(
         self,
-        node: int,
+        host: int,
         coord: Channel,
         secret: bytes,
         cfg: Config,
@@ -42,7 +67,9 @@ class Agent:
         job_id: str,
         script: list[str],
     ) -> None:
-        self.node = node
+        self.host = host
+        self.node: int | None = None
+        """The job's node this agent serves; None while it is a spare."""
         self.coord = coord
         self.secret = secret
         self.cfg = cfg
@@ -52,7 +79,18 @@ class Agent:
         self.events: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.deferred: list[Item] = []
         self.rings: dict[int, RankRing] = {}
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Worker] = {}
+        """By local index."""
+        self.workers: dict[int, Worker] = {}
+        """By rank: the workers assigned in this generation."""
+        self.stopping = False
+        self.exiting = False
+        self.heard: dict[Channel, float] = {}
+        """When each worker connection was last heard from (set by its reader thread)."""
+        self.spent: set[int] = set()
+        """Ranks whose worker died in this generation: their replacement waits for the next."""
+        self.assignment: dict[str, Any] = {}
+        self.local_ranks: dict[int, int] = {}
         self.plans: dict[int, dict[str, Any]] = {}
         self.restore_leases: dict[int, Slot] = {}
         self.generation = -1
@@ -62,25 +100,42 @@ class Agent:
         # tier-2 writes get their own threads: a slow disk must not hold up checksums
         self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-persist")
         self.last_skipped: dict[int, int] = {}
-        self.sock = str(run_dir / f"agent-{node}-{os.getpid()}.sock")
+        self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
         self._stop_accepting = serve(self.listener, self._on_worker_channel, "tierswap-accept")
         report = self.coord.send
         self.peers = PeerStore(job_id, cfg.slots, cfg.max_peer_memory, report)
-        self.replicator = Replicator(secret, node, self._post, cfg.nproc_per_node)
+        self.replicator = Replicator(secret, host, self._post, cfg.nproc_per_node)
         self.server = ReplicaServer(cfg.bind, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
     # ---------------------------------------------------------------- plumbing
 
     def _on_worker_channel(self, chan: Channel) -> None:
-        reader(chan, lambda m: self.events.put(("worker", chan, m)), "tierswap-worker")
+        def deliver(msg: Message | None) -> None:
+            # heartbeats are timed here, on arrival: a busy event loop must not make a
+            # healthy worker look silent
+            self.heard[chan] = time.monotonic()
+            if msg is None or msg["op"] != "beat":
+                self.events.put(("worker", chan, msg))
+
+        reader(chan, deliver, "tierswap-worker")
 
     def run(self) -> None:
-        self.coord.send("hello", node=self.node, pid=os.getpid(), replica=self.server.address)
+        self.coord.send("ready", replica=self.server.address)
+        threading.Thread(target=self._beat, name="tierswap-heartbeat", daemon=True).start()
+        for local in range(self.cfg.nproc_per_node):
+            self._spawn(local)
         try:
             while True:
-                source, chan, msg = self.deferred.pop(0) if self.deferred else self.events.get()
+                if self.deferred:
+                    source, chan, msg = self.deferred.pop(0)
+                else:
+                    try:
+                        source, chan, msg = self.events.get(timeout=self.cfg.heartbeat)
+                    except queue.Empty:
+                        source, chan, msg = "tick", None, None
+                self._watch()
                 if source == "coord":
                     if msg is None or msg["op"] == "exit":
                         return
@@ -97,8 +152,18 @@ class Agent:
         finally:
             self.shutdown()
 
+    def _beat(self) -> None:
+        """The lease with the coordinator: a silent agent is fenced and replaced."""
+        while True:
+            time.sleep(self.cfg.heartbeat)
+            try:
+                self.coord.send("beat")
+            except OSError:
+                return
+
     def shutdown(self) -> None:
-        self._stop_workers()
+        self.exiting = True
+        self._kill_workers()
         self._stop_accepting()
         self.server.close()
         self.replicator.close()
@@ -139,10 +204,7 @@ class Agent:
         if op == "start":
             self._start(msg)
         elif op == "stop":
-            self._stop_workers()
-            self.coord.send(
-                "stopped", node=self.node, holdings=self._holdings(), peer=self._peer_holdings()
-            )
+            self._stop()
         elif op == "propose":
             step = int(msg["step"])
             if int(msg["tier"]) == 0:
@@ -187,6 +249,9 @@ class Agent:
 
     def _start(self, msg: Message) -> None:
         self.generation = int(msg["generation"])
+        self.node = int(msg["node"])
+        self.stopping = False
+        self.spent.clear()
         self.plans = {int(r): p for r, p in msg["plans"].items()}
         self.injections = [Injection.parse(s) for s in msg["inject"]]
         ranks = [int(r) for r in msg["ranks"]]
@@ -204,40 +269,109 @@ class Agent:
         addresses = {int(n): (str(a[0]), int(a[1])) for n, a in msg["peers"].items()}
         self.replicator.configure(targets, addresses)
         self.replicator.reset()
-        for local, rank in enumerate(ranks):
-            self._spawn(rank, local, msg)
+        self.assignment = {
+            "world_size": int(msg["world_size"]),
+            "store": str(msg["store"]),
+            "inject": list(msg["inject"]),
+            "backend": str(msg.get("backend", "gloo")),
+        }
+        self.workers.clear()
+        # a survivor keeps its rank; the other ranks go to parked workers in local order
+        free = sorted(self.procs.values(), key=lambda w: (w.rank not in ranks, w.local))
+        for w in free:
+            if w.rank in ranks and w.state != "finished":
+                self.workers[w.rank] = w
+        rest = [r for r in ranks if r not in self.workers]
+        for w in free:
+            if rest and w not in self.workers.values() and w.state != "finished":
+                self.workers[rest.pop(0)] = w
+        self.local_ranks = {r: i for i, r in enumerate(ranks)}
+        for rank, w in self.workers.items():
+            w.rank = rank
+            self._assign(w)
 
-    def _spawn(self, rank: int, local_rank: int, msg: Message) -> None:
+    def _assign(self, w: Worker) -> None:
+        """Hand a parked worker its rank of this generation (once it has attached)."""
+        if w.state != "parked" or w.ctl is None or w.rank is None:
+            return
+        if self.workers.get(w.rank) is not w or self.stopping or w.rank in self.spent:
+            return
+        w.state, w.generation = "assigned", self.generation
+        fields = dict(self.assignment, generation=self.generation, rank=w.rank)
+        self._reply(w.ctl, "assign", local_rank=self.local_ranks[w.rank], **fields)
+
+    def _spawn(self, local: int) -> None:
+        """Start a parked worker: it imports the script and waits for a rank."""
         env = dict(os.environ)
         env.update(self.cfg.to_env())
         env.update(
             TIERSWAP_AGENT=self.sock,
             TIERSWAP_SECRET=self.secret.hex(),
-            TIERSWAP_RANK=str(rank),
-            TIERSWAP_LOCAL_RANK=str(local_rank),
-            TIERSWAP_WORLD_SIZE=str(msg["world_size"]),
-            TIERSWAP_GENERATION=str(self.generation),
-            TIERSWAP_STORE=str(msg["store"]),
-            TIERSWAP_NODE=str(self.node),
-            TIERSWAP_INJECT=",".join(msg["inject"]),
+            TIERSWAP_LOCAL=str(local),
+            TIERSWAP_HOST=str(self.host),
         )
         proc = subprocess.Popen([sys.executable, *self.script], env=env)
-        self.workers[rank] = proc
-        gen = self.generation
+        w = self.procs[local] = Worker(local, proc)
 
         def watch() -> None:
             code = proc.wait()
-            self._post("exited", rank=rank, code=code, generation=gen)
+            self._post("exited", local=local, pid=proc.pid, code=code)
 
-        threading.Thread(target=watch, name=f"tierswap-watch-{rank}", daemon=True).start()
+        threading.Thread(target=watch, name=f"tierswap-watch-{local}", daemon=True).start()
+        old = next((r for r, x in self.workers.items() if x.local == local), None)
+        if old is not None:  # the replacement serves the same rank in the next generation
+            w.rank = old
+            self.workers[old] = w
 
-    def _stop_workers(self) -> None:
-        for proc in self.workers.values():
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.workers.values():
-            proc.wait()
+    def _stop(self) -> None:
+        """End this generation: every assigned worker leaves ``train(job)`` and parks; the
+        holdings are reported once all have parked (or died)."""
+        self.stopping = True
+        deadline = time.monotonic() + self.cfg.collective_timeout
+        for w in self.procs.values():
+            if w.state == "assigned" and w.ctl is not None:
+                w.state, w.deadline = "leaving", deadline
+                self._reply(w.ctl, "abort", generation=w.generation)
+        self._maybe_stopped()
+
+    def _maybe_stopped(self) -> None:
+        if not self.stopping or any(w.state == "leaving" for w in self.procs.values()):
+            return
+        self._settle()
+        self.stopping = False  # reported once
+        self.coord.send(
+            "stopped", node=self.node, holdings=self._holdings(), peer=self._peer_holdings()
+        )
+
+    def _watch(self) -> None:
+        """Kill a worker that is silent past its lease (a hang) or that does not leave its
+        generation in time; its exit is then handled as a crash."""
+        now = time.monotonic()
+        for w in self.procs.values():
+            if w.ctl is not None:
+                w.seen = max(w.seen, self.heard.get(w.ctl, 0.0))
+            silent = w.ctl is not None and now - w.seen > self.cfg.lease
+            late = w.state == "leaving" and now > w.deadline
+            if (silent or late) and w.proc.poll() is None:
+                why = f"no heartbeat for {now - w.seen:.1f} s" if silent else "did not leave"
+                self.coord.send("hung", node=self.node, rank=w.rank, why=why, pid=w.proc.pid)
+                w.proc.send_signal(signal.SIGKILL)
+                w.deadline = float("inf")
+                w.seen = float("inf")
+
+    def _kill_workers(self) -> None:
+        for w in self.procs.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+        for w in self.procs.values():
+            w.proc.wait()
+        self.procs.clear()
         self.workers.clear()
+        self._settle()
+
+    def _settle(self) -> None:
+        """After the workers let go: checksums in flight finish, leases are returned and
+        slots still being written are abandoned."""
         wait(self.checks)  # snapshots being checksummed become held before holdings are told
         self.checks.clear()
         while not self.events.empty():  # apply their results now, keep everything else
@@ -267,10 +401,38 @@ class Agent:
     CALLS = frozenset({"alloc", "slot", "plan", "finished", "fatal", "corrupt", "inject_fired"})
     """Worker messages that wait for a reply; the others are one-way."""
 
+    def _on_control(self, chan: Channel, msg: Message) -> None:
+        """A worker's control connection: attach, heartbeats, parked."""
+        op = msg["op"]
+        if op == "attach":
+            w = self.procs.get(int(msg["local"]))
+            if w is None or w.proc.pid != int(msg["pid"]):
+                return
+            w.ctl, w.state, w.seen = chan, "parked", time.monotonic()
+            self._assign(w)
+            return
+        w = next((x for x in self.procs.values() if x.ctl is chan), None)
+        if w is None:
+            return
+        w.seen = time.monotonic()
+        if op == "parked":
+            leaving = w.state == "leaving"
+            w.state = "parked"
+            if not leaving and int(msg["generation"]) == self.generation:
+                # it left on its own: a collective failed under it
+                self.coord.send("left", node=self.node, rank=msg["rank"], why=msg["why"])
+            self._maybe_stopped()
+
     def _on_worker(self, chan: Channel, msg: Message) -> None:
         op = msg["op"]
+        if op in ("attach", "parked"):
+            self._on_control(chan, msg)
+            return
         rank = int(msg.get("rank", -1))
-        if msg.get("gen") != self.generation or rank not in self.workers:
+        w = self.workers.get(rank)
+        if msg.get("gen") != self.generation or w is None or w.state not in ("assigned", "leaving"):
+            if op in self.CALLS:
+                self._reply(chan, "error", message=f"generation {msg.get('gen')} has ended")
             return  # from a worker of a stopped generation: its slots were reclaimed
         handler = getattr(self, f"_w_{op}", None)
         try:
@@ -311,6 +473,8 @@ class Agent:
         )
 
     def _w_slot(self, chan: Channel, rank: int, msg: Message) -> None:
+        if self.stopping:
+            raise ValueError(f"generation {self.generation} is ending: no new snapshots")
         slot, dropped = self.rings[rank].begin_write(int(msg["step"]), int(msg["alloc"]))
         self._reply(chan, "ok", slot=slot)
         if dropped:
@@ -361,8 +525,15 @@ class Agent:
         self.coord.send("report", **{k: v for k, v in msg.items() if k != "op"})
 
     def _w_finished(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.workers[rank].state = "finished"
         self.coord.send("finished", rank=rank, step=msg.get("step", -1))
         self._reply(chan, "ok")
+
+    def _w_joined(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("joined", rank=rank, pid=msg["pid"], seconds=msg["seconds"])
+
+    def _w_stepped(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("stepped", rank=rank, step=msg["step"])
 
     def _w_fatal(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("fatal", rank=rank, message=msg["message"])
@@ -394,12 +565,28 @@ class Agent:
                 "replicate_failed", rank=msg["rank"], node=msg["node"], error=msg["error"]
             )
         elif op == "exited":
-            if msg["generation"] == self.generation and msg["rank"] in self.workers:
-                self.workers.pop(msg["rank"])
-                self.coord.send("exited", node=self.node, rank=msg["rank"], code=msg["code"])
+            self._exited(int(msg["local"]), int(msg["pid"]), int(msg["code"]))
         elif op == "persisted":
             self._unlease(msg["slot"])
             self.coord.send("part", **{k: v for k, v in msg.items() if k not in ("op", "slot")})
+
+    def _exited(self, local: int, pid: int, code: int) -> None:
+        w = self.procs.get(local)
+        if w is None or w.proc.pid != pid or self.exiting:
+            return
+        if w.state == "finished" and code == 0:
+            return
+        if w.state == "starting":  # it never attached: the script itself fails; no retry
+            self.coord.send("start_failed", host=self.host, local=local, code=code)
+            return
+        if w.state in ("assigned", "leaving") and w.generation == self.generation:
+            assert w.rank is not None
+            self.spent.add(w.rank)
+            self.coord.send("exited", node=self.node, rank=w.rank, code=code)
+        elif self.node is None or w.rank is None:
+            self.coord.send("spare_worker_exited", local=local, code=code)
+        self._spawn(local)  # a fresh parked worker; it serves the same rank next time
+        self._maybe_stopped()
 
     def _persist(self, step: int, root: str, world_size: int, token: int) -> None:
         for rank, ring in self.rings.items():
@@ -435,18 +622,24 @@ class Agent:
 
 def main() -> None:
     env = os.environ
-    cfg = Config.from_env()
     secret = bytes.fromhex(env["TIERSWAP_SECRET"])
-    host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
-    coord = Channel.connect((host, int(port)), secret)
+    address, port = env["TIERSWAP_COORD"].rsplit(":", 1)
+    coord = Channel.connect((address, int(port)), secret)
+    # the coordinator names this host and hands out the job's config and script, so a node
+    # that joins later (tierswap run --join) runs exactly what the others run
+    coord.send("hello", host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid())
+    welcome = coord.recv(timeout=60)
+    if welcome is None or welcome["op"] != "welcome":
+        raise SystemExit(f"tierswap agent: the coordinator refused this node: {welcome}")
+    run_dir = Path(env.get("TIERSWAP_RUN_DIR") or tempfile.mkdtemp(prefix="tierswap-agent-"))
     agent = Agent(
-        node=int(env["TIERSWAP_NODE"]),
+        host=int(welcome["host"]),
         coord=coord,
         secret=secret,
-        cfg=cfg,
-        run_dir=Path(env["TIERSWAP_RUN_DIR"]),
-        job_id=env["TIERSWAP_JOB_ID"],
-        script=sys.argv[1:],
+        cfg=Config.from_env(welcome["config"]),
+        run_dir=run_dir,
+        job_id=str(welcome["job_id"]),
+        script=sys.argv[1:] or list(welcome["script"]),
     )
     agent.run()
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit

@@ -2,10 +2,15 @@
 
 It runs in the launcher. One event loop handles what agents send, in order; the state it
 keeps is what tiers hold, which step is committed where, and which generation is running.
+
+A *node* is a place in the job (node i runs ranks i*P .. i*P+P-1, and placement is in
+nodes); a *host* is an agent process that serves a node, or waits parked as a spare. When
+a host fails, a spare host takes its node, and the survivors keep their processes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import time
@@ -54,8 +59,26 @@ class Coordinator:
         )
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         self.events: queue.SimpleQueue[tuple[Channel, Message | None]] = queue.SimpleQueue()
-        self.agents: dict[int, Channel] = {}
-        self.agent_pids: dict[int, int] = {}
+        self.conns: dict[int, Channel] = {}
+        """host -> its agent's connection, members and spares."""
+        self.members: dict[int, int] = {}
+        """node -> the host serving it."""
+        self.spares: list[int] = []
+        """Parked hosts, in the order they joined."""
+        self.vacant: set[int] = set()
+        """Nodes whose host failed and that no spare has taken yet."""
+        self.host_pids: dict[int, int] = {}
+        self.heard: dict[Channel, float] = {}
+        """When each agent connection was last heard from (set by its reader thread)."""
+        self.replica_address: dict[int, list[Any]] = {}
+        self.next_host = cfg.nodes + cfg.spares
+        self.waiting_since: float | None = None
+        self.to_revive = 0
+        """Simulated hosts lost and to be started again as spares, as rebooted machines
+        would come back: after the recovery (so that they do not compete with it for this
+        machine's cores), or at once when the job waits for a node."""
+        self.fault_time: float | None = None
+        self.recovery: dict[str, Any] | None = None
         self.injections = [str(i) for i in cfg.inject]
         self.generation = -1
         self.phase = "starting"
@@ -63,15 +86,19 @@ class Coordinator:
         self.replicas = min(cfg.replicas, cfg.nodes - 1)
         self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
         self.commits = Commits(cfg.world_size, self.targets, self._send_to)
-        self.peer_addresses: dict[int, list[Any]] = {}
         self.bad: set[tuple[Tier, int, int]] = set()
         self.plan: Plan | None = None
         self.restored: dict[int, Message] = {}
+        self.worker_pids: dict[int, int] = {}
+        """rank -> process id of its worker in this generation."""
+        self.joined: dict[int, float] = {}
+        self.stepped: dict[int, float] = {}
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.waiting_hello: set[int] = set(range(cfg.nodes))
+        """Hosts of the first generation that have not joined yet."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
         self.ever_committed = False
         self.last_step = -1
@@ -84,6 +111,7 @@ class Coordinator:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
         warning = check_durable(self.cfg)
         self._stop_accepting = serve(self.listener, self._on_channel, "tierswap-coord-accept")
+        self._write_join_ticket()
         self.log.emit(
             "job_started",
             world_size=self.cfg.world_size,
@@ -94,8 +122,8 @@ class Coordinator:
         if warning:
             self.persister.failing(f"cannot write {self.cfg.persist}: {warning}")
         self._announce_placement()
-        for node in range(self.cfg.nodes):
-            self.nodes.start(node, self.address)
+        for host in range(self.cfg.nodes + self.cfg.spares):
+            self.nodes.start(host, self.address)
         try:
             while self.phase != "done":
                 self._tick()
@@ -107,34 +135,72 @@ class Coordinator:
         finally:
             self.shutdown()
 
+    def _write_join_ticket(self) -> None:
+        """What ``tierswap run --join`` needs, readable by this user only."""
+        ticket = self.run_dir / "join.json"
+        fd = os.open(ticket, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"address": "{}:{}".format(*self.address), "secret": self.secret.hex()}, f)
+
     @property
     def address(self) -> tuple[str, int]:
         host, port = self.listener.address
         return str(host), int(port)
 
     def _on_channel(self, chan: Channel) -> None:
-        reader(chan, lambda m: self.events.put((chan, m)), "tierswap-coord-agent")
+        def deliver(msg: Message | None) -> None:
+            self.heard[chan] = time.monotonic()  # the lease is timed on arrival
+            if msg is None or msg["op"] != "beat":
+                self.events.put((chan, msg))
+
+        reader(chan, deliver, "tierswap-coord-agent")
+
+    @property
+    def agents(self) -> dict[int, Channel]:
+        """node -> the connection of the host serving it."""
+        return {n: self.conns[h] for n, h in self.members.items() if h in self.conns}
+
+    @property
+    def peer_addresses(self) -> dict[int, list[Any]]:
+        """node -> the replica server of the host serving it."""
+        return {
+            n: self.replica_address[h] for n, h in self.members.items() if h in self.replica_address
+        }
 
     def _tick(self) -> None:
         try:
-            chan, msg = self.events.get(timeout=0.5)
+            chan, msg = self.events.get(timeout=min(0.5, self.cfg.heartbeat / 2))
         except queue.Empty:
+            chan, msg = None, None
+        now = time.monotonic()
+        self._check_leases(now)
+        if chan is None:
             if self.waiting_hello:
-                gone = self.nodes.exited_before_joining(set(self.agents))
+                gone = self.nodes.exited_before_joining(set(self.conns))
                 if gone:
                     raise JobStopped(f"{gone}; its output above says why") from None
-            if time.monotonic() > self.deadline:
+            if now > self.deadline:
                 raise JobStopped(f"timed out {self._waiting_for()}") from None
             return
-        node = next((n for n, c in self.agents.items() if c is chan), None)
+        host = next((h for h, c in self.conns.items() if c is chan), None)
         if msg is None:
-            if node is not None:
-                self._node_lost(node)
+            if host is not None:
+                self._host_lost(host, "agent connection lost")
             return
-        handler = getattr(self, f"_on_{msg['op']}", None)
+        op = msg["op"]
+        if host is None and op != "hello":
+            return  # a host already declared lost (fenced): what it says no longer counts
+        node = next((n for n, h in self.members.items() if h == host), None)
+        handler = getattr(self, f"_on_{op}", None)
         if handler is None:
-            raise JobStopped(f"unknown message {msg['op']!r} from node {node}")
+            raise JobStopped(f"unknown message {op!r} from host {host}")
         handler(chan, node, msg)
+
+    def _check_leases(self, now: float) -> None:
+        for host, chan in list(self.conns.items()):
+            seen = self.heard.get(chan, now)
+            if now - seen > self.cfg.lease:
+                self._host_lost(host, f"no heartbeat for {now - seen:.1f} s (lease expired)")
 
     def _announce_placement(self) -> None:
         if not self.replicas:
@@ -157,7 +223,7 @@ class Coordinator:
                 pass  # its reader reports the loss
 
     def _broadcast(self, op: str, **fields: Any) -> None:
-        """Send to every live agent; a dead one is noticed by its reader, not here."""
+        """Send to every member's agent; a dead one is noticed by its reader, not here."""
         for chan in list(self.agents.values()):
             try:
                 chan.send(op, **fields)
@@ -167,6 +233,11 @@ class Coordinator:
     def _waiting_for(self) -> str:
         if self.waiting_hello:
             return f"waiting for nodes {sorted(self.waiting_hello)} to join"
+        if self.vacant:
+            return (
+                f"waiting for a node to join to take the place of nodes {sorted(self.vacant)} "
+                "(no spare left)"
+            )
         if self.stopping:
             return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
         if self.persister.inflight is not None:
@@ -178,7 +249,11 @@ class Coordinator:
         )
 
     def shutdown(self) -> None:
-        self._broadcast("exit")
+        for chan in list(self.conns.values()):
+            try:
+                chan.send("exit")
+            except OSError:
+                pass
         self.nodes.stop_all()
         self._stop_accepting()
         n = remove_job_segments(self.job_id)
@@ -189,27 +264,81 @@ class Coordinator:
     # ---------------------------------------------------------------- membership
 
     def _on_hello(self, chan: Channel, node: int | None, msg: Message) -> None:
-        node = int(msg["node"])
-        self.agents[node] = chan
-        self.agent_pids[node] = int(msg["pid"])
-        self.peer_addresses[node] = list(msg["replica"])
-        self.commits.live.add(node)
-        self.waiting_hello.discard(node)
-        self.log.emit("node_joined", node=node, pid=msg["pid"])
+        """A host connected: give it its id, the job's config and script."""
+        host = int(msg["host"])
+        if host < 0 or host in self.conns or host in self.host_pids:
+            host = self.next_host  # a node that joins from outside gets a fresh id
+            self.next_host += 1
+        self.conns[host] = chan
+        self.host_pids[host] = int(msg["pid"])
+        chan.send(
+            "welcome",
+            host=host,
+            config=self.cfg.to_env(),
+            job_id=self.job_id,
+            script=self.nodes.script,
+        )
+
+    def _host(self, chan: Channel) -> int:
+        return next(h for h, c in self.conns.items() if c is chan)
+
+    def _on_ready(self, chan: Channel, node: int | None, msg: Message) -> None:
+        """Its agent runs and its workers are starting: a member of the first generation,
+        or a spare."""
+        host = self._host(chan)
+        self.replica_address[host] = list(msg["replica"])
+        pid = self.host_pids[host]
+        if host in self.waiting_hello:
+            self.waiting_hello.discard(host)
+            self.members[host] = host
+            self.commits.live.add(host)
+            self.log.emit("node_joined", node=host, host=host, pid=pid, role="member")
+        else:
+            self.spares.append(host)
+            self.log.emit("node_joined", node=None, host=host, pid=pid, role="spare")
+            self.progress.message(f"spare host {host} (pid {pid}) parked")
         self._maybe_start()
 
     def _ranks_of(self, node: int) -> list[int]:
         p = self.cfg.nproc_per_node
         return list(range(node * p, (node + 1) * p))
 
-    def _node_lost(self, node: int) -> None:
-        self.agents.pop(node, None)
+    def _host_lost(self, host: int, why: str) -> None:
+        """A host is gone (its connection closed or its lease expired): fence it, let its
+        node be taken by a spare, and start a fresh host in its place when simulating."""
+        chan = self.conns.pop(host, None)
+        self.nodes.kill(host)  # fencing: a host declared lost must not come back by itself
+        remove_job_segments(self.job_id, self.host_pids.get(host, -1))
+        if chan is not None:
+            chan.close()
+        if self.phase != "done" and self.cfg.revive and self.nodes.is_local(host):
+            self.to_revive += 1  # once the job runs again, or at once when it waits for one
+        if host in self.spares:
+            self.spares.remove(host)
+            self.log.emit("spare_lost", host=host, reason=why)
+            self.progress.message(f"spare host {host} lost: {why}")
+            return
+        node = next((n for n, h in self.members.items() if h == host), None)
+        if node is None:
+            return
+        del self.members[node]
+        self._node_lost(node, host, why)
+
+    def _revive(self) -> None:
+        while self.to_revive and self.phase != "done":
+            self.to_revive -= 1
+            host = self.next_host
+            self.next_host += 1
+            self.nodes.start(host, self.address)
+
+    def _node_lost(self, node: int, host: int, why: str) -> None:
         self.commits.node_lost(node)
         if self.phase == "finishing":
             self.log.emit(
                 "failure_detected",
                 what="node",
                 node=node,
+                host=host,
                 ranks=self._ranks_of(node),
                 detail="lost after every rank finished",
                 generation=self.generation,
@@ -225,16 +354,24 @@ class Coordinator:
             return
         if self.phase == "done":
             return
+        self.vacant.add(node)
         self.stopping.discard(node)
         self.holdings.pop(node, None)
         self.peer_holdings.pop(node, None)
         if self.phase == "running":
-            self._failure("node", node, self._ranks_of(node), "agent connection lost")
-        self.nodes.kill(node)
-        remove_job_segments(self.job_id, self.agent_pids.pop(node, None) or -1)
-        self.waiting_hello.add(node)
-        self.nodes.start(node, self.address)
-        self.progress.message(f"node {node} lost; started a fresh node in its place")
+            self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", host)
+        else:
+            self.log.emit(
+                "failure_detected",
+                what="node",
+                node=node,
+                host=host,
+                ranks=self._ranks_of(node),
+                detail=f"host {host}: {why} (during {self.phase})",
+                generation=self.generation,
+            )
+            self.progress.message(f"node {node} (host {host}) lost during {self.phase}: {why}")
+        self._maybe_start()
 
     def _on_exited(self, chan: Channel, node: int | None, msg: Message) -> None:
         rank, code = int(msg["rank"]), int(msg["code"])
@@ -243,16 +380,48 @@ class Coordinator:
         if self.phase == "running":
             self._failure("worker", node, [rank], f"exit code {code}")
 
+    def _on_left(self, chan: Channel, node: int | None, msg: Message) -> None:
+        """A worker left its generation by itself: a collective failed under it."""
+        if self.phase == "running":
+            self._failure("collective", node, [int(msg["rank"])], str(msg["why"]))
+
+    def _on_hung(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit("worker_hung", node=node, rank=msg["rank"], pid=msg["pid"], why=msg["why"])
+        self.progress.message(f"rank {msg['rank']} (pid {msg['pid']}) killed: {msg['why']}")
+
+    def _on_start_failed(self, chan: Channel, node: int | None, msg: Message) -> None:
+        raise JobStopped(
+            f"a worker of host {msg['host']} exited with code {msg['code']} before it was "
+            "ready; the script's output above says why"
+        )
+
+    def _on_spare_worker_exited(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.log.emit("spare_worker_exited", host=self._host(chan), code=msg["code"])
+
     # ---------------------------------------------------------------- failure and restore
 
-    def _failure(self, what: str, node: int | None, ranks: list[int], detail: str) -> None:
+    def _failure(
+        self, what: str, node: int | None, ranks: list[int], detail: str, host: int | None = None
+    ) -> None:
+        now = time.monotonic()
+        detect = None if self.fault_time is None else now - self.fault_time
+        self.recovery = {
+            "fault": self.fault_time if self.fault_time is not None else now,
+            "detected": now,
+            "what": what,
+            "pids": dict(self.worker_pids),
+            "last_step": self.last_step,
+        }
+        self.fault_time = None
         self.log.emit(
             "failure_detected",
             what=what,
             node=node,
+            host=host if host is not None else self.members.get(node) if node is not None else None,
             ranks=ranks,
             detail=detail,
             generation=self.generation,
+            seconds=detect,
         )
         self.progress.message(f"failure: {what} (node {node}, ranks {ranks}): {detail}")
         self.restarts += 1
@@ -280,7 +449,50 @@ class Coordinator:
             return
         if self.waiting_hello or self.stopping:
             return
+        while self.vacant and self.spares:
+            node, host = min(self.vacant), self.spares.pop(0)
+            self.vacant.discard(node)
+            self.members[node] = host
+            self.commits.live.add(node)
+            self.log.emit(
+                "spare_assigned",
+                node=node,
+                host=host,
+                pid=self.host_pids[host],
+                ranks=self._ranks_of(node),
+                spares_left=len(self.spares),
+            )
+            self.progress.message(f"spare host {host} takes node {node}")
+        if self.vacant:
+            self._no_spare()
+            return
+        self.waiting_since = None
         self._start_generation()
+
+    def _no_spare(self) -> None:
+        nodes = sorted(self.vacant)
+        if self.cfg.on_no_spare == "fail":
+            keep = self._tiers()
+            hint = (
+                f" Tier 2 at {self.cfg.persist} keeps step {self.persister.committed}: run the "
+                "job again with the same --persist to resume."
+                if self.persister.committed >= 0
+                else " Nothing was written to tier 2 (no --persist, or no step persisted yet):"
+                " memory tiers end with the job. Run with --persist and --spares to survive this."
+            )
+            raise JobStopped(
+                f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
+                f"committed: {keep}.{hint}"
+            )
+        self._revive()
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+            self.deadline = self.waiting_since + self.cfg.join_timeout
+            self.log.emit("waiting_for_node", nodes=nodes, timeout=self.cfg.join_timeout)
+            self.progress.message(
+                f"no spare for nodes {nodes}: waiting up to {self.cfg.join_timeout:g} s for a "
+                f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
+            )
 
     def _collect(self) -> Holdings:
         memory: dict[int, frozenset[int]] = {}
@@ -343,11 +555,17 @@ class Coordinator:
         # parts of later steps will be written anew by this timeline
         self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= restart}
         self.deadline = float("inf")
+        self.worker_pids.clear()
+        self.joined.clear()
+        self.stepped.clear()
+        if self.recovery is not None:
+            self.recovery["decided"] = time.monotonic()
         for node, chan in sorted(self.agents.items()):
             ranks = self._ranks_of(node)
             try:
                 chan.send(
                     "start",
+                    node=node,
                     generation=self.generation,
                     world_size=self.cfg.world_size,
                     ranks=ranks,
@@ -366,8 +584,10 @@ class Coordinator:
             "generation_started",
             generation=self.generation,
             step=plan.step,
-            members=sorted(self.agents),
+            members={str(n): h for n, h in sorted(self.members.items())},
+            spares=list(self.spares),
         )
+        self._kill_at_generation()
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
         gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
@@ -388,6 +608,58 @@ class Coordinator:
         )
         by_tier = sorted(set(tiers.values()))
         self.progress.message(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
+        if self.recovery is not None:
+            self.recovery["restored"] = time.monotonic()
+
+    def _on_joined(self, chan: Channel, node: int | None, msg: Message) -> None:
+        """A worker joined this generation's process group."""
+        rank = int(msg["rank"])
+        self.joined[rank] = time.monotonic()
+        self.worker_pids[rank] = int(msg["pid"])
+        if len(self.joined) < self.cfg.world_size:
+            return
+        rec = self.recovery
+        before = rec["pids"] if rec is not None else {}
+        self.log.emit(
+            "rebuilt",
+            generation=self.generation,
+            pids={str(r): p for r, p in sorted(self.worker_pids.items())},
+            kept=sorted(r for r, p in self.worker_pids.items() if before.get(r) == p),
+            seconds=None if rec is None else max(self.joined.values()) - rec["decided"],
+        )
+
+    def _on_stepped(self, chan: Channel, node: int | None, msg: Message) -> None:
+        """A worker finished its first step of this generation."""
+        self.stepped[int(msg["rank"])] = time.monotonic()
+        rec = self.recovery
+        if len(self.stepped) < self.cfg.world_size or rec is None or "decided" not in rec:
+            return
+        self.recovery = None
+        rebuilt = max(self.joined.values(), default=rec["decided"])
+        restored = rec.get("restored", rebuilt)
+        resumed = max(self.stepped.values())
+        phases = {
+            "detect": rec["detected"] - rec["fault"],
+            "decide": rec["decided"] - rec["detected"],
+            "rebuild": rebuilt - rec["decided"],
+            "restore": restored - rebuilt,
+            "resume": resumed - restored,
+        }
+        step = -1 if self.plan is None or self.plan.step is None else self.plan.step
+        before = rec["pids"]
+        self.log.emit(
+            "resumed",
+            generation=self.generation,
+            step=step,
+            seconds=resumed - rec["fault"],
+            phases=phases,
+            redone=max(0, int(rec["last_step"]) - step),
+            kept=sorted(r for r, p in self.worker_pids.items() if before.get(r) == p),
+            replaced=sorted(r for r, p in self.worker_pids.items() if before.get(r) != p),
+        )
+        text = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        self.progress.message(f"resumed in {resumed - rec['fault']:.2f} s ({text})")
+        self._revive()
 
     def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
         rank, step, tier = int(msg["rank"]), msg.get("step"), msg.get("tier")
@@ -407,6 +679,7 @@ class Coordinator:
         raise JobStopped(f"rank {msg['rank']}: {msg['message']}")
 
     def _on_inject_fired(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.fault_time = time.monotonic()
         if msg["spec"] in self.injections:
             self.injections.remove(msg["spec"])
         self.log.emit("fault_injected", spec=msg["spec"])
@@ -480,13 +753,29 @@ class Coordinator:
             self.progress.update(step, self.last_loss, float(msg["stall"]), self._tiers())
 
     def _kill_nodes_due(self, step: int) -> None:
-        """Fault injection: kill every node whose ``kill:node`` step is reached, at once."""
+        """Fault injection: kill (or freeze) every node whose step is reached, at once."""
         for spec in list(self.injections):
             inj = Injection.parse(spec)
-            if inj.action == "kill" and inj.target == "node" and step >= inj.step:
-                self.injections.remove(spec)
-                self.log.emit("fault_injected", spec=spec)
-                self.nodes.kill(inj.index)
+            if inj.target == "node" and inj.gen < 0 and step >= inj.step:
+                self._inject_node(spec, inj)
+
+    def _kill_at_generation(self) -> None:
+        for spec in list(self.injections):
+            inj = Injection.parse(spec)
+            if inj.target == "node" and inj.gen == self.generation:
+                self._inject_node(spec, inj)
+
+    def _inject_node(self, spec: str, inj: Injection) -> None:
+        host = self.members.get(inj.index)
+        if host is None:
+            return
+        self.injections.remove(spec)
+        self.log.emit("fault_injected", spec=spec, host=host)
+        self.fault_time = time.monotonic()
+        if inj.action == "kill":
+            self.nodes.kill(host)
+        else:
+            self.nodes.freeze(host)
 
     def _on_report(self, chan: Channel, node: int | None, msg: Message) -> None:
         if "total" in msg:

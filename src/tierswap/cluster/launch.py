@@ -20,7 +20,7 @@ from tierswap.tiers import durable
 
 
 class LocalNodes:
-    """The agent processes of simulated nodes, by node index."""
+    """The agent processes of simulated hosts, by host id."""
 
     def __init__(
         self, cfg: Config, script: list[str], run_dir: Path, job_id: str, secret: bytes
@@ -33,33 +33,40 @@ class LocalNodes:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.retired: list[subprocess.Popen[bytes]] = []
 
-    def start(self, node: int, coord_address: tuple[str, int]) -> None:
-        old = self.procs.pop(node, None)
+    def start(self, host: int, coord_address: tuple[str, int]) -> None:
+        old = self.procs.pop(host, None)
         if old is not None:
             self.retired.append(old)
         env = dict(os.environ)
-        env.update(self.cfg.to_env())
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
             TIERSWAP_SECRET=self.secret.hex(),
-            TIERSWAP_NODE=str(node),
+            TIERSWAP_HOST=str(host),
             TIERSWAP_RUN_DIR=str(self.run_dir),
-            TIERSWAP_JOB_ID=self.job_id,
         )
         cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
-        self.procs[node] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs[host] = subprocess.Popen(cmd, env=env, start_new_session=True)
 
-    def kill(self, node: int) -> None:
-        proc = self.procs.get(node)
+    def is_local(self, host: int) -> bool:
+        return host in self.procs
+
+    def kill(self, host: int) -> None:
+        proc = self.procs.get(host)
         if proc is not None:
-            _killpg(proc.pid)  # also when the agent is gone: its workers may live on
+            _killpg(proc.pid, signal.SIGKILL)  # also when the agent is gone: workers may live
+
+    def freeze(self, host: int) -> None:
+        """SIGSTOP a host's agent and workers: a hung node, for fault injection."""
+        proc = self.procs.get(host)
+        if proc is not None:
+            _killpg(proc.pid, signal.SIGSTOP)
 
     def exited_before_joining(self, joined: set[int]) -> str | None:
-        """A node whose agent exited before it said hello, as a message; else None."""
-        for node, proc in self.procs.items():
+        """A host whose agent exited before it said hello, as a message; else None."""
+        for host, proc in self.procs.items():
             code = proc.poll()
-            if code is not None and node not in joined:
-                return f"node {node}'s agent exited with code {code} before joining the job"
+            if code is not None and host not in joined:
+                return f"host {host}'s agent exited with code {code} before joining the job"
         return None
 
     def stop_all(self, timeout: float = 20.0) -> None:
@@ -72,13 +79,13 @@ class LocalNodes:
             except subprocess.TimeoutExpired:
                 pass
         for proc in procs:
-            _killpg(proc.pid)  # workers of a SIGKILLed agent may still be alive
+            _killpg(proc.pid, signal.SIGKILL)  # workers of a SIGKILLed agent may still live
             proc.wait()
 
 
-def _killpg(pgid: int) -> None:
+def _killpg(pgid: int, sig: signal.Signals) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
 

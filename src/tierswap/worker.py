@@ -1,0 +1,233 @@
+"""A worker process: ``launch(train)`` and the loop that lets it outlive a generation.
+
+Under ``tierswap run`` a worker starts parked: it imports the script, connects to its
+agent and waits for an assignment (rank, world size, generation). It then joins that
+generation's process group and runs ``train(job)``. When a failure elsewhere ends the
+generation, ``train(job)`` is unwound by GenerationEnded or by the failed collective,
+the worker destroys its process group and parks again; the next assignment enters
+``train(job)`` again in the same process, with no re-import and no re-spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
+
+from tierswap.config import Injection
+from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
+from tierswap.job import Job
+from tierswap.wire import Channel, Message
+
+EXIT_USAGE = 3
+"""Exit code of a worker that stopped on a UsageError: the job stops, no restart."""
+EXIT_CORRUPT = 4
+"""Exit code of a worker whose restore source turned out corrupt: the job re-plans."""
+
+_PEER_FAILED = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket closed",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+)
+
+
+def _peer_failed(e: BaseException) -> bool:
+    """A collective that failed because another rank died or hung: not this rank's fault."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILED)
+
+
+def launch(train: Callable[[Job], Any]) -> None:
+    """Run ``train(job)``: alone (world size 1) when started plainly, or as one worker of
+    the job when started by ``tierswap run``."""
+    if "TIERSWAP_AGENT" not in os.environ:
+        _run_standalone(train)
+    else:
+        _run_worker(train, dict(os.environ))
+
+
+def _run_standalone(train: Callable[[Job], Any]) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    job = Job()
+    try:
+        train(job)
+    finally:
+        job.close()
+        dist.destroy_process_group()
+
+
+class Control:
+    """The worker's second connection to its agent: assignments and generation ends come
+    in, heartbeats go out. A worker whose agent is gone exits: its node has failed."""
+
+    def __init__(self, address: str, secret: bytes, local: int, heartbeat: float) -> None:
+        self.chan = Channel.connect(address, secret)
+        self.assignments: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.ended: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.chan.send("attach", local=local, pid=os.getpid())
+        threading.Thread(target=self._read, name="tierswap-control", daemon=True).start()
+        threading.Thread(
+            target=self._beat, args=(heartbeat,), name="tierswap-heartbeat", daemon=True
+        ).start()
+
+    def event(self, generation: int) -> threading.Event:
+        with self._lock:
+            return self.ended.setdefault(generation, threading.Event())
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.chan.recv()
+                assert msg is not None
+                if msg["op"] == "assign":
+                    self.event(int(msg["generation"]))
+                    self.assignments.put(msg)
+                elif msg["op"] == "abort":
+                    self.event(int(msg["generation"])).set()
+                    _abort_communicator()
+                elif msg["op"] == "exit":
+                    os._exit(0)
+        except (EOFError, OSError, ValueError):
+            pass
+        os._exit(1)  # the agent is gone: this node has failed, its workers go with it
+
+    def _beat(self, interval: float) -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                self.chan.send("beat")
+            except OSError:
+                return
+
+
+def _abort_communicator() -> None:
+    """Release collectives blocked on a dead peer at once. NCCL has an abort; gloo's
+    collectives fail by themselves when the peer's sockets close, or at their timeout."""
+    try:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+    except Exception as e:  # the worker parks anyway, by its collective's error or timeout
+        print(f"[tierswap] aborting the communicator failed: {e}", file=sys.stderr)
+
+
+def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
+    secret = bytes.fromhex(env["TIERSWAP_SECRET"])
+    chan = Channel.connect(env["TIERSWAP_AGENT"], secret)
+    heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
+    control = Control(env["TIERSWAP_AGENT"], secret, int(env["TIERSWAP_LOCAL"]), heartbeat)
+    threads = int(env.get("TIERSWAP_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    startup = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
+    collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
+    stores: dict[str, TCPStore] = {}
+    _warm_up()
+    while True:
+        a = control.assignments.get()
+        generation, rank = int(a["generation"]), int(a["rank"])
+        chan.stamp = {"gen": generation}  # the agent drops messages of ended generations
+        job = Job(
+            rank=rank,
+            world_size=int(a["world_size"]),
+            local_rank=int(a["local_rank"]),
+            generation=generation,
+            chan=chan,
+            injections=tuple(Injection.parse(s) for s in a["inject"]),
+            secret=secret,
+            ended=control.event(generation),
+        )
+        t0 = time.monotonic()
+        if a["store"] not in stores:
+            host, port = str(a["store"]).rsplit(":", 1)
+            stores[a["store"]] = TCPStore(host, int(port), is_master=False, timeout=startup)
+        dist.init_process_group(
+            str(a.get("backend", "gloo")),
+            store=PrefixStore(f"gen{generation}/", stores[a["store"]]),
+            rank=rank,
+            world_size=job.world_size,
+            timeout=collective,
+        )
+        chan.send("joined", rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0)
+        code = _train_once(train, job, chan, control)
+        if code is None:
+            continue  # parked: the next assignment enters train(job) again
+        if code:
+            os._exit(code)  # peers may be blocked in collectives: do not wait for them
+        dist.destroy_process_group()
+        chan.close()
+        sys.exit(0)
+
+
+WARM_UP = ("torch._dynamo",)
+"""Modules torch imports lazily on the first DDP or FSDP wrap (about 2 s on a CPU): a
+parked worker imports them before it is needed, so a spare's first step is not slower
+than a survivor's."""
+
+
+def _warm_up() -> None:
+    import importlib
+
+    for name in WARM_UP:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def _train_once(
+    train: Callable[[Job], Any], job: Job, chan: Channel, control: Control
+) -> int | None:
+    """Run one generation of ``train(job)``: an exit code, or None when it ended because of
+    a failure elsewhere and the worker has parked for the next one."""
+    rank = job.rank
+    try:
+        train(job)
+        job.close()
+        chan.call("finished", rank=rank, step=job.last_step)
+        return 0
+    except UsageError as e:
+        chan.call("fatal", rank=rank, message=f"{type(e).__name__}: {e}")
+        return EXIT_USAGE
+    except CorruptPartError as e:
+        chan.call(
+            "corrupt", rank=rank, where=e.where, why=e.why, step=job.plan_step, tier=job.plan_tier
+        )
+        return EXIT_CORRUPT
+    except BaseException as e:
+        if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e)):
+            traceback.print_exc()
+            return 1
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+    _leave(job)
+    control.chan.send("parked", generation=job.generation, rank=rank, why=why)
+    return None
+
+
+def _leave(job: Job) -> None:
+    """Let go of a generation: finish the snapshot copy in flight, unmap the slots and
+    destroy the process group (its peers may be dead, so nothing here waits on them)."""
+    try:
+        job.close()
+    except BaseException as e:  # a copy that failed with its generation: nothing to keep
+        print(f"[tierswap] rank {job.rank}: snapshot copy ended with {e}", file=sys.stderr)
+    try:
+        dist.destroy_process_group()
+    except Exception as e:
+        print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
