@@ -17,19 +17,22 @@ def _join(args: argparse.Namespace) -> int:
     import os
 
     secret = os.environ.get("TIERSWAP_SECRET")
-    if secret is None and args.run_dir:
-        ticket = Path(args.run_dir) / "join.json"
+    run_dir = args.run_dir or os.environ.get("TIERSWAP_RUN_DIR")
+    if secret is None and run_dir:
+        ticket = Path(run_dir) / "join.json"
         if ticket.is_file():
             secret = json.loads(ticket.read_text())["secret"]
     if secret is None:
         raise SystemExit(
             "tierswap run --join: the job's secret is needed: set TIERSWAP_SECRET, or give "
-            "--run-dir of the job (its join.json holds it)"
+            "--run-dir of the job (its join.json holds it; readable by its owner only)"
         )
     if ":" not in args.join:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
     env = dict(os.environ, TIERSWAP_COORD=args.join, TIERSWAP_SECRET=secret)
     env.pop("TIERSWAP_HOST", None)
+    if run_dir:
+        env["TIERSWAP_RUN_DIR"] = run_dir
     script = [args.script, *args.args] if args.script else []
     os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)
 

@@ -157,9 +157,13 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         if a["store"] not in stores:
             host, port = str(a["store"]).rsplit(":", 1)
             stores[a["store"]] = TCPStore(host, int(port), is_master=False, timeout=startup)
+        store = PrefixStore(f"gen{generation}/", stores[a["store"]])
+        if not _rendezvous(store, job.world_size, control.event(generation), startup):
+            control.chan.send("parked", generation=generation, rank=rank, why="ended at start")
+            continue
         dist.init_process_group(
             str(a.get("backend", "gloo")),
-            store=PrefixStore(f"gen{generation}/", stores[a["store"]]),
+            store=store,
             rank=rank,
             world_size=job.world_size,
             timeout=collective,
@@ -173,6 +177,22 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         dist.destroy_process_group()
         chan.close()
         sys.exit(0)
+
+
+def _rendezvous(
+    store: PrefixStore, world_size: int, ended: threading.Event, timeout: timedelta
+) -> bool:
+    """Wait until every rank of the generation has arrived, or until it ended (a member
+    died while the others were gathering): False then. torch's own rendezvous inside
+    ``init_process_group`` cannot be interrupted, so it only starts once all are here."""
+    store.add("arrived", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("arrived", 0) < world_size:
+        if ended.wait(0.005):
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {store.add('arrived', 0)} of {world_size} ranks arrived")
+    return True
 
 
 WARM_UP = ("torch._dynamo",)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,8 @@ class Agent:
         """By rank: the workers assigned in this generation."""
         self.stopping = False
         self.exiting = False
+        self.ready = False
+        """Told to the coordinator once every worker is imported and parked."""
         self.heard: dict[Channel, float] = {}
         """When each worker connection was last heard from (set by its reader thread)."""
         self.spent: set[int] = set()
@@ -122,7 +125,6 @@ class Agent:
         reader(chan, deliver, "tierswap-worker")
 
     def run(self) -> None:
-        self.coord.send("ready", replica=self.server.address)
         threading.Thread(target=self._beat, name="tierswap-heartbeat", daemon=True).start()
         for local in range(self.cfg.nproc_per_node):
             self._spawn(local)
@@ -409,6 +411,9 @@ class Agent:
             if w is None or w.proc.pid != int(msg["pid"]):
                 return
             w.ctl, w.state, w.seen = chan, "parked", time.monotonic()
+            if not self.ready and all(x.ctl is not None for x in self.procs.values()):
+                self.ready = True
+                self.coord.send("ready", replica=self.server.address)
             self._assign(w)
             return
         w = next((x for x in self.procs.values() if x.ctl is chan), None)
@@ -631,7 +636,8 @@ def main() -> None:
     welcome = coord.recv(timeout=60)
     if welcome is None or welcome["op"] != "welcome":
         raise SystemExit(f"tierswap agent: the coordinator refused this node: {welcome}")
-    run_dir = Path(env.get("TIERSWAP_RUN_DIR") or tempfile.mkdtemp(prefix="tierswap-agent-"))
+    temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
+    run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
     agent = Agent(
         host=int(welcome["host"]),
         coord=coord,
@@ -642,6 +648,8 @@ def main() -> None:
         script=sys.argv[1:] or list(welcome["script"]),
     )
     agent.run()
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit
     # for a replication thread whose peer is gone.
     sys.stdout.flush()

@@ -324,8 +324,11 @@ class Coordinator:
         del self.members[node]
         self._node_lost(node, host, why)
 
-    def _revive(self) -> None:
-        while self.to_revive and self.phase != "done":
+    def _revive(self, limit: int | None = None) -> None:
+        n = self.to_revive if limit is None else min(limit, self.to_revive)
+        for _ in range(n):
+            if self.phase == "done":
+                return
             self.to_revive -= 1
             host = self.next_host
             self.next_host += 1
@@ -484,8 +487,8 @@ class Coordinator:
                 f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
                 f"committed: {keep}.{hint}"
             )
-        self._revive()
         if self.waiting_since is None:
+            self._revive(len(nodes))
             self.waiting_since = time.monotonic()
             self.deadline = self.waiting_since + self.cfg.join_timeout
             self.log.emit("waiting_for_node", nodes=nodes, timeout=self.cfg.join_timeout)

@@ -1,0 +1,268 @@
+"""Hot-swap: a spare takes a failed node's ranks while the survivors keep their processes.
+
+Each test checks the project's oracle (the final state is bit-for-bit the one of an
+uninterrupted run) and what makes it a hot swap: survivors' process ids unchanged, the
+spare serving the failed node's ranks, at most one step redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
+from tierswap.demo import job_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+SLOW = ("--sleep", "0.05")
+"""Steps long enough for replication to keep up on 2 busy cores, as on real hardware."""
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_memory(tmp_path: Path):
+    yield
+    assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
+
+
+def _generations(run_dir: Path) -> list[dict[str, Any]]:
+    return events(run_dir, "rebuilt")
+
+
+def _assert_hot_swapped(run_dir: Path, survivors: list[int], replaced: list[int]) -> None:
+    """Every recovery kept the survivors' processes and redid at most one step."""
+    resumed = events(run_dir, "resumed")
+    assert resumed, "no recovery completed"
+    for r in resumed:
+        assert r["redone"] <= 1, r
+        assert set(r["phases"]) == {"detect", "decide", "rebuild", "restore", "resume"}
+    pids = [{int(k): v for k, v in g["pids"].items()} for g in _generations(run_dir)]
+    for rank in survivors:
+        assert len({p[rank] for p in pids}) == 1, f"rank {rank} was restarted: {pids}"
+    for rank in replaced:
+        assert len({p[rank] for p in pids}) > 1, f"rank {rank} kept a dead process: {pids}"
+
+
+def test_spare_takes_failed_node_ddp(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "swap",
+        steps=12,
+        train_args=SLOW,
+        extra=("--spares", "1", "--inject", "kill:node=1:step=7"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "swap"))
+    (assigned,) = events(run_dir, "spare_assigned")
+    spares = [e for e in events(run_dir, "node_joined") if e["role"] == "spare"]
+    assert assigned["node"] == 1 and assigned["host"] == spares[0]["host"]
+    assert events(run_dir, "generation_started")[-1]["members"]["1"] == assigned["host"]
+    restored = events(run_dir, "restored")[-1]
+    assert restored["tiers"] == {"0": 0, "1": 1}, "survivor from tier 0, the spare from a peer"
+    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+
+
+def test_four_nodes_exact_ddp_spare(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=4, mode="ddp-exact")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "swap",
+        nodes=4,
+        steps=12,
+        mode="ddp-exact",
+        train_args=SLOW,
+        extra=("--spares", "1", "--inject", "kill:node=1:step=6"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "swap"))
+    assert events(run_dir, "spare_assigned")[0]["node"] == 1
+    _assert_hot_swapped(run_dir, survivors=[0, 2, 3], replaced=[1])
+
+
+def test_two_failures_two_spares_and_a_spare_lost_while_taking_over(
+    tmp_path: Path, baseline
+) -> None:
+    """Node 1 dies; the first spare is killed as it takes over (generation 1 starting);
+    the second spare takes node 1; later node 0 dies and a revived host takes it."""
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "swap",
+        steps=12,
+        train_args=SLOW,
+        extra=(
+            "--spares",
+            "2",
+            "--inject",
+            "kill:node=1:step=4",
+            "--inject",
+            "kill:node=1:gen=1",
+            "--inject",
+            "kill:node=0:step=9",
+        ),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "swap"))
+    assigned = [(e["node"], e["host"]) for e in events(run_dir, "spare_assigned")]
+    assert [n for n, _ in assigned] == [1, 1, 0], assigned
+    assert len({h for _, h in assigned}) == 3, "each takeover by another host"
+    for r in events(run_dir, "resumed"):
+        assert r["redone"] <= 1, r
+
+
+def test_failure_while_a_big_snapshot_is_copied_and_replicated(tmp_path: Path) -> None:
+    """A wider model, killed right as a step's snapshot is checked and sent to its peer."""
+    args = ("--width", "256", "--layers", "3")
+    code, _, out = run_job(tmp_path, "base", steps=10, train_args=args)
+    assert code == 0, out
+    code, run_dir, out = run_job(
+        tmp_path,
+        "swap",
+        steps=10,
+        train_args=args,
+        extra=("--spares", "1", "--inject", "kill:node=1:step=5"),
+    )
+    assert code == 0, out
+    assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "swap"))
+    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+
+
+def test_hung_worker_is_detected_by_its_lease(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "hang",
+        steps=12,
+        train_args=SLOW,
+        extra=("--inject", "stop:rank=1:step=6", "--heartbeat", "0.25", "--lease", "2"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "hang"))
+    (hung,) = events(run_dir, "worker_hung")
+    assert hung["rank"] == 1 and "no heartbeat" in hung["why"]
+    (failure,) = events(run_dir, "failure_detected")
+    assert failure["seconds"] < 6, "detected within the lease (plus scheduling slack)"
+    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+
+
+def test_hung_node_is_fenced_when_its_lease_expires(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "hang",
+        steps=12,
+        train_args=SLOW,
+        extra=(
+            "--spares",
+            "1",
+            "--inject",
+            "stop:node=1:step=6",
+            "--heartbeat",
+            "0.25",
+            "--lease",
+            "2",
+        ),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "hang"))
+    (failure,) = events(run_dir, "failure_detected")
+    assert failure["what"] == "node" and "lease expired" in failure["detail"]
+    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+
+
+def test_no_spare_and_fail_stops_keeping_every_tier(tmp_path: Path) -> None:
+    persist = tmp_path / "ckpt"
+    code, run_dir, out = run_job(
+        tmp_path,
+        "fail",
+        steps=40,
+        train_args=SLOW,
+        extra=(
+            "--on-no-spare",
+            "fail",
+            "--persist",
+            str(persist),
+            "--persist-every",
+            "2",
+            "--inject",
+            "kill:node=1:step=8",
+        ),
+    )
+    assert code == 1, out
+    assert "no spare is left" in out and "--persist to resume" in out
+    assert events(run_dir, "job_failed")
+    check = subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "verify", str(persist)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _wait_for(run_dir: Path, kind: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists():
+            found = events(run_dir, kind)
+            if found:
+                return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no {kind} event within {timeout} s")
+
+
+def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
+    run_dir = tmp_path / "wait"
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", "--inject", "kill:node=1:step=6"],
+        ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "wait-final"), *SLOW],
+    )
+    env = dict(os.environ, TIERSWAP_REVIVE="0")  # nobody comes back unless asked to
+    log = tmp_path / "wait.log"
+    with log.open("w") as out:
+        job = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        joiner = None
+        try:
+            _wait_for(run_dir, "waiting_for_node", 120)
+            address = json.loads((run_dir / "join.json").read_text())["address"]
+            joiner = subprocess.Popen(
+                [sys.executable, "-m", "tierswap.cli", "run", "--join", address],
+                env=dict(env, TIERSWAP_RUN_DIR=str(run_dir)),  # where join.json is
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=tmp_path,
+            )
+            code = job.wait(180)
+            joiner.wait(30)
+        finally:
+            for proc in (job, joiner):
+                if proc is not None and proc.poll() is None:
+                    kill_job(proc.pid, run_dir)
+                    proc.wait()
+            if joiner is not None:
+                try:
+                    os.killpg(joiner.pid, signal.SIGKILL)  # its workers, if any are left
+                except ProcessLookupError:
+                    pass
+    assert code == 0, log.read_text()
+    assert_same_bits(base, final_state(tmp_path, "wait"))
+    (assigned,) = events(run_dir, "spare_assigned")
+    assert assigned["node"] == 1 and assigned["host"] >= 2
