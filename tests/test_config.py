@@ -24,6 +24,10 @@ pytestmark = pytest.mark.timeout(60)
         ({"max_restarts": -1}, "max_restarts"),
         ({"threads": -2}, "threads"),
         ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
+        ({"spares": -1}, "spares must be >= 0, got -1"),
+        ({"on_no_spare": "retry"}, "on_no_spare must be 'wait' or 'fail', got 'retry'"),
+        ({"heartbeat": 1.0, "lease": 1.5}, r"lease \(1.5 s\) must be at least 2 heartbeats"),
+        ({"collective_timeout": float("nan")}, "collective_timeout must be > 0"),
         (
             {"nodes": 2, "inject": (Injection("kill", "node", 2, 5),)},
             r"--inject kill:node=2:step=5: there are only 2 nodes",
@@ -137,6 +141,9 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
     [
         ("kill:node=1:step=20", Injection("kill", "node", 1, 20)),
         (" kill:rank=0:step=0 ", Injection("kill", "rank", 0, 0)),
+        ("kill:node=1:gen=2", Injection("kill", "node", 1, -1, gen=2)),
+        ("stop:rank=1:step=6", Injection("stop", "rank", 1, 6)),
+        ("stop:node=0:step=3", Injection("stop", "node", 0, 3)),
     ],
 )
 def test_injection_parse_and_str(spec: str, expected: Injection) -> None:
@@ -167,5 +174,5 @@ def test_injection_parse_rejects_bad_specs(spec: str) -> None:
 
 
 def test_bad_injection_in_env_shows_the_forms() -> None:
-    with pytest.raises(ValueError, match="expected kill:node=I:step=S, kill:rank=R:step=S"):
+    with pytest.raises(ValueError, match="expected kill:node=I:step=S, kill:node=I:gen=G"):
         Config.from_env({"TIERSWAP_INJECT": "kill:node=0:step=1,boom"})

@@ -129,6 +129,7 @@ def _abort_communicator() -> None:
 
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     secret = bytes.fromhex(env["TIERSWAP_SECRET"])
+    _warm_up()  # before attaching: a worker counts as parked once it is ready to run
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
     control = Control(env["TIERSWAP_AGENT"], secret, int(env["TIERSWAP_LOCAL"]), heartbeat)
@@ -138,7 +139,6 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     startup = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
     collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
     stores: dict[str, TCPStore] = {}
-    _warm_up()
     while True:
         a = control.assignments.get()
         generation, rank = int(a["generation"]), int(a["rank"])

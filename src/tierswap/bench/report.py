@@ -81,7 +81,8 @@ def report(res: Mapping[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tierswap bench snapshot|replication [--size-mib M] [--repeats N] [--json PATH]``."""
+    """``tierswap bench snapshot|replication|job-replication|recovery [--size-mib M]
+    [--repeats N] [--json PATH]``."""
     if args.what == "replication":
         from tierswap.bench import replication
 
@@ -90,6 +91,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import jobstep
 
         return jobstep.main(args)
+    if args.what == "recovery":
+        from tierswap.bench import recovery
+
+        return recovery.main(args)
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
     return run_and_report(args, 1024, run, report)

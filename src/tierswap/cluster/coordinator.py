@@ -91,6 +91,8 @@ class Coordinator:
         self.restored: dict[int, Message] = {}
         self.worker_pids: dict[int, int] = {}
         """rank -> process id of its worker in this generation."""
+        self.pids_seen: dict[int, int] = {}
+        """rank -> the newest process id that joined a generation for it."""
         self.joined: dict[int, float] = {}
         self.stepped: dict[int, float] = {}
         self.finished: set[int] = set()
@@ -276,7 +278,7 @@ class Coordinator:
             host=host,
             config=self.cfg.to_env(),
             job_id=self.job_id,
-            script=self.nodes.script,
+            script=[str(Path(self.nodes.script[0]).resolve()), *self.nodes.script[1:]],
         )
 
     def _host(self, chan: Channel) -> int:
@@ -412,7 +414,7 @@ class Coordinator:
             "fault": self.fault_time if self.fault_time is not None else now,
             "detected": now,
             "what": what,
-            "pids": dict(self.worker_pids),
+            "pids": dict(self.pids_seen),
             "last_step": self.last_step,
         }
         self.fault_time = None
@@ -618,7 +620,7 @@ class Coordinator:
         """A worker joined this generation's process group."""
         rank = int(msg["rank"])
         self.joined[rank] = time.monotonic()
-        self.worker_pids[rank] = int(msg["pid"])
+        self.worker_pids[rank] = self.pids_seen[rank] = int(msg["pid"])
         if len(self.joined) < self.cfg.world_size:
             return
         rec = self.recovery

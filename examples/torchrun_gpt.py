@@ -1,0 +1,105 @@
+"""What a user has today, the baseline of ``tierswap bench recovery``: ``torchrun
+--max-restarts`` restarts every worker after a failure, and each loads the newest
+``torch.distributed.checkpoint``.
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/torchrun_gpt.py \\
+        --steps 20 --kill-step 10 --ckpt /tmp/ckpt --times /tmp/times.jsonl
+
+The same model, data and optimizer as ``train_gpt.py``. To be generous to the baseline it
+checkpoints every step (synchronously, so nothing is lost but the restart itself). In the
+first attempt, rank 1 kills itself after step ``--kill-step`` is saved; every rank of the
+restarted attempt appends the time its first step completed to ``--times``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt import GPTConfig, batch, build_model
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kill-step", type=int, default=10)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--times", required=True)
+    return p.parse_args()
+
+
+def note(path: str, **fields: float) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # a key prefix per attempt: the restarted workers must not read the addresses the
+    # dead attempt's workers published in torchrun's store (gloo then fails to connect)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt{attempt}/", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
+    model = build_model(cfg, "ddp", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ckpt = Path(args.ckpt)
+    start = 0
+    latest = ckpt / "latest"
+    if latest.exists():
+        step = int(latest.read_text())
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(ckpt / f"step-{step}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = step + 1
+    for step in range(start, args.steps):
+        x, y = batch(step, rank, world, cfg)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.sleep:
+            time.sleep(args.sleep)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+        dist.barrier()
+        if rank == 0:
+            tmp = ckpt / "latest.tmp"
+            tmp.write_text(str(step))
+            os.replace(tmp, latest)
+        dist.barrier()
+        if attempt > 0 and step == start:
+            note(args.times, rank=rank, resumed=time.time(), step=step)
+        if attempt == 0 and step == args.kill_step and rank == 1:
+            note(args.times, rank=rank, killed=time.time(), step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
