@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
         ({"on_no_spare": "retry"}, "on_no_spare must be 'wait' or 'fail', got 'retry'"),
         ({"heartbeat": 1.0, "lease": 1.5}, r"lease \(1.5 s\) must be at least 2 heartbeats"),
         ({"collective_timeout": float("nan")}, "collective_timeout must be > 0"),
+        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl', got 'mpi'"),
         (
             {"nodes": 2, "inject": (Injection("kill", "node", 2, 5),)},
             r"--inject kill:node=2:step=5: there are only 2 nodes",

@@ -125,3 +125,29 @@ def test_a_step_right_after_take_waits_for_the_copy(rig: Rig) -> None:
     assert [k for k in before if torch.equal(after[k], before[k])] == []  # the step did work
     for key, t in before.items():
         assert torch.equal(tensors[key], t), f"{key}: the slot holds post-step values"
+
+
+def test_nccl_communicator_aborted_and_rebuilt_in_the_same_process() -> None:
+    """A generation's end on NCCL: the communicator is aborted (not waited on), the
+    group destroyed, and the next generation's group works in the same process."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import HashStore, PrefixStore
+
+    from tierswap.worker import _abort_communicator
+
+    store = HashStore()
+    for generation in range(2):
+        dist.init_process_group(
+            "nccl",
+            store=PrefixStore(f"gen{generation}/", store),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
+        t = torch.full((1024,), float(generation + 1), device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        assert float(t.sum()) == 1024 * (generation + 1)
+        _abort_communicator()
+        if dist.is_initialized():  # abort may already have removed the group
+            dist.destroy_process_group()

@@ -69,6 +69,13 @@ def test_spare_takes_failed_node_ddp(tmp_path: Path, baseline) -> None:
     restored = events(run_dir, "restored")[-1]
     assert restored["tiers"] == {"0": 0, "1": 1}, "survivor from tier 0, the spare from a peer"
     _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    resumed_at = events(run_dir, "resumed")[0]["time"]
+    later = [
+        e
+        for e in events(run_dir, "snapshot_committed")
+        if e["tier"] == 1 and e["time"] > resumed_at
+    ]
+    assert later, "replication re-formed around the spare"
 
 
 def test_four_nodes_exact_ddp_spare(tmp_path: Path, baseline) -> None:

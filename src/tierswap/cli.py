@@ -63,6 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         heartbeat=args.heartbeat,
         lease=args.lease,
         collective_timeout=args.collective_timeout,
+        backend=args.backend,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
@@ -174,6 +175,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds a collective may block (torch's default is 30 minutes)",
+    )
+    run.add_argument(
+        "--backend", choices=["gloo", "nccl"], default=None, help="collectives (default gloo)"
     )
     run.add_argument(
         "--join",

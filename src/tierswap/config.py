@@ -108,6 +108,10 @@ class Config:
     collective_timeout: float = 60.0
     """Seconds a collective may block before it fails (torch's default is 30 minutes);
     also how long a worker may take to leave its step when a generation ends."""
+    backend: str = "gloo"
+    """Collective backend of the workers' process group: "gloo" (CPU, the simulated
+    nodes) or "nccl" (GPUs; a generation's end aborts the communicator, so that kernels
+    blocked on a dead peer return at once)."""
     revive: bool = True
     """Simulated nodes: a killed node comes back empty and joins the spare pool, as a
     rebooted host would."""
@@ -133,6 +137,8 @@ class Config:
                 f"lease ({self.lease} s) must be at least 2 heartbeats ({self.heartbeat} s) "
                 "or one late heartbeat fails a healthy process"
             )
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.on_no_spare not in ("wait", "fail"):
             raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
         for inj in self.inject:

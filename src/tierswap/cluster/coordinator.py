@@ -256,7 +256,7 @@ class Coordinator:
                 chan.send("exit")
             except OSError:
                 pass
-        self.nodes.stop_all()
+        self.nodes.stop_all(told=set(self.conns))
         self._stop_accepting()
         n = remove_job_segments(self.job_id)
         if n:
@@ -572,6 +572,7 @@ class Coordinator:
                     "start",
                     node=node,
                     generation=self.generation,
+                    backend=self.cfg.backend,
                     world_size=self.cfg.world_size,
                     ranks=ranks,
                     store=f"127.0.0.1:{self.store.port}",

@@ -69,11 +69,13 @@ class LocalNodes:
                 return f"host {host}'s agent exited with code {code} before joining the job"
         return None
 
-    def stop_all(self, timeout: float = 20.0) -> None:
-        """Wait for agents to exit by themselves, then kill what is left, groups included."""
+    def stop_all(self, told: set[int], timeout: float = 20.0) -> None:
+        """Wait for the agents that were told to exit (host ids in ``told``) to do so, then
+        kill what is left, groups included; a host still starting is killed at once."""
         deadline = time.monotonic() + timeout
         procs = [*self.procs.values(), *self.retired]
-        for proc in procs:
+        waiting = [p for h, p in self.procs.items() if h in told]
+        for proc in waiting:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
