@@ -31,8 +31,6 @@ from tierswap.wire import Channel, Message
 
 EXIT_USAGE = 3
 """Exit code of a worker that stopped on a UsageError: the job stops, no restart."""
-EXIT_CORRUPT = 4
-"""Exit code of a worker whose restore source turned out corrupt: the job re-plans."""
 
 _PEER_FAILED = (
     "Connection closed by peer",
@@ -226,17 +224,19 @@ def _train_once(
         chan.call("fatal", rank=rank, message=f"{type(e).__name__}: {e}")
         return EXIT_USAGE
     except CorruptPartError as e:
+        # the coordinator marks the part bad; this worker leaves the generation (which
+        # ends it for all) and is given an older step or another tier in the next one
         chan.call(
             "corrupt", rank=rank, where=e.where, why=e.why, step=job.plan_step, tier=job.plan_tier
         )
-        return EXIT_CORRUPT
+        reason, why = "corrupt", f"{e.where}: {e.why}"
     except BaseException as e:
         if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e)):
             traceback.print_exc()
             return 1
-        why = f"{type(e).__name__}: {str(e)[:200]}"
+        reason, why = "collective", f"{type(e).__name__}: {str(e)[:200]}"
     _leave(job)
-    control.chan.send("parked", generation=job.generation, rank=rank, why=why)
+    control.chan.send("parked", generation=job.generation, rank=rank, reason=reason, why=why)
     return None
 
 

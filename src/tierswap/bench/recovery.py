@@ -215,7 +215,7 @@ def main(args: Any) -> int:
         table.add_row(*_row(f"{n} nodes, width 128", s))
     for w, s in res["state"].items():
         table.add_row(*_row(f"2 nodes, width {w}", s))
-    Console().print(table)
+    Console(width=160).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -424,8 +424,14 @@ class Agent:
             leaving = w.state == "leaving"
             w.state = "parked"
             if not leaving and int(msg["generation"]) == self.generation:
-                # it left on its own: a collective failed under it
-                self.coord.send("left", node=self.node, rank=msg["rank"], why=msg["why"])
+                # it left on its own: a collective failed under it, or its source is bad
+                self.coord.send(
+                    "left",
+                    node=self.node,
+                    rank=msg["rank"],
+                    reason=msg.get("reason", "collective"),
+                    why=msg["why"],
+                )
             self._maybe_stopped()
 
     def _on_worker(self, chan: Channel, msg: Message) -> None:

@@ -386,9 +386,11 @@ class Coordinator:
             self._failure("worker", node, [rank], f"exit code {code}")
 
     def _on_left(self, chan: Channel, node: int | None, msg: Message) -> None:
-        """A worker left its generation by itself: a collective failed under it."""
+        """A worker left its generation by itself: a collective failed under it
+        (``collective``), or its restore source was corrupt (``corrupt``)."""
         if self.phase == "running":
-            self._failure("collective", node, [int(msg["rank"])], str(msg["why"]))
+            reason = str(msg.get("reason", "collective"))
+            self._failure(reason, node, [int(msg["rank"])], str(msg["why"]))
 
     def _on_hung(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.log.emit("worker_hung", node=node, rank=msg["rank"], pid=msg["pid"], why=msg["why"])
