@@ -27,7 +27,10 @@ def _no_leaked_memory(tmp_path: Path):
 def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseline) -> None:
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
-        tmp_path, "kill", steps=12, extra=("--inject", "kill:rank=1:step=9")
+        tmp_path,
+        "kill",
+        steps=12,
+        extra=("--spare-workers", "1", "--inject", "kill:rank=1:step=9"),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
@@ -36,6 +39,12 @@ def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseli
     (restored,) = events(run_dir, "restored")
     assert set(restored["tiers"].values()) == {0}, "a worker crash restores from tier 0"
     assert events(run_dir, "job_finished")[0]["step"] == 11
+    # rank 1's new process is node 1's spare worker, parked since the start; rank 0's is
+    # the same process as before
+    started = {e["host"]: set(e["workers"]) for e in events(run_dir, "node_joined")}
+    first, second = (e["pids"] for e in events(run_dir, "rebuilt"))
+    assert second["0"] == first["0"]
+    assert second["1"] != first["1"] and second["1"] in started[1]
 
 
 def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, baseline) -> None:

@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         max_peer_memory=args.max_peer_memory,
         bind=args.bind,
         spares=args.spares,
+        spare_workers=args.spare_workers,
         on_no_spare=args.on_no_spare,
         heartbeat=args.heartbeat,
         lease=args.lease,
@@ -156,9 +157,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes one node may hold for others (default: no bound)",
     )
-    run.add_argument("--bind", default=None, help="interface of the replica server")
+    run.add_argument("--bind", default=None, help="interface to listen on (replicas, coordinator)")
     run.add_argument(
         "--spares", type=int, default=None, help="parked spare nodes that take failed ones"
+    )
+    run.add_argument(
+        "--spare-workers",
+        type=int,
+        default=None,
+        help="parked extra workers per node that take a crashed worker's rank at once",
     )
     run.add_argument(
         "--on-no-spare",

@@ -83,7 +83,8 @@ class Config:
     max_peer_memory: int = 0
     """Bytes of replicas one node may hold for others; 0 is no bound."""
     bind: str = "127.0.0.1"
-    """Interface the replica server listens on."""
+    """Interface the job listens on: replica servers, the coordinator and its store (an
+    address other hosts can reach when nodes join from elsewhere)."""
     max_restarts: int = 10
     """Failures the job recovers from before it gives up."""
     startup_timeout: float = 120.0
@@ -95,6 +96,9 @@ class Config:
     spares: int = 0
     """Spare nodes, started with their workers imported and parked; a failed node's ranks
     go to one while the survivors keep their processes."""
+    spare_workers: int = 0
+    """Extra workers per node, imported and parked: a crashed worker's rank goes to one
+    at once instead of to a process that must first start and import (seconds)."""
     on_no_spare: str = "wait"
     """When a node fails and no spare is parked: "wait" for a node to join (up to
     ``join_timeout``), or "fail" (stop; every committed tier is kept for a resume)."""
@@ -127,8 +131,9 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.spares < 0:
-            raise ValueError(f"spares must be >= 0, got {self.spares}")
+        for name in ("spares", "spare_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("startup_timeout", "join_timeout", "heartbeat", "collective_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -95,7 +95,13 @@ def main(args: argparse.Namespace) -> int:
         console.rule("1. a run without failures")
         _run(console, work, "clean", steps, [])
         console.rule(f"2. the same run, rank 1 killed (SIGKILL) after step {kill_at}")
-        run_dir = _run(console, work, "failure", steps, ["--inject", f"kill:rank=1:step={kill_at}"])
+        run_dir = _run(
+            console,
+            work,
+            "failure",
+            steps,
+            ["--spare-workers", "1", "--inject", f"kill:rank=1:step={kill_at}"],
+        )
         console.rule("3. the proof")
         return _report(console, work, run_dir)
 
@@ -114,6 +120,14 @@ def _report(console: Console, work: Path, run_dir: Path) -> int:
         "restored",
         f"step {restored['step']} from tier(s) {tiers} in {restored['seconds'] * 1e3:.0f} ms",
     )
+    resumed = _events(run_dir, "resumed")
+    if resumed:
+        r = resumed[0]
+        table.add_row(
+            "recovery",
+            f"{r['seconds']:.2f} s from the kill to the next step; ranks {r['kept']} kept "
+            f"their processes, ranks {r['replaced']} got new ones; {r['redone']} step(s) redone",
+        )
     table.add_row("compared", f"{n} tensors, {nbytes:,} bytes: parameters, optimizer, RNG")
     table.add_row(
         "result",

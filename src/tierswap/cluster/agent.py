@@ -126,7 +126,7 @@ class Agent:
 
     def run(self) -> None:
         threading.Thread(target=self._beat, name="tierswap-heartbeat", daemon=True).start()
-        for local in range(self.cfg.nproc_per_node):
+        for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
             self._spawn(local)
         try:
             while True:
@@ -278,15 +278,17 @@ class Agent:
             "backend": str(msg.get("backend", "gloo")),
         }
         self.workers.clear()
-        # a survivor keeps its rank; the other ranks go to parked workers in local order
-        free = sorted(self.procs.values(), key=lambda w: (w.rank not in ranks, w.local))
-        for w in free:
-            if w.rank in ranks and w.state != "finished":
+        alive = [w for w in self.procs.values() if w.state != "finished"]
+        # a survivor keeps its rank; the other ranks go to parked workers first (spare
+        # workers, ready now), then to workers still starting, in local order
+        for w in alive:
+            if w.rank in ranks and w.state == "parked":
                 self.workers[w.rank] = w
         rest = [r for r in ranks if r not in self.workers]
-        for w in free:
-            if rest and w not in self.workers.values() and w.state != "finished":
-                self.workers[rest.pop(0)] = w
+        free = [w for w in alive if w not in self.workers.values()]
+        free.sort(key=lambda w: (w.state != "parked", w.local))
+        for rank, w in zip(rest, free, strict=False):
+            self.workers[rank] = w
         self.local_ranks = {r: i for i, r in enumerate(ranks)}
         for rank, w in self.workers.items():
             w.rank = rank
@@ -313,17 +315,13 @@ class Agent:
             TIERSWAP_HOST=str(self.host),
         )
         proc = subprocess.Popen([sys.executable, *self.script], env=env)
-        w = self.procs[local] = Worker(local, proc)
+        self.procs[local] = Worker(local, proc)
 
         def watch() -> None:
             code = proc.wait()
             self._post("exited", local=local, pid=proc.pid, code=code)
 
         threading.Thread(target=watch, name=f"tierswap-watch-{local}", daemon=True).start()
-        old = next((r for r, x in self.workers.items() if x.local == local), None)
-        if old is not None:  # the replacement serves the same rank in the next generation
-            w.rank = old
-            self.workers[old] = w
 
     def _stop(self) -> None:
         """End this generation: every assigned worker leaves ``train(job)`` and parks; the
@@ -413,7 +411,8 @@ class Agent:
             w.ctl, w.state, w.seen = chan, "parked", time.monotonic()
             if not self.ready and all(x.ctl is not None for x in self.procs.values()):
                 self.ready = True
-                self.coord.send("ready", replica=self.server.address)
+                pids = sorted(x.proc.pid for x in self.procs.values())
+                self.coord.send("ready", replica=self.server.address, workers=pids)
             self._assign(w)
             return
         w = next((x for x in self.procs.values() if x.ctl is chan), None)
@@ -596,7 +595,7 @@ class Agent:
             self.coord.send("exited", node=self.node, rank=w.rank, code=code)
         elif self.node is None or w.rank is None:
             self.coord.send("spare_worker_exited", local=local, code=code)
-        self._spawn(local)  # a fresh parked worker; it serves the same rank next time
+        self._spawn(local)  # a fresh parked worker, for this rank or as the next spare
         self._maybe_stopped()
 
     def _persist(self, step: int, root: str, world_size: int, token: int) -> None:

@@ -48,10 +48,11 @@ class Coordinator:
         self.secret = os.urandom(32)
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        # agents (including hosts that join later) and workers reach both on --bind
+        self.listener = Listener((cfg.bind, 0), authkey=self.secret)
         self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = TCPStore(
-            "127.0.0.1",
+            cfg.bind,
             0,
             is_master=True,
             wait_for_workers=False,
@@ -290,14 +291,19 @@ class Coordinator:
         host = self._host(chan)
         self.replica_address[host] = list(msg["replica"])
         pid = self.host_pids[host]
+        workers = list(msg.get("workers", []))
         if host in self.waiting_hello:
             self.waiting_hello.discard(host)
             self.members[host] = host
             self.commits.live.add(host)
-            self.log.emit("node_joined", node=host, host=host, pid=pid, role="member")
+            self.log.emit(
+                "node_joined", node=host, host=host, pid=pid, role="member", workers=workers
+            )
         else:
             self.spares.append(host)
-            self.log.emit("node_joined", node=None, host=host, pid=pid, role="spare")
+            self.log.emit(
+                "node_joined", node=None, host=host, pid=pid, role="spare", workers=workers
+            )
             self.progress.message(f"spare host {host} (pid {pid}) parked")
         self._maybe_start()
 
@@ -577,7 +583,7 @@ class Coordinator:
                     backend=self.cfg.backend,
                     world_size=self.cfg.world_size,
                     ranks=ranks,
-                    store=f"127.0.0.1:{self.store.port}",
+                    store=f"{self.cfg.bind}:{self.store.port}",
                     plans={str(r): plans[r] for r in ranks},
                     inject=self.injections,
                     restart_step=restart,
