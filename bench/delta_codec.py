@@ -20,6 +20,8 @@ into a buffer that already exists, as a tier-0 slot does. Throughput is the whol
 bytes over the time (GB/s = 1e9 bytes/s), one thread; ratio is delta bytes / snapshot bytes.
 
     .venv/bin/python bench/delta_codec.py [--repeats 5] [--chunk 1048576] [--cases a b c d]
+
+The lz4 comparison needs ``pip install lz4`` (not a dependency of tierswap, which uses zstd).
 """
 
 from __future__ import annotations
