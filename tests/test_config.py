@@ -143,6 +143,10 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("kill:node=1:step=20", Injection("kill", "node", 1, 20)),
         (" kill:rank=0:step=0 ", Injection("kill", "rank", 0, 0)),
         ("kill:node=1:gen=2", Injection("kill", "node", 1, -1, gen=2)),
+        (
+            "kill:node=1:step=4:during=replication",
+            Injection("kill", "node", 1, 4, during="replication"),
+        ),
         ("stop:rank=1:step=6", Injection("stop", "rank", 1, 6)),
         ("stop:node=0:step=3", Injection("stop", "node", 0, 3)),
     ],

@@ -126,20 +126,25 @@ def test_two_failures_two_spares_and_a_spare_lost_while_taking_over(
         assert r["redone"] <= 1, r
 
 
-def test_failure_while_a_big_snapshot_is_copied_and_replicated(tmp_path: Path) -> None:
-    """A wider model, killed right as a step's snapshot is checked and sent to its peer."""
-    args = ("--width", "256", "--layers", "3")
-    code, _, out = run_job(tmp_path, "base", steps=10, train_args=args)
+def test_failure_while_a_snapshot_is_replicated(tmp_path: Path) -> None:
+    """A wider model (75 MiB a rank, tens of ms a transfer on loopback); node 1 is killed
+    as a replica of step 4 or later starts to go to or from it, cutting it."""
+    args = ("--width", "512", "--layers", "2")
+    code, _, out = run_job(tmp_path, "base", steps=8, train_args=args)
     assert code == 0, out
     code, run_dir, out = run_job(
         tmp_path,
         "swap",
-        steps=10,
+        steps=8,
         train_args=args,
-        extra=("--spares", "1", "--inject", "kill:node=1:step=5"),
+        extra=("--spares", "1", "--inject", "kill:node=1:step=4:during=replication"),
     )
     assert code == 0, out
     assert_same_bits(final_state(tmp_path, "base"), final_state(tmp_path, "swap"))
+    cut = events(run_dir, "replicate_failed") + [
+        e for e in events(run_dir, "replica_rejected") if "cut off" in e["why"]
+    ]
+    assert cut, "the kill cut a transfer in flight"
     _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
 
 

@@ -18,8 +18,10 @@ class Injection:
 
     ``kill:node=I:step=S`` kills node I (agent and workers) when the job reaches step S;
     ``kill:node=I:gen=G`` kills node I as soon as generation G starts (a spare taking
-    over, say); ``kill:rank=R:step=S`` kills one worker; ``stop:rank=R:step=S`` and
-    ``stop:node=I:step=S`` freeze a worker or a whole node with SIGSTOP (a hang);
+    over, say); ``kill:node=I:step=S:during=replication`` kills it while a replica of
+    step S or later is in flight to or from it; ``kill:rank=R:step=S`` kills one worker;
+    ``stop:rank=R:step=S`` and ``stop:node=I:step=S`` freeze a worker or a whole node
+    with SIGSTOP (a hang);
     ``corrupt:rank=R:step=S:where=flight|memory`` flips a byte of every tier-1 replica of
     rank R from step S on, as it arrives (before its checksum is checked) or once stored.
     """
@@ -31,12 +33,19 @@ class Injection:
     where: str = ""
     gen: int = -1
     """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
+    during: str = ""
+    """For ``kill:node=I:step=S:during=replication``: fire only as a replica of step S or
+    later is being sent to or from node I, so the kill cuts a transfer in flight."""
 
     @staticmethod
     def parse(spec: str) -> Injection:
         kill = re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", spec.strip())
         if kill is not None:
             return Injection(kill.group(1), kill.group(2), int(kill.group(3)), int(kill.group(4)))
+        cut = re.fullmatch(r"kill:node=(\d+):step=(\d+):during=replication", spec.strip())
+        if cut is not None:
+            node, step = int(cut.group(1)), int(cut.group(2))
+            return Injection("kill", "node", node, step, during="replication")
         at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
         if at_gen is not None:
             return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
@@ -45,6 +54,7 @@ class Injection:
             return Injection("corrupt", "rank", int(bad.group(1)), int(bad.group(2)), bad.group(3))
         raise ValueError(
             f"--inject {spec!r}: expected kill:node=I:step=S, kill:node=I:gen=G, "
+            "kill:node=I:step=S:during=replication, "
             "kill:rank=R:step=S, stop:node=I:step=S, stop:rank=R:step=S or "
             "corrupt:rank=R:step=S:where=flight|memory"
         )
@@ -52,7 +62,8 @@ class Injection:
     def __str__(self) -> str:
         where = f":where={self.where}" if self.where else ""
         when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
-        return f"{self.action}:{self.target}={self.index}:{when}{where}"
+        during = f":during={self.during}" if self.during else ""
+        return f"{self.action}:{self.target}={self.index}:{when}{where}{during}"
 
 
 @dataclass(kw_only=True, slots=True)

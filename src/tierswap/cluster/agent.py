@@ -271,6 +271,8 @@ class Agent:
         addresses = {int(n): (str(a[0]), int(a[1])) for n, a in msg["peers"].items()}
         self.replicator.configure(targets, addresses)
         self.replicator.reset()
+        cut = any(i.during == "replication" for i in self.injections)
+        self.replicator.announce = self._announce_transfer if cut else None
         self.assignment = {
             "world_size": int(msg["world_size"]),
             "store": str(msg["store"]),
@@ -293,6 +295,13 @@ class Agent:
         for rank, w in self.workers.items():
             w.rank = rank
             self._assign(w)
+
+    def _announce_transfer(self, rank: int, step: int, peer: int) -> None:
+        """From a replication thread: a transfer starts (for ``during=replication``)."""
+        try:
+            self.coord.send("replicating", node=self.node, rank=rank, step=step, peer=peer)
+        except OSError:
+            pass
 
     def _assign(self, w: Worker) -> None:
         """Hand a parked worker its rank of this generation (once it has attached)."""

@@ -770,7 +770,15 @@ class Coordinator:
         """Fault injection: kill (or freeze) every node whose step is reached, at once."""
         for spec in list(self.injections):
             inj = Injection.parse(spec)
-            if inj.target == "node" and inj.gen < 0 and step >= inj.step:
+            if inj.target == "node" and inj.gen < 0 and not inj.during and step >= inj.step:
+                self._inject_node(spec, inj)
+
+    def _on_replicating(self, chan: Channel, node: int | None, msg: Message) -> None:
+        """A replica transfer starts: fire ``kill:node=I:step=S:during=replication``."""
+        for spec in list(self.injections):
+            inj = Injection.parse(spec)
+            ends = (node, int(msg["peer"]))
+            if inj.during == "replication" and int(msg["step"]) >= inj.step and inj.index in ends:
                 self._inject_node(spec, inj)
 
     def _kill_at_generation(self) -> None:

@@ -152,6 +152,8 @@ class Replicator:
         self.addresses: dict[int, Address] = {}
         self.busy: set[int] = set()
         self.pending: set[int] = set()
+        self.announce: Callable[..., None] | None = None
+        """Called as each transfer starts (fault injection cuts transfers in flight)."""
         self.sent: dict[int, int] = {}
         self._chans: dict[tuple[int, int], tuple[Address, Channel]] = {}
         self._lock = threading.Lock()
@@ -197,6 +199,8 @@ class Replicator:
             for node in self.targets.get(rank, ()):
                 try:
                     chan = self._channel(rank, node)
+                    if self.announce is not None:
+                        self.announce(rank=rank, step=step, peer=node)
                     results[node] = push(
                         chan, rank, step, layout, slot.tree, slot.checksum, slot.segment.buf
                     )
