@@ -212,7 +212,9 @@ def parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     bench = sub.add_parser("bench", help="measure snapshot costs against alternatives")
-    bench.add_argument("what", choices=["snapshot", "replication", "job-replication", "recovery"])
+    bench.add_argument(
+        "what", choices=["snapshot", "replication", "job-replication", "recovery", "delta"]
+    )
     bench.add_argument(
         "--size-mib",
         type=int,

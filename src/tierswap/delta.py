@@ -12,7 +12,7 @@ buffer is cut into chunks of ``chunk`` bytes, and each chunk is one of four kind
   nearly all zeros and compress to almost nothing.
 - ``XOR``: XORed and compressed without the split, when few elements changed (fewer than a
   quarter of the chunk's 8-byte words differ): then the changed bytes of an element are better
-  kept together, and skipping the split is faster too (bench/delta_codec.py).
+  kept together, and skipping the split is faster too (`tierswap bench delta`).
 - ``RAW``: the snapshot's bytes as they are, when the XOR does not compress.
 
 ``itemsize`` only affects the ratio: it is stored in the delta, so a buffer of mixed dtypes, or
@@ -52,7 +52,7 @@ VERSION = 1
 MAGIC = b"TSDL"
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_LEVEL = 1
-"""zstd level 1: see bench/delta_codec.py for the measurements behind it."""
+"""zstd level 1: see ``tierswap bench delta`` for the measurements behind it."""
 _CODEC_ZSTD = 1
 _HEADER = struct.Struct("<4sBBBBQIQ")
 _TRAILER = struct.Struct("<Q")

@@ -10,6 +10,7 @@ the worker destroys its process group and parks again; the next assignment enter
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import sys
@@ -251,3 +252,6 @@ def _leave(job: Job) -> None:
         dist.destroy_process_group()
     except Exception as e:
         print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
+    # the ended generation's model and optimizer (DDP and FSDP hold them in reference
+    # cycles) must be gone before train(job) builds new ones: on a GPU they hold memory
+    gc.collect()

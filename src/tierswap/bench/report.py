@@ -81,7 +81,7 @@ def report(res: Mapping[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tierswap bench snapshot|replication|job-replication|recovery [--size-mib M]
+    """``tierswap bench snapshot|replication|job-replication|recovery|delta [--size-mib M]
     [--repeats N] [--json PATH]``."""
     if args.what == "replication":
         from tierswap.bench import replication
@@ -95,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import recovery
 
         return recovery.main(args)
+    if args.what == "delta":
+        from tierswap.bench import delta
+
+        return delta.main(args)
     if args.what != "snapshot":
-        raise ValueError(f"bench {args.what!r}: 'snapshot' and 'replication' are measured")
+        raise ValueError(f"bench {args.what!r}: not a benchmark of this version")
     return run_and_report(args, 1024, run, report)
