@@ -34,11 +34,16 @@ def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, baseline,
         steps=12,
         mode=mode,
         train_args=SLOW,
-        extra=("--inject", "kill:node=1:step=8"),
+        # FSDP2 takes node 1's place with a parked spare; DDP with the killed node revived
+        extra=("--inject", "kill:node=1:step=8", *(("--spares", "1") if mode == "fsdp" else ())),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1, the survivor's tier 0"
+    first, second = (e["pids"] for e in events(run_dir, "rebuilt"))
+    assert first["0"] == second["0"], "the survivor kept its process"
+    if mode == "fsdp":
+        assert events(run_dir, "spare_assigned")[0]["node"] == 1
     restored_at = events(run_dir, "restored")[-1]["time"]
     later = [
         e
