@@ -23,15 +23,23 @@ from typing import Any
 from torch._C._distributed_c10d import TCPStore
 
 from tierswap.cluster.commits import Commits
-from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
+from tierswap.cluster.hosts import Hosts
+from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id, node_faults_due
 from tierswap.cluster.persistence import Persistence
-from tierswap.cluster.restore import lost_message, memory_lost, rank_plans
+from tierswap.cluster.recovery import RecoveryClock
+from tierswap.cluster.restore import (
+    collect,
+    committed_steps,
+    lost_message,
+    memory_lost,
+    rank_plans,
+)
 from tierswap.config import Config, Injection
 from tierswap.errors import CorruptPartError
 from tierswap.events import EventLog, Progress
 from tierswap.plan import Holdings, Plan, Tier, plan_restore
 from tierswap.shm import remove_job_segments
-from tierswap.tiers import durable, peer
+from tierswap.tiers import peer
 from tierswap.wire import Channel, Message, reader, serve
 
 
@@ -60,26 +68,13 @@ class Coordinator:
         )
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         self.events: queue.SimpleQueue[tuple[Channel, Message | None]] = queue.SimpleQueue()
-        self.conns: dict[int, Channel] = {}
-        """host -> its agent's connection, members and spares."""
-        self.members: dict[int, int] = {}
-        """node -> the host serving it."""
-        self.spares: list[int] = []
-        """Parked hosts, in the order they joined."""
-        self.vacant: set[int] = set()
-        """Nodes whose host failed and that no spare has taken yet."""
-        self.host_pids: dict[int, int] = {}
-        self.heard: dict[Channel, float] = {}
-        """When each agent connection was last heard from (set by its reader thread)."""
-        self.replica_address: dict[int, list[Any]] = {}
-        self.next_host = cfg.nodes + cfg.spares
+        self.hosts = Hosts(cfg.nodes, cfg.spares)
         self.waiting_since: float | None = None
         self.to_revive = 0
         """Simulated hosts lost and to be started again as spares, as rebooted machines
         would come back: after the recovery (so that they do not compete with it for this
         machine's cores), or at once when the job waits for a node."""
-        self.fault_time: float | None = None
-        self.recovery: dict[str, Any] | None = None
+        self.clock = RecoveryClock(cfg.world_size)
         self.injections = [str(i) for i in cfg.inject]
         self.generation = -1
         self.phase = "starting"
@@ -90,18 +85,10 @@ class Coordinator:
         self.bad: set[tuple[Tier, int, int]] = set()
         self.plan: Plan | None = None
         self.restored: dict[int, Message] = {}
-        self.worker_pids: dict[int, int] = {}
-        """rank -> process id of its worker in this generation."""
-        self.pids_seen: dict[int, int] = {}
-        """rank -> the newest process id that joined a generation for it."""
-        self.joined: dict[int, float] = {}
-        self.stepped: dict[int, float] = {}
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
-        self.waiting_hello: set[int] = set(range(cfg.nodes))
-        """Hosts of the first generation that have not joined yet."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
         self.ever_committed = False
         self.last_step = -1
@@ -152,23 +139,11 @@ class Coordinator:
 
     def _on_channel(self, chan: Channel) -> None:
         def deliver(msg: Message | None) -> None:
-            self.heard[chan] = time.monotonic()  # the lease is timed on arrival
+            self.hosts.mark_heard(chan)  # the lease is timed on arrival
             if msg is None or msg["op"] != "beat":
                 self.events.put((chan, msg))
 
         reader(chan, deliver, "tierswap-coord-agent")
-
-    @property
-    def agents(self) -> dict[int, Channel]:
-        """node -> the connection of the host serving it."""
-        return {n: self.conns[h] for n, h in self.members.items() if h in self.conns}
-
-    @property
-    def peer_addresses(self) -> dict[int, list[Any]]:
-        """node -> the replica server of the host serving it."""
-        return {
-            n: self.replica_address[h] for n, h in self.members.items() if h in self.replica_address
-        }
 
     def _tick(self) -> None:
         try:
@@ -176,16 +151,17 @@ class Coordinator:
         except queue.Empty:
             chan, msg = None, None
         now = time.monotonic()
-        self._check_leases(now)
+        for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
+            self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)")
         if chan is None:
-            if self.waiting_hello:
-                gone = self.nodes.exited_before_joining(set(self.conns))
+            if self.hosts.waiting:
+                gone = self.nodes.exited_before_joining(set(self.hosts.conns))
                 if gone:
                     raise JobStopped(f"{gone}; its output above says why") from None
             if now > self.deadline:
                 raise JobStopped(f"timed out {self._waiting_for()}") from None
             return
-        host = next((h for h, c in self.conns.items() if c is chan), None)
+        host = self.hosts.host_of(chan)
         if msg is None:
             if host is not None:
                 self._host_lost(host, "agent connection lost")
@@ -193,17 +169,11 @@ class Coordinator:
         op = msg["op"]
         if host is None and op != "hello":
             return  # a host already declared lost (fenced): what it says no longer counts
-        node = next((n for n, h in self.members.items() if h == host), None)
+        node = self.hosts.node_of(host)
         handler = getattr(self, f"_on_{op}", None)
         if handler is None:
             raise JobStopped(f"unknown message {op!r} from host {host}")
         handler(chan, node, msg)
-
-    def _check_leases(self, now: float) -> None:
-        for host, chan in list(self.conns.items()):
-            seen = self.heard.get(chan, now)
-            if now - seen > self.cfg.lease:
-                self._host_lost(host, f"no heartbeat for {now - seen:.1f} s (lease expired)")
 
     def _announce_placement(self) -> None:
         if not self.replicas:
@@ -218,7 +188,7 @@ class Coordinator:
         self.progress.message(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
 
     def _send_to(self, node: int, op: str, **fields: Any) -> None:
-        chan = self.agents.get(node)
+        chan = self.hosts.agents.get(node)
         if chan is not None:
             try:
                 chan.send(op, **fields)
@@ -227,20 +197,18 @@ class Coordinator:
 
     def _broadcast(self, op: str, **fields: Any) -> None:
         """Send to every member's agent; a dead one is noticed by its reader, not here."""
-        for chan in list(self.agents.values()):
+        for chan in list(self.hosts.agents.values()):
             try:
                 chan.send(op, **fields)
             except OSError:
                 pass
 
     def _waiting_for(self) -> str:
-        if self.waiting_hello:
-            return f"waiting for nodes {sorted(self.waiting_hello)} to join"
-        if self.vacant:
-            return (
-                f"waiting for a node to join to take the place of nodes {sorted(self.vacant)} "
-                "(no spare left)"
-            )
+        if self.hosts.waiting:
+            return f"waiting for nodes {sorted(self.hosts.waiting)} to join"
+        if self.hosts.vacant:
+            vacant = sorted(self.hosts.vacant)
+            return f"waiting for a node to join to take the place of nodes {vacant} (no spare left)"
         if self.stopping:
             return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
         if self.persister.inflight is not None:
@@ -252,12 +220,12 @@ class Coordinator:
         )
 
     def shutdown(self) -> None:
-        for chan in list(self.conns.values()):
+        for chan in list(self.hosts.conns.values()):
             try:
                 chan.send("exit")
             except OSError:
                 pass
-        self.nodes.stop_all(told=set(self.conns))
+        self.nodes.stop_all(told=set(self.hosts.conns))
         self._stop_accepting()
         n = remove_job_segments(self.job_id)
         if n:
@@ -268,12 +236,7 @@ class Coordinator:
 
     def _on_hello(self, chan: Channel, node: int | None, msg: Message) -> None:
         """A host connected: give it its id, the job's config and script."""
-        host = int(msg["host"])
-        if host < 0 or host in self.conns or host in self.host_pids:
-            host = self.next_host  # a node that joins from outside gets a fresh id
-            self.next_host += 1
-        self.conns[host] = chan
-        self.host_pids[host] = int(msg["pid"])
+        host = self.hosts.connected(int(msg["host"]), int(msg["pid"]), chan)
         chan.send(
             "welcome",
             host=host,
@@ -282,25 +245,18 @@ class Coordinator:
             script=[str(Path(self.nodes.script[0]).resolve()), *self.nodes.script[1:]],
         )
 
-    def _host(self, chan: Channel) -> int:
-        return next(h for h, c in self.conns.items() if c is chan)
-
     def _on_ready(self, chan: Channel, node: int | None, msg: Message) -> None:
-        """Its agent runs and its workers are starting: a member of the first generation,
+        """Its agent runs and its workers are parked: a member of the first generation,
         or a spare."""
-        host = self._host(chan)
-        self.replica_address[host] = list(msg["replica"])
-        pid = self.host_pids[host]
-        workers = list(msg.get("workers", []))
-        if host in self.waiting_hello:
-            self.waiting_hello.discard(host)
-            self.members[host] = host
+        host = self.hosts.host_of(chan)
+        assert host is not None
+        pid, workers = self.hosts.pids[host], list(msg.get("workers", []))
+        if self.hosts.ready(host, list(msg["replica"])):
             self.commits.live.add(host)
             self.log.emit(
                 "node_joined", node=host, host=host, pid=pid, role="member", workers=workers
             )
         else:
-            self.spares.append(host)
             self.log.emit(
                 "node_joined", node=None, host=host, pid=pid, role="spare", workers=workers
             )
@@ -314,23 +270,19 @@ class Coordinator:
     def _host_lost(self, host: int, why: str) -> None:
         """A host is gone (its connection closed or its lease expired): fence it, let its
         node be taken by a spare, and start a fresh host in its place when simulating."""
-        chan = self.conns.pop(host, None)
+        spare = host in self.hosts.spares
+        chan, node = self.hosts.lost(host)
         self.nodes.kill(host)  # fencing: a host declared lost must not come back by itself
-        remove_job_segments(self.job_id, self.host_pids.get(host, -1))
+        remove_job_segments(self.job_id, self.hosts.pids.get(host, -1))
         if chan is not None:
             chan.close()
         if self.phase != "done" and self.cfg.revive and self.nodes.is_local(host):
             self.to_revive += 1  # once the job runs again, or at once when it waits for one
-        if host in self.spares:
-            self.spares.remove(host)
+        if spare:
             self.log.emit("spare_lost", host=host, reason=why)
             self.progress.message(f"spare host {host} lost: {why}")
-            return
-        node = next((n for n, h in self.members.items() if h == host), None)
-        if node is None:
-            return
-        del self.members[node]
-        self._node_lost(node, host, why)
+        elif node is not None:
+            self._node_lost(node, host, why)
 
     def _revive(self, limit: int | None = None) -> None:
         n = self.to_revive if limit is None else min(limit, self.to_revive)
@@ -338,40 +290,13 @@ class Coordinator:
             if self.phase == "done":
                 return
             self.to_revive -= 1
-            host = self.next_host
-            self.next_host += 1
-            self.nodes.start(host, self.address)
+            self.nodes.start(self.hosts.new_id(), self.address)
 
     def _node_lost(self, node: int, host: int, why: str) -> None:
         self.commits.node_lost(node)
-        if self.phase == "finishing":
-            self.log.emit(
-                "failure_detected",
-                what="node",
-                node=node,
-                host=host,
-                ranks=self._ranks_of(node),
-                detail="lost after every rank finished",
-                generation=self.generation,
-            )
-            self.persister.cancel()
-            self.persister.ok = False  # finish with what is committed; say what is not
-            self.progress.message(
-                f"node {node} lost after the last step; finishing with the "
-                f"steps already committed: {self._tiers()}"
-            )
-            self.last_step = min(self.last_step, self.commits.committed[0])
-            self._maybe_done()
-            return
         if self.phase == "done":
             return
-        self.vacant.add(node)
-        self.stopping.discard(node)
-        self.holdings.pop(node, None)
-        self.peer_holdings.pop(node, None)
-        if self.phase == "running":
-            self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", host)
-        else:
+        if self.phase != "running":  # finishing, or a second failure while recovering
             self.log.emit(
                 "failure_detected",
                 what="node",
@@ -382,6 +307,19 @@ class Coordinator:
                 generation=self.generation,
             )
             self.progress.message(f"node {node} (host {host}) lost during {self.phase}: {why}")
+        if self.phase == "finishing":
+            self.persister.cancel()
+            self.persister.ok = False  # finish with what is committed; say what is not
+            self.progress.message(f"finishing with the steps already committed: {self._tiers()}")
+            self.last_step = min(self.last_step, self.commits.committed[0])
+            self._maybe_done()
+            return
+        self.hosts.vacant.add(node)
+        self.stopping.discard(node)
+        self.holdings.pop(node, None)
+        self.peer_holdings.pop(node, None)
+        if self.phase == "running":
+            self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", host)
         self._maybe_start()
 
     def _on_exited(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -409,28 +347,21 @@ class Coordinator:
         )
 
     def _on_spare_worker_exited(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit("spare_worker_exited", host=self._host(chan), code=msg["code"])
+        self.log.emit("spare_worker_exited", host=self.hosts.host_of(chan), code=msg["code"])
 
     # ---------------------------------------------------------------- failure and restore
 
     def _failure(
         self, what: str, node: int | None, ranks: list[int], detail: str, host: int | None = None
     ) -> None:
-        now = time.monotonic()
-        detect = None if self.fault_time is None else now - self.fault_time
-        self.recovery = {
-            "fault": self.fault_time if self.fault_time is not None else now,
-            "detected": now,
-            "what": what,
-            "pids": dict(self.pids_seen),
-            "last_step": self.last_step,
-        }
-        self.fault_time = None
+        detect = self.clock.failed(self.last_step)
+        if host is None and node is not None:
+            host = self.hosts.members.get(node)
         self.log.emit(
             "failure_detected",
             what=what,
             node=node,
-            host=host if host is not None else self.members.get(node) if node is not None else None,
+            host=host,
             ranks=ranks,
             detail=detail,
             generation=self.generation,
@@ -447,7 +378,7 @@ class Coordinator:
         self.deadline = time.monotonic() + self.cfg.startup_timeout
         self.holdings.clear()
         self.peer_holdings.clear()
-        self.stopping = set(self.agents)
+        self.stopping = set(self.hosts.agents)
         self._broadcast("stop")
 
     def _on_stopped(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -460,30 +391,27 @@ class Coordinator:
     def _maybe_start(self) -> None:
         if self.phase not in ("starting", "recovering"):
             return
-        if self.waiting_hello or self.stopping:
+        if self.hosts.waiting or self.stopping:
             return
-        while self.vacant and self.spares:
-            node, host = min(self.vacant), self.spares.pop(0)
-            self.vacant.discard(node)
-            self.members[node] = host
+        for node, host in self.hosts.fill_vacancies():
             self.commits.live.add(node)
             self.log.emit(
                 "spare_assigned",
                 node=node,
                 host=host,
-                pid=self.host_pids[host],
+                pid=self.hosts.pids[host],
                 ranks=self._ranks_of(node),
-                spares_left=len(self.spares),
+                spares_left=len(self.hosts.spares),
             )
             self.progress.message(f"spare host {host} takes node {node}")
-        if self.vacant:
+        if self.hosts.vacant:
             self._no_spare()
             return
         self.waiting_since = None
         self._start_generation()
 
     def _no_spare(self) -> None:
-        nodes = sorted(self.vacant)
+        nodes = sorted(self.hosts.vacant)
         if self.cfg.on_no_spare == "fail":
             keep = self._tiers()
             hint = (
@@ -508,28 +436,14 @@ class Coordinator:
             )
 
     def _collect(self) -> Holdings:
-        memory: dict[int, frozenset[int]] = {}
-        memory_node: dict[int, int] = {}
-        for node, per_rank in self.holdings.items():
-            for rank, steps in per_rank.items():
-                memory[int(rank)] = frozenset(int(s) for s in steps)
-                memory_node[int(rank)] = node
-        peers: dict[int, dict[int, frozenset[int]]] = {}
-        for node, per_rank in self.peer_holdings.items():
-            for rank, steps in per_rank.items():
-                peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
         durable_steps: frozenset[int] = frozenset()
         if self.cfg.persist is not None:
             try:
-                listing = durable.list_steps(self.cfg.persist)
+                durable_steps = committed_steps(self.cfg.persist, self.cfg.world_size)
             except OSError as e:
-                listing = []
                 self.persister.failing(f"cannot list {self.cfg.persist}: {e}")
-            durable_steps = frozenset(
-                s.step for s in listing if s.committed and s.world_size == self.cfg.world_size
-            )
-        return Holdings(
-            self.cfg.world_size, memory, memory_node, peers, durable_steps, frozenset(self.bad)
+        return collect(
+            self.cfg.world_size, self.holdings, self.peer_holdings, durable_steps, self.bad
         )
 
     def _plan(self) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
@@ -541,7 +455,9 @@ class Coordinator:
                 return (
                     holdings,
                     plan,
-                    rank_plans(plan, self.cfg.world_size, self.cfg.persist, self.peer_addresses),
+                    rank_plans(
+                        plan, self.cfg.world_size, self.cfg.persist, self.hosts.peer_addresses
+                    ),
                 )
             except (CorruptPartError, OSError) as e:
                 assert plan.step is not None
@@ -568,12 +484,8 @@ class Coordinator:
         # parts of later steps will be written anew by this timeline
         self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= restart}
         self.deadline = float("inf")
-        self.worker_pids.clear()
-        self.joined.clear()
-        self.stepped.clear()
-        if self.recovery is not None:
-            self.recovery["decided"] = time.monotonic()
-        for node, chan in sorted(self.agents.items()):
+        self.clock.generation_started()
+        for node, chan in sorted(self.hosts.agents.items()):
             ranks = self._ranks_of(node)
             try:
                 chan.send(
@@ -590,7 +502,7 @@ class Coordinator:
                     committed=[self.commits.committed[0], self.commits.committed[1]],
                     placement={str(r): list(self.targets[r]) for r in ranks},
                     protects=[r for r, t in self.targets.items() if node in t],
-                    peers={str(n): a for n, a in self.peer_addresses.items() if n in self.agents},
+                    peers={str(n): a for n, a in self.hosts.peer_addresses.items()},
                 )
             except OSError:
                 pass  # its reader reports the loss, and the node is replaced
@@ -598,10 +510,10 @@ class Coordinator:
             "generation_started",
             generation=self.generation,
             step=plan.step,
-            members={str(n): h for n, h in sorted(self.members.items())},
-            spares=list(self.spares),
+            members={str(n): h for n, h in sorted(self.hosts.members.items())},
+            spares=list(self.hosts.spares),
         )
-        self._kill_at_generation()
+        self._inject_nodes(node_faults_due(self.injections, generation=self.generation))
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
         gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
@@ -622,57 +534,23 @@ class Coordinator:
         )
         by_tier = sorted(set(tiers.values()))
         self.progress.message(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
-        if self.recovery is not None:
-            self.recovery["restored"] = time.monotonic()
+        self.clock.restored()
 
     def _on_joined(self, chan: Channel, node: int | None, msg: Message) -> None:
         """A worker joined this generation's process group."""
-        rank = int(msg["rank"])
-        self.joined[rank] = time.monotonic()
-        self.worker_pids[rank] = self.pids_seen[rank] = int(msg["pid"])
-        if len(self.joined) < self.cfg.world_size:
-            return
-        rec = self.recovery
-        before = rec["pids"] if rec is not None else {}
-        self.log.emit(
-            "rebuilt",
-            generation=self.generation,
-            pids={str(r): p for r, p in sorted(self.worker_pids.items())},
-            kept=sorted(r for r, p in self.worker_pids.items() if before.get(r) == p),
-            seconds=None if rec is None else max(self.joined.values()) - rec["decided"],
-        )
+        rebuilt = self.clock.worker_joined(int(msg["rank"]), int(msg["pid"]))
+        if rebuilt is not None:
+            self.log.emit("rebuilt", generation=self.generation, **rebuilt)
 
     def _on_stepped(self, chan: Channel, node: int | None, msg: Message) -> None:
         """A worker finished its first step of this generation."""
-        self.stepped[int(msg["rank"])] = time.monotonic()
-        rec = self.recovery
-        if len(self.stepped) < self.cfg.world_size or rec is None or "decided" not in rec:
-            return
-        self.recovery = None
-        rebuilt = max(self.joined.values(), default=rec["decided"])
-        restored = rec.get("restored", rebuilt)
-        resumed = max(self.stepped.values())
-        phases = {
-            "detect": rec["detected"] - rec["fault"],
-            "decide": rec["decided"] - rec["detected"],
-            "rebuild": rebuilt - rec["decided"],
-            "restore": restored - rebuilt,
-            "resume": resumed - restored,
-        }
         step = -1 if self.plan is None or self.plan.step is None else self.plan.step
-        before = rec["pids"]
-        self.log.emit(
-            "resumed",
-            generation=self.generation,
-            step=step,
-            seconds=resumed - rec["fault"],
-            phases=phases,
-            redone=max(0, int(rec["last_step"]) - step),
-            kept=sorted(r for r, p in self.worker_pids.items() if before.get(r) == p),
-            replaced=sorted(r for r, p in self.worker_pids.items() if before.get(r) != p),
-        )
-        text = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-        self.progress.message(f"resumed in {resumed - rec['fault']:.2f} s ({text})")
+        resumed = self.clock.worker_stepped(int(msg["rank"]), step)
+        if resumed is None:
+            return
+        self.log.emit("resumed", generation=self.generation, step=step, **resumed)
+        text = ", ".join(f"{k} {v:.2f}" for k, v in resumed["phases"].items())
+        self.progress.message(f"resumed in {resumed['seconds']:.2f} s ({text})")
         self._revive()
 
     def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -693,7 +571,7 @@ class Coordinator:
         raise JobStopped(f"rank {msg['rank']}: {msg['message']}")
 
     def _on_inject_fired(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.fault_time = time.monotonic()
+        self.clock.fault()
         if msg["spec"] in self.injections:
             self.injections.remove(msg["spec"])
         self.log.emit("fault_injected", spec=msg["spec"])
@@ -761,43 +639,29 @@ class Coordinator:
 
     def _on_progress(self, chan: Channel, node: int | None, msg: Message) -> None:
         step = int(msg["step"])
-        self._kill_nodes_due(step)
+        self._inject_nodes(node_faults_due(self.injections, step=step))
         self.last_step = max(self.last_step, step)
         if int(msg["rank"]) == 0:
             self.progress.update(step, self.last_loss, float(msg["stall"]), self._tiers())
 
-    def _kill_nodes_due(self, step: int) -> None:
-        """Fault injection: kill (or freeze) every node whose step is reached, at once."""
-        for spec in list(self.injections):
-            inj = Injection.parse(spec)
-            if inj.target == "node" and inj.gen < 0 and not inj.during and step >= inj.step:
-                self._inject_node(spec, inj)
-
     def _on_replicating(self, chan: Channel, node: int | None, msg: Message) -> None:
-        """A replica transfer starts: fire ``kill:node=I:step=S:during=replication``."""
-        for spec in list(self.injections):
-            inj = Injection.parse(spec)
-            ends = (node, int(msg["peer"]))
-            if inj.during == "replication" and int(msg["step"]) >= inj.step and inj.index in ends:
-                self._inject_node(spec, inj)
+        """A replica transfer starts (reported only when an injection waits for one)."""
+        transfer = (node, int(msg["peer"]), int(msg["step"]))
+        self._inject_nodes(node_faults_due(self.injections, transfer=transfer))
 
-    def _kill_at_generation(self) -> None:
-        for spec in list(self.injections):
-            inj = Injection.parse(spec)
-            if inj.target == "node" and inj.gen == self.generation:
-                self._inject_node(spec, inj)
-
-    def _inject_node(self, spec: str, inj: Injection) -> None:
-        host = self.members.get(inj.index)
-        if host is None:
-            return
-        self.injections.remove(spec)
-        self.log.emit("fault_injected", spec=spec, host=host)
-        self.fault_time = time.monotonic()
-        if inj.action == "kill":
-            self.nodes.kill(host)
-        else:
-            self.nodes.freeze(host)
+    def _inject_nodes(self, due: list[tuple[str, Injection]]) -> None:
+        """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""
+        for spec, inj in due:
+            host = self.hosts.members.get(inj.index)
+            if host is None:
+                continue
+            self.injections.remove(spec)
+            self.log.emit("fault_injected", spec=spec, host=host)
+            self.clock.fault()
+            if inj.action == "kill":
+                self.nodes.kill(host)
+            else:
+                self.nodes.freeze(host)
 
     def _on_report(self, chan: Channel, node: int | None, msg: Message) -> None:
         if "total" in msg:

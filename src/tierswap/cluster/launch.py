@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierswap.config import Config
+from tierswap.config import Config, Injection
 from tierswap.errors import WorldSizeMismatchError
 from tierswap.tiers import durable
 
@@ -122,3 +122,29 @@ def check_durable(cfg: Config) -> str | None:
             "was changed in it."
         )
     return durable.probe_writable(cfg.persist)
+
+
+def node_faults_due(
+    specs: list[str],
+    *,
+    step: int | None = None,
+    generation: int | None = None,
+    transfer: tuple[int | None, int, int] | None = None,
+) -> list[tuple[str, Injection]]:
+    """The ``kill:node``/``stop:node`` injections that fire now: at a step reached
+    (``step``), as a generation starts (``generation``), or as a replica transfer
+    ``(from node, to node, step)`` starts (``transfer``)."""
+    due = []
+    for spec in specs:
+        inj = Injection.parse(spec)
+        if inj.target != "node":
+            continue
+        if inj.during == "replication":
+            fire = transfer is not None and transfer[2] >= inj.step and inj.index in transfer[:2]
+        elif inj.gen >= 0:
+            fire = generation is not None and generation == inj.gen
+        else:
+            fire = step is not None and step >= inj.step
+        if fire:
+            due.append((spec, inj))
+    return due

@@ -8,6 +8,38 @@ from typing import Any
 from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import durable
 
+Reported = Mapping[int, Mapping[str, Mapping[str, str]]]
+"""node -> rank -> step -> checksum, as agents report what they hold."""
+
+
+def collect(
+    world_size: int,
+    memory_by_node: Reported,
+    peer_by_node: Reported,
+    durable_steps: frozenset[int],
+    bad: set[tuple[Tier, int, int]],
+) -> Holdings:
+    """The planner's input from what agents reported (own tier 0, replicas held for
+    others) and the committed durable steps."""
+    memory: dict[int, frozenset[int]] = {}
+    memory_node: dict[int, int] = {}
+    for node, per_rank in memory_by_node.items():
+        for rank, steps in per_rank.items():
+            memory[int(rank)] = frozenset(int(s) for s in steps)
+            memory_node[int(rank)] = node
+    peers: dict[int, dict[int, frozenset[int]]] = {}
+    for node, per_rank in peer_by_node.items():
+        for rank, steps in per_rank.items():
+            peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
+    return Holdings(world_size, memory, memory_node, peers, durable_steps, frozenset(bad))
+
+
+def committed_steps(root: str, world_size: int) -> frozenset[int]:
+    """Steps committed in tier 2 by a job of this world size. Raises OSError."""
+    return frozenset(
+        s.step for s in durable.list_steps(root) if s.committed and s.world_size == world_size
+    )
+
 
 def rank_plans(
     plan: Plan, world_size: int, persist: str | None, peer_addresses: Mapping[int, Any]
