@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SLOW = ("--sleep", "0.05")
 """Steps long enough for replication to keep up on 2 busy cores, as on real hardware."""
+SHORT_LEASE = ("--heartbeat", "0.25", "--lease", "2")
+"""A hang is declared after 2 s of silence (10 s by default)."""
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +157,7 @@ def test_hung_worker_is_detected_by_its_lease(tmp_path: Path, baseline) -> None:
         "hang",
         steps=12,
         train_args=SLOW,
-        extra=("--inject", "stop:rank=1:step=6", "--heartbeat", "0.25", "--lease", "2"),
+        extra=("--inject", "stop:rank=1:step=6", *SHORT_LEASE),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "hang"))
@@ -178,10 +180,7 @@ def test_hung_node_is_fenced_when_its_lease_expires(tmp_path: Path, baseline) ->
             "1",
             "--inject",
             "stop:node=1:step=6",
-            "--heartbeat",
-            "0.25",
-            "--lease",
-            "2",
+            *SHORT_LEASE,
         ),
     )
     assert code == 0, out

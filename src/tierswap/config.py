@@ -128,8 +128,8 @@ class Config:
     nodes) or "nccl" (GPUs; a generation's end aborts the communicator, so that kernels
     blocked on a dead peer return at once)."""
     revive: bool = True
-    """Simulated nodes: a killed node comes back empty and joins the spare pool, as a
-    rebooted host would."""
+    """Simulated nodes: a killed node comes back empty, as a rebooted host would, and
+    joins the spare pool when the job needs a spare."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "nproc_per_node", "persist_every", "keep"):

@@ -15,19 +15,18 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.replication import PeerStore, Replicator
+from tierswap.cluster.workers import Workers, send
 from tierswap.config import Config, Injection
 from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
@@ -38,23 +37,6 @@ from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
 
 Item = tuple[str, Any, Message | None]
-
-
-@dataclass(slots=True)
-class Worker:
-    """One worker process of this node, by its local index."""
-
-    local: int
-    proc: subprocess.Popen[bytes]
-    ctl: Channel | None = None
-    """Its control connection, once it has attached."""
-    rank: int | None = None
-    generation: int = -1
-    state: str = "starting"
-    """starting, parked, assigned (running a generation), leaving, finished."""
-    seen: float = field(default_factory=time.monotonic)
-    deadline: float = float("inf")
-    """When a leaving worker that has not parked yet is killed."""
 
 
 class Agent:
@@ -80,20 +62,7 @@ class Agent:
         self.events: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.deferred: list[Item] = []
         self.rings: dict[int, RankRing] = {}
-        self.procs: dict[int, Worker] = {}
-        """By local index."""
-        self.workers: dict[int, Worker] = {}
-        """By rank: the workers assigned in this generation."""
-        self.stopping = False
         self.exiting = False
-        self.ready = False
-        """Told to the coordinator once every worker is imported and parked."""
-        self.heard: dict[Channel, float] = {}
-        """When each worker connection was last heard from (set by its reader thread)."""
-        self.spent: set[int] = set()
-        """Ranks whose worker died in this generation: their replacement waits for the next."""
-        self.assignment: dict[str, Any] = {}
-        self.local_ranks: dict[int, int] = {}
         self.plans: dict[int, dict[str, Any]] = {}
         self.restore_leases: dict[int, Slot] = {}
         self.generation = -1
@@ -105,6 +74,9 @@ class Agent:
         self.last_skipped: dict[int, int] = {}
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
+        env = dict(os.environ, **cfg.to_env())
+        env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_SECRET=secret.hex(), TIERSWAP_HOST=str(host))
+        self.workers = Workers(script, env, self._post)
         self._stop_accepting = serve(self.listener, self._on_worker_channel, "tierswap-accept")
         report = self.coord.send
         self.peers = PeerStore(job_id, cfg.slots, cfg.max_peer_memory, report)
@@ -118,7 +90,7 @@ class Agent:
         def deliver(msg: Message | None) -> None:
             # heartbeats are timed here, on arrival: a busy event loop must not make a
             # healthy worker look silent
-            self.heard[chan] = time.monotonic()
+            self.workers.heard[chan] = time.monotonic()
             if msg is None or msg["op"] != "beat":
                 self.events.put(("worker", chan, msg))
 
@@ -127,7 +99,7 @@ class Agent:
     def run(self) -> None:
         threading.Thread(target=self._beat, name="tierswap-heartbeat", daemon=True).start()
         for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
-            self._spawn(local)
+            self.workers.spawn(local)
         try:
             while True:
                 if self.deferred:
@@ -165,7 +137,8 @@ class Agent:
 
     def shutdown(self) -> None:
         self.exiting = True
-        self._kill_workers()
+        self.workers.kill_all()
+        self._settle()
         self._stop_accepting()
         self.server.close()
         self.replicator.close()
@@ -252,8 +225,6 @@ class Agent:
     def _start(self, msg: Message) -> None:
         self.generation = int(msg["generation"])
         self.node = int(msg["node"])
-        self.stopping = False
-        self.spent.clear()
         self.plans = {int(r): p for r, p in msg["plans"].items()}
         self.injections = [Injection.parse(s) for s in msg["inject"]]
         ranks = [int(r) for r in msg["ranks"]]
@@ -273,28 +244,13 @@ class Agent:
         self.replicator.reset()
         cut = any(i.during == "replication" for i in self.injections)
         self.replicator.announce = self._announce_transfer if cut else None
-        self.assignment = {
+        assignment = {
             "world_size": int(msg["world_size"]),
             "store": str(msg["store"]),
             "inject": list(msg["inject"]),
             "backend": str(msg.get("backend", "gloo")),
         }
-        self.workers.clear()
-        alive = [w for w in self.procs.values() if w.state != "finished"]
-        # a survivor keeps its rank; the other ranks go to parked workers first (spare
-        # workers, ready now), then to workers still starting, in local order
-        for w in alive:
-            if w.rank in ranks and w.state == "parked":
-                self.workers[w.rank] = w
-        rest = [r for r in ranks if r not in self.workers]
-        free = [w for w in alive if w not in self.workers.values()]
-        free.sort(key=lambda w: (w.state != "parked", w.local))
-        for rank, w in zip(rest, free, strict=False):
-            self.workers[rank] = w
-        self.local_ranks = {r: i for i, r in enumerate(ranks)}
-        for rank, w in self.workers.items():
-            w.rank = rank
-            self._assign(w)
+        self.workers.start(self.generation, ranks, assignment)
 
     def _announce_transfer(self, rank: int, step: int, peer: int) -> None:
         """From a replication thread: a transfer starts (for ``during=replication``)."""
@@ -303,51 +259,17 @@ class Agent:
         except OSError:
             pass
 
-    def _assign(self, w: Worker) -> None:
-        """Hand a parked worker its rank of this generation (once it has attached)."""
-        if w.state != "parked" or w.ctl is None or w.rank is None:
-            return
-        if self.workers.get(w.rank) is not w or self.stopping or w.rank in self.spent:
-            return
-        w.state, w.generation = "assigned", self.generation
-        fields = dict(self.assignment, generation=self.generation, rank=w.rank)
-        self._reply(w.ctl, "assign", local_rank=self.local_ranks[w.rank], **fields)
-
-    def _spawn(self, local: int) -> None:
-        """Start a parked worker: it imports the script and waits for a rank."""
-        env = dict(os.environ)
-        env.update(self.cfg.to_env())
-        env.update(
-            TIERSWAP_AGENT=self.sock,
-            TIERSWAP_SECRET=self.secret.hex(),
-            TIERSWAP_LOCAL=str(local),
-            TIERSWAP_HOST=str(self.host),
-        )
-        proc = subprocess.Popen([sys.executable, *self.script], env=env)
-        self.procs[local] = Worker(local, proc)
-
-        def watch() -> None:
-            code = proc.wait()
-            self._post("exited", local=local, pid=proc.pid, code=code)
-
-        threading.Thread(target=watch, name=f"tierswap-watch-{local}", daemon=True).start()
-
     def _stop(self) -> None:
         """End this generation: every assigned worker leaves ``train(job)`` and parks; the
         holdings are reported once all have parked (or died)."""
-        self.stopping = True
-        deadline = time.monotonic() + self.cfg.collective_timeout
-        for w in self.procs.values():
-            if w.state == "assigned" and w.ctl is not None:
-                w.state, w.deadline = "leaving", deadline
-                self._reply(w.ctl, "abort", generation=w.generation)
+        self.workers.abort(time.monotonic() + self.cfg.collective_timeout)
         self._maybe_stopped()
 
     def _maybe_stopped(self) -> None:
-        if not self.stopping or any(w.state == "leaving" for w in self.procs.values()):
+        if not self.workers.stopping or self.workers.leaving():
             return
         self._settle()
-        self.stopping = False  # reported once
+        self.workers.stopping = False  # reported once
         self.coord.send(
             "stopped", node=self.node, holdings=self._holdings(), peer=self._peer_holdings()
         )
@@ -355,28 +277,10 @@ class Agent:
     def _watch(self) -> None:
         """Kill a worker that is silent past its lease (a hang) or that does not leave its
         generation in time; its exit is then handled as a crash."""
-        now = time.monotonic()
-        for w in self.procs.values():
-            if w.ctl is not None:
-                w.seen = max(w.seen, self.heard.get(w.ctl, 0.0))
-            silent = w.ctl is not None and now - w.seen > self.cfg.lease
-            late = w.state == "leaving" and now > w.deadline
-            if (silent or late) and w.proc.poll() is None:
-                why = f"no heartbeat for {now - w.seen:.1f} s" if silent else "did not leave"
-                self.coord.send("hung", node=self.node, rank=w.rank, why=why, pid=w.proc.pid)
-                w.proc.send_signal(signal.SIGKILL)
-                w.deadline = float("inf")
-                w.seen = float("inf")
-
-    def _kill_workers(self) -> None:
-        for w in self.procs.values():
-            if w.proc.poll() is None:
-                w.proc.kill()
-        for w in self.procs.values():
-            w.proc.wait()
-        self.procs.clear()
-        self.workers.clear()
-        self._settle()
+        for w, why in self.workers.overdue(time.monotonic(), self.cfg.lease):
+            self.coord.send("hung", node=self.node, rank=w.rank, why=why, pid=w.proc.pid)
+            w.proc.send_signal(signal.SIGKILL)
+            w.deadline = w.seen = float("inf")
 
     def _settle(self) -> None:
         """After the workers let go: checksums in flight finish, leases are returned and
@@ -414,17 +318,11 @@ class Agent:
         """A worker's control connection: attach, heartbeats, parked."""
         op = msg["op"]
         if op == "attach":
-            w = self.procs.get(int(msg["local"]))
-            if w is None or w.proc.pid != int(msg["pid"]):
-                return
-            w.ctl, w.state, w.seen = chan, "parked", time.monotonic()
-            if not self.ready and all(x.ctl is not None for x in self.procs.values()):
-                self.ready = True
-                pids = sorted(x.proc.pid for x in self.procs.values())
+            if self.workers.attach(chan, int(msg["local"]), int(msg["pid"])):
+                pids = sorted(x.proc.pid for x in self.workers.procs.values())
                 self.coord.send("ready", replica=self.server.address, workers=pids)
-            self._assign(w)
             return
-        w = next((x for x in self.procs.values() if x.ctl is chan), None)
+        w = self.workers.of(chan)
         if w is None:
             return
         w.seen = time.monotonic()
@@ -448,10 +346,10 @@ class Agent:
             self._on_control(chan, msg)
             return
         rank = int(msg.get("rank", -1))
-        w = self.workers.get(rank)
+        w = self.workers.by_rank.get(rank)
         if msg.get("gen") != self.generation or w is None or w.state not in ("assigned", "leaving"):
             if op in self.CALLS:
-                self._reply(chan, "error", message=f"generation {msg.get('gen')} has ended")
+                send(chan, "error", message=f"generation {msg.get('gen')} has ended")
             return  # from a worker of a stopped generation: its slots were reclaimed
         handler = getattr(self, f"_w_{op}", None)
         try:
@@ -460,17 +358,9 @@ class Agent:
             handler(chan, rank, msg)
         except (ValueError, KeyError, OSError) as e:  # UsageError is a ValueError
             if op in self.CALLS:
-                self._reply(chan, "error", message=f"{type(e).__name__}: {e}")
+                send(chan, "error", message=f"{type(e).__name__}: {e}")
             else:
                 self.coord.send("agent_error", rank=rank, request=op, error=str(e))
-
-    @staticmethod
-    def _reply(chan: Channel, op: str, **fields: Any) -> None:
-        """Answer a worker; one that died meanwhile is noticed by its exit watcher."""
-        try:
-            chan.send(op, **fields)
-        except OSError:
-            pass
 
     def _w_alloc(self, chan: Channel, rank: int, msg: Message) -> None:
         ring = self.rings[rank]
@@ -487,15 +377,13 @@ class Agent:
         if lost := sorted(before - set(ring.held())):
             self.coord.send("dropped", rank=rank, steps=lost)  # the layout changed
         self.coord.send("memory", node=self.node, rank=rank, nbytes=ring.nbytes())
-        self._reply(
-            chan, "ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots]
-        )
+        send(chan, "ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots])
 
     def _w_slot(self, chan: Channel, rank: int, msg: Message) -> None:
-        if self.stopping:
+        if self.workers.stopping:
             raise ValueError(f"generation {self.generation} is ending: no new snapshots")
         slot, dropped = self.rings[rank].begin_write(int(msg["step"]), int(msg["alloc"]))
-        self._reply(chan, "ok", slot=slot)
+        send(chan, "ok", slot=slot)
         if dropped:
             self.coord.send("dropped", rank=rank, steps=dropped)
         if slot is None and self.last_skipped.get(rank) != msg["step"]:
@@ -532,7 +420,7 @@ class Agent:
                 tree=slot.tree,
                 checksum=slot.checksum,
             )
-        self._reply(chan, "ok", **plan)
+        send(chan, "ok", **plan)
 
     def _w_restored(self, chan: Channel, rank: int, msg: Message) -> None:
         slot = self.restore_leases.pop(rank, None)
@@ -544,9 +432,9 @@ class Agent:
         self.coord.send("report", **{k: v for k, v in msg.items() if k != "op"})
 
     def _w_finished(self, chan: Channel, rank: int, msg: Message) -> None:
-        self.workers[rank].state = "finished"
+        self.workers.by_rank[rank].state = "finished"
         self.coord.send("finished", rank=rank, step=msg.get("step", -1))
-        self._reply(chan, "ok")
+        send(chan, "ok")
 
     def _w_joined(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("joined", rank=rank, pid=msg["pid"], seconds=msg["seconds"])
@@ -556,16 +444,16 @@ class Agent:
 
     def _w_fatal(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("fatal", rank=rank, message=msg["message"])
-        self._reply(chan, "ok")
+        send(chan, "ok")
 
     def _w_corrupt(self, chan: Channel, rank: int, msg: Message) -> None:
         fields = {k: msg[k] for k in ("where", "why", "step", "tier")}
         self.coord.send("corrupt", rank=rank, **fields)
-        self._reply(chan, "ok")
+        send(chan, "ok")
 
     def _w_inject_fired(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("inject_fired", spec=msg["spec"])
-        self._reply(chan, "ok")
+        send(chan, "ok")
 
     # ---------------------------------------------------------------- background results
 
@@ -590,7 +478,7 @@ class Agent:
             self.coord.send("part", **{k: v for k, v in msg.items() if k not in ("op", "slot")})
 
     def _exited(self, local: int, pid: int, code: int) -> None:
-        w = self.procs.get(local)
+        w = self.workers.procs.get(local)
         if w is None or w.proc.pid != pid or self.exiting:
             return
         if w.state == "finished" and code == 0:
@@ -600,11 +488,11 @@ class Agent:
             return
         if w.state in ("assigned", "leaving") and w.generation == self.generation:
             assert w.rank is not None
-            self.spent.add(w.rank)
+            self.workers.spent.add(w.rank)
             self.coord.send("exited", node=self.node, rank=w.rank, code=code)
         elif self.node is None or w.rank is None:
             self.coord.send("spare_worker_exited", local=local, code=code)
-        self._spawn(local)  # a fresh parked worker, for this rank or as the next spare
+        self.workers.spawn(local)  # a fresh parked worker, for this rank or as the next spare
         self._maybe_stopped()
 
     def _persist(self, step: int, root: str, world_size: int, token: int) -> None:

@@ -70,10 +70,13 @@ class Coordinator:
         self.events: queue.SimpleQueue[tuple[Channel, Message | None]] = queue.SimpleQueue()
         self.hosts = Hosts(cfg.nodes, cfg.spares)
         self.waiting_since: float | None = None
+        self.booting: set[int] = set()
+        """Revived hosts started and not ready yet."""
         self.to_revive = 0
         """Simulated hosts lost and to be started again as spares, as rebooted machines
-        would come back: after the recovery (so that they do not compete with it for this
-        machine's cores), or at once when the job waits for a node."""
+        would come back: when the job needs one (a vacant node and no spare parked), not
+        earlier, so that booting (seconds of imports) never competes with training and
+        replication for this machine's cores."""
         self.clock = RecoveryClock(cfg.world_size)
         self.injections = [str(i) for i in cfg.inject]
         self.generation = -1
@@ -251,6 +254,7 @@ class Coordinator:
         host = self.hosts.host_of(chan)
         assert host is not None
         pid, workers = self.hosts.pids[host], list(msg.get("workers", []))
+        self.booting.discard(host)
         if self.hosts.ready(host, list(msg["replica"])):
             self.commits.live.add(host)
             self.log.emit(
@@ -271,6 +275,7 @@ class Coordinator:
         """A host is gone (its connection closed or its lease expired): fence it, let its
         node be taken by a spare, and start a fresh host in its place when simulating."""
         spare = host in self.hosts.spares
+        self.booting.discard(host)
         chan, node = self.hosts.lost(host)
         self.nodes.kill(host)  # fencing: a host declared lost must not come back by itself
         remove_job_segments(self.job_id, self.hosts.pids.get(host, -1))
@@ -284,13 +289,13 @@ class Coordinator:
         elif node is not None:
             self._node_lost(node, host, why)
 
-    def _revive(self, limit: int | None = None) -> None:
-        n = self.to_revive if limit is None else min(limit, self.to_revive)
-        for _ in range(n):
-            if self.phase == "done":
-                return
+    def _revive(self, needed: int) -> None:
+        """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""
+        for _ in range(min(needed - len(self.booting), self.to_revive)):
             self.to_revive -= 1
-            self.nodes.start(self.hosts.new_id(), self.address)
+            host = self.hosts.new_id()
+            self.booting.add(host)
+            self.nodes.start(host, self.address)
 
     def _node_lost(self, node: int, host: int, why: str) -> None:
         self.commits.node_lost(node)
@@ -425,8 +430,8 @@ class Coordinator:
                 f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
                 f"committed: {keep}.{hint}"
             )
+        self._revive(len(nodes))
         if self.waiting_since is None:
-            self._revive(len(nodes))
             self.waiting_since = time.monotonic()
             self.deadline = self.waiting_since + self.cfg.join_timeout
             self.log.emit("waiting_for_node", nodes=nodes, timeout=self.cfg.join_timeout)
@@ -551,7 +556,6 @@ class Coordinator:
         self.log.emit("resumed", generation=self.generation, step=step, **resumed)
         text = ", ".join(f"{k} {v:.2f}" for k, v in resumed["phases"].items())
         self.progress.message(f"resumed in {resumed['seconds']:.2f} s ({text})")
-        self._revive()
 
     def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
         rank, step, tier = int(msg["rank"]), msg.get("step"), msg.get("tier")
