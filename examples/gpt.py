@@ -151,8 +151,13 @@ def batch(
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def build_model(cfg: GPTConfig, mode: str = "single", *, seed: int = 0) -> nn.Module:
+def build_model(
+    cfg: GPTConfig, mode: str = "single", *, seed: int = 0, train_last: int = 0
+) -> nn.Module:
     """A GPT with the same initial weights on every rank, wrapped for ``mode``.
+
+    ``train_last`` > 0 fine-tunes: only the last ``train_last`` blocks and the final norm
+    keep ``requires_grad`` (the embeddings and the tied head are frozen).
 
     ``"ddp"`` and ``"ddp-exact"`` (DDP with :func:`tierswap.ddp.make_exact`) and
     ``"fsdp"`` (FSDP2: each block sharded, then the root) need the default
@@ -162,6 +167,10 @@ def build_model(cfg: GPTConfig, mode: str = "single", *, seed: int = 0) -> nn.Mo
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     torch.manual_seed(seed)
     model = GPT(cfg)
+    if train_last:
+        keep = {f"blocks.{cfg.n_layer - 1 - i}." for i in range(train_last)} | {"ln_f."}
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(tuple(keep)))
     if mode == "single":
         return model
     if mode == "fsdp":

@@ -47,6 +47,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128, help="the model's embedding width")
     p.add_argument("--out", default=None)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
+    p.add_argument(
+        "--train-last", type=int, default=0, help="fine-tune: train only the last N blocks"
+    )
     return p.parse_args()
 
 
@@ -65,8 +68,8 @@ def train(job: tierswap.Job) -> None:
     random.seed(0)  # every RNG the run touches starts from a seed, so runs can be compared
     np.random.seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
-    model = build_model(cfg, args.mode, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = build_model(cfg, args.mode, seed=0, train_last=args.train_last)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     state = {"model": model, "optim": opt, "counter": Counter()}
     for step in job.steps(state, total=args.steps):
         x, y = batch(step, job.rank, job.world_size, cfg)

@@ -14,11 +14,25 @@ def baseline(tmp_path_factory):
     """Final states of uninterrupted runs, one run per shape, shared by the tests."""
     cache = {}
 
-    def get(nodes: int = 2, mode: str = "ddp", steps: int = 12, nproc: int = 1):
-        key = (nodes, mode, steps, nproc)
+    def get(
+        nodes: int = 2,
+        mode: str = "ddp",
+        steps: int = 12,
+        nproc: int = 1,
+        train_args: tuple[str, ...] = (),
+    ):
+        key = (nodes, mode, steps, nproc, train_args)
         if key not in cache:
             tmp = tmp_path_factory.mktemp("baseline")
-            code, _, out = run_job(tmp, "base", nodes=nodes, nproc=nproc, steps=steps, mode=mode)
+            code, _, out = run_job(
+                tmp,
+                "base",
+                nodes=nodes,
+                nproc=nproc,
+                steps=steps,
+                mode=mode,
+                train_args=train_args,
+            )
             assert code == 0, out
             cache[key] = final_state(tmp, "base")
         return cache[key]

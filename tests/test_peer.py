@@ -111,9 +111,9 @@ class _Agent:
     """The agent's side of the server: a PeerStore whose calls run one at a time, as on
     the agent's event loop, and the reports it makes."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, mode: str = "full") -> None:
         self.reports: list[tuple[str, dict[str, Any]]] = []
-        self.store = PeerStore(job_id, nslots=2, max_bytes=0, report=self._report)
+        self.store = PeerStore(job_id, nslots=2, max_bytes=0, report=self._report, mode=mode)
         self.lock = threading.Lock()
 
     def _report(self, op: str, **fields: Any) -> None:
@@ -126,6 +126,9 @@ class _Agent:
             "replica_written": self.store.written,
             "replica_lease": self.store.lease,
             "replica_unlease": self.store.unlease,
+            "replica_base": self.store.base,
+            "replica_delta_written": self.store.delta_written,
+            "replica_served": lambda **f: self._report("replica_served", **f),
         }
         with self.lock:
             return handlers[op](**fields)
@@ -156,8 +159,12 @@ class _Server:
 def server() -> Iterator[_Server]:
     """A replica server on loopback over a PeerStore of a job of its own; its segments
     are gone after the test."""
+    yield from serve_store("full")
+
+
+def serve_store(mode: str) -> Iterator[_Server]:
     job_id = f"test-{uuid.uuid4().hex[:12]}"
-    agent = _Agent(job_id)
+    agent = _Agent(job_id, mode)
     secret = secrets.token_bytes(16)
     srv = peer.ReplicaServer("127.0.0.1", secret, agent.ask)
     try:

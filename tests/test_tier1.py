@@ -25,24 +25,43 @@ def _restored(run_dir: Path) -> dict[int, int]:
     return {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_nodes_node_lost_restores_from_peer_memory(tmp_path: Path, baseline, mode: str) -> None:
-    base = baseline(nodes=2, mode=mode)
+DELTA = ("--memory-tiers", "delta", "--base-every", "100", "--delta-threshold", "1.0")
+"""Tier 1 as one base and deltas: every replica after a rank's first (in a generation, to
+a peer) is a delta, however large."""
+
+
+@pytest.mark.parametrize("mode", ["ddp-finetune", "fsdp"])
+def test_two_nodes_node_lost_restores_from_peer_deltas(tmp_path: Path, baseline, mode: str) -> None:
+    """Base + delta, bit for bit: fine-tuning on DDP (only the last block trains) with the
+    killed node revived; FSDP2 pretraining with a spare."""
+    fsdp = mode == "fsdp"
+    train = ("--train-last", "1") if not fsdp else ()
+    base = baseline(nodes=2, mode="fsdp" if fsdp else "ddp", train_args=train)
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
         steps=12,
-        mode=mode,
-        train_args=SLOW,
-        # FSDP2 takes node 1's place with a parked spare; DDP with the killed node revived
-        extra=("--inject", "kill:node=1:step=8", *(("--spares", "1") if mode == "fsdp" else ())),
+        mode="fsdp" if fsdp else "ddp",
+        train_args=(*SLOW, *train),
+        extra=(
+            "--inject",
+            "kill:node=1:step=8",
+            *DELTA,
+            *(("--spares", "1") if fsdp else ()),
+        ),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1, the survivor's tier 0"
+    (served,) = events(run_dir, "replica_served")
+    assert (
+        served["rank"] == 1 and served["kind"] == "delta" and served["base_step"] < served["step"]
+    )
+    (traffic,) = events(run_dir, "replica_traffic")
+    assert traffic["deltas"] > traffic["bases"] and traffic["bytes_sent"] < traffic["bytes_full"]
     first, second = (e["pids"] for e in events(run_dir, "rebuilt"))
     assert first["0"] == second["0"], "the survivor kept its process"
-    if mode == "fsdp":
+    if fsdp:
         assert events(run_dir, "spare_assigned")[0]["node"] == 1
     restored_at = events(run_dir, "restored")[-1]["time"]
     later = [
@@ -117,8 +136,14 @@ def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path:
     assert events(run_dir, "job_failed")
 
 
-@pytest.mark.parametrize("where", ["flight", "memory"])
-def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, baseline, where: str) -> None:
+@pytest.mark.parametrize(
+    ("where", "tiers"), [("flight", "full"), ("memory", "delta"), ("base", "delta")]
+)
+def test_corrupt_replica_is_detected_and_not_used(
+    tmp_path: Path, baseline, where: str, tiers: str
+) -> None:
+    """A corrupt full replica, a corrupt delta, or the corrupt base of every delta: none is
+    a source, and the lost rank comes from tier 2 instead."""
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
@@ -135,6 +160,7 @@ def test_corrupt_replica_is_detected_and_not_used(tmp_path: Path, baseline, wher
             f"corrupt:rank=1:step=0:where={where}",
             "--inject",
             "kill:node=1:step=8",
+            *(DELTA if tiers == "delta" else ()),
         ),
     )
     assert code == 0, out

@@ -65,6 +65,9 @@ def _run(args: argparse.Namespace) -> int:
         lease=args.lease,
         collective_timeout=args.collective_timeout,
         backend=args.backend,
+        memory_tiers=args.memory_tiers,
+        base_every=args.base_every,
+        delta_threshold=args.delta_threshold,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
@@ -185,6 +188,19 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--backend", choices=["gloo", "nccl"], default=None, help="collectives (default gloo)"
+    )
+    run.add_argument(
+        "--memory-tiers",
+        choices=["full", "delta"],
+        default=None,
+        help="tier-1 replicas as full snapshots (default) or base + delta",
+    )
+    run.add_argument("--base-every", type=int, default=None, help="delta mode: steps per base")
+    run.add_argument(
+        "--delta-threshold",
+        type=float,
+        default=None,
+        help="delta mode: a delta past this fraction of full makes the next replica a base",
     )
     run.add_argument(
         "--join",

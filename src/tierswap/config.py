@@ -23,7 +23,9 @@ class Injection:
     ``stop:rank=R:step=S`` and ``stop:node=I:step=S`` freeze a worker or a whole node
     with SIGSTOP (a hang);
     ``corrupt:rank=R:step=S:where=flight|memory`` flips a byte of every tier-1 replica of
-    rank R from step S on, as it arrives (before its checksum is checked) or once stored.
+    rank R from step S on, as it arrives (before its checksum is checked) or once stored;
+    ``where=base`` (``--memory-tiers delta``) flips a byte of the base that rank R's deltas
+    from step S on are made against, as the peer stores it.
     """
 
     action: str
@@ -49,14 +51,16 @@ class Injection:
         at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
         if at_gen is not None:
             return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
-        bad = re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory)", spec.strip())
+        bad = re.fullmatch(
+            r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", spec.strip()
+        )
         if bad is not None:
             return Injection("corrupt", "rank", int(bad.group(1)), int(bad.group(2)), bad.group(3))
         raise ValueError(
             f"--inject {spec!r}: expected kill:node=I:step=S, kill:node=I:gen=G, "
             "kill:node=I:step=S:during=replication, "
             "kill:rank=R:step=S, stop:node=I:step=S, stop:rank=R:step=S or "
-            "corrupt:rank=R:step=S:where=flight|memory"
+            "corrupt:rank=R:step=S:where=flight|memory|base"
         )
 
     def __str__(self) -> str:
@@ -130,6 +134,18 @@ class Config:
     revive: bool = True
     """Simulated nodes: a killed node comes back empty, as a rebooted host would, and
     joins the spare pool when the job needs a spare."""
+    memory_tiers: str = "full"
+    """How tier 1 holds replicas: "full" (every replica a whole snapshot) or "delta" (one
+    base per rank plus each step as a delta against it, encoded in the agent). Tier 0 is
+    always full: a local rollback runs at memcpy speed. "full" is the default because on
+    pretraining a delta is most of a snapshot and the codec is slower than the network
+    (README, ``tierswap bench delta``); "delta" pays where few bytes change per step
+    (fine-tuning, sparse embeddings, bf16), in peer memory and traffic."""
+    base_every: int = 50
+    """``--memory-tiers delta``: a new base every this many steps at most."""
+    delta_threshold: float = 0.5
+    """``--memory-tiers delta``: a delta larger than this fraction of its snapshot makes
+    the next replica a new base (deltas are never chained; each is against its base)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "nproc_per_node", "persist_every", "keep"):
@@ -155,6 +171,15 @@ class Config:
             )
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.memory_tiers not in ("full", "delta"):
+            raise ValueError(f"memory_tiers must be 'full' or 'delta', got {self.memory_tiers!r}")
+        if self.base_every < 1:
+            raise ValueError(f"base_every must be >= 1, got {self.base_every}")
+        if not 0 < self.delta_threshold <= 1:
+            raise ValueError(
+                f"delta_threshold must be in (0, 1] (a fraction of a snapshot's bytes), "
+                f"got {self.delta_threshold}"
+            )
         if self.on_no_spare not in ("wait", "fail"):
             raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
         for inj in self.inject:

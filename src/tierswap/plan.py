@@ -5,8 +5,11 @@ A pure function, so every case can be tested without processes. Rules:
 - The step is the newest one that *every* rank can reach from some tier; a restore never
   mixes steps across ranks.
 - For each rank the fastest tier holding that step wins: its own node's memory (tier 0),
-  then a peer's memory (tier 1, spreading the ranks over the holders so they are fetched
-  in parallel), then durable storage (tier 2).
+  then a peer's memory (tier 1), then durable storage (tier 2). Among the peers that hold
+  it, the cheapest: a replica held as a delta costs a decode against its base on top of
+  the transfer (``DECODE_COST`` transfers), and each rank already given to a peer costs
+  one transfer more there, so the ranks spread over the holders and are fetched in
+  parallel.
 - Parts known to be corrupt are not sources; a step passed over is named with the reason.
 """
 
@@ -15,6 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+DECODE_COST = 1.0
+"""A delta's decode in units of one full transfer: the codec rebuilds at about the speed of
+the loopback network (``tierswap bench delta``), so base + delta costs about two."""
 
 
 class Tier(IntEnum):
@@ -41,6 +48,8 @@ class Holdings:
     """rank -> the node whose tier 0 holds its parts."""
     peer: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
     """rank -> node -> steps that node holds as tier-1 replicas of the rank."""
+    peer_delta: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
+    """rank -> node -> the steps of ``peer`` held as a delta against a base."""
     durable: frozenset[int] = frozenset()
     """Steps committed in tier 2 by a job of the same world size."""
     bad: frozenset[tuple[Tier, int, int]] = frozenset()
@@ -59,13 +68,18 @@ class Plan:
         return sorted(r for r, s in self.sources.items() if s.tier == tier)
 
 
-def _source(h: Holdings, step: int, rank: int, load: dict[int, int]) -> Source | None:
+def _source(h: Holdings, step: int, rank: int, load: dict[int, float]) -> Source | None:
     if step in h.memory.get(rank, ()) and (Tier.MEMORY, step, rank) not in h.bad:
         return Source(Tier.MEMORY, h.memory_node.get(rank))
     holders = sorted(n for n, steps in h.peer.get(rank, {}).items() if step in steps)
     if holders and (Tier.PEER, step, rank) not in h.bad:
-        node = min(holders, key=lambda n: (load.get(n, 0), n))
-        load[node] = load.get(node, 0) + 1
+        deltas = h.peer_delta.get(rank, {})
+
+        def cost(n: int) -> float:
+            return 1.0 + (DECODE_COST if step in deltas.get(n, ()) else 0.0)
+
+        node = min(holders, key=lambda n: (load.get(n, 0.0) + cost(n), n))
+        load[node] = load.get(node, 0.0) + cost(node)
         return Source(Tier.PEER, node)
     if step in h.durable and (Tier.DURABLE, step, rank) not in h.bad:
         return Source(Tier.DURABLE)
@@ -84,7 +98,7 @@ def plan_restore(h: Holdings) -> Plan:
             candidates |= steps
     skipped: list[tuple[int, str]] = []
     for step in sorted(candidates, reverse=True):
-        load: dict[int, int] = {}
+        load: dict[int, float] = {}
         sources = {r: _source(h, step, r, load) for r in range(h.world_size)}
         lost = [r for r, s in sources.items() if s is None]
         if not lost:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
 from tierswap.tiers import durable
+from tierswap.tiers.deltas import BaseKeeper
 from tierswap.tiers.memory import RankRing, Slot
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
@@ -79,8 +81,13 @@ class Agent:
         self.workers = Workers(script, env, self._post)
         self._stop_accepting = serve(self.listener, self._on_worker_channel, "tierswap-accept")
         report = self.coord.send
-        self.peers = PeerStore(job_id, cfg.slots, cfg.max_peer_memory, report)
-        self.replicator = Replicator(secret, host, self._post, cfg.nproc_per_node)
+        self.peers = PeerStore(
+            job_id, cfg.slots, cfg.max_peer_memory, report, cfg.memory_tiers, cfg.delta_threshold
+        )
+        keeper = None
+        if cfg.memory_tiers == "delta":
+            keeper = BaseKeeper(cfg.base_every, cfg.delta_threshold)
+        self.replicator = Replicator(secret, host, self._post, cfg.nproc_per_node, keeper)
         self.server = ReplicaServer(cfg.bind, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
@@ -166,6 +173,9 @@ class Agent:
             "replica_written": self.peers.written,
             "replica_lease": self.peers.lease,
             "replica_unlease": self.peers.unlease,
+            "replica_base": self.peers.base,
+            "replica_delta_written": self.peers.delta_written,
+            "replica_served": partial(self.coord.send, "replica_served"),
         }
         try:
             done.set_result(handlers[op](**msg))
@@ -241,7 +251,7 @@ class Agent:
         targets = {int(r): tuple(int(n) for n in t) for r, t in msg["placement"].items()}
         addresses = {int(n): (str(a[0]), int(a[1])) for n, a in msg["peers"].items()}
         self.replicator.configure(targets, addresses)
-        self.replicator.reset()
+        self.replicator.reset(restart)
         cut = any(i.during == "replication" for i in self.injections)
         self.replicator.announce = self._announce_transfer if cut else None
         assignment = {
@@ -271,7 +281,11 @@ class Agent:
         self._settle()
         self.workers.stopping = False  # reported once
         self.coord.send(
-            "stopped", node=self.node, holdings=self._holdings(), peer=self._peer_holdings()
+            "stopped",
+            node=self.node,
+            holdings=self._holdings(),
+            peer=self._peer_holdings(),
+            peer_deltas=self.peers.kinds(),
         )
 
     def _watch(self) -> None:
@@ -466,6 +480,9 @@ class Agent:
             self.replicator.offer(msg["rank"], ring)
         elif op == "replicated":
             self._unlease(msg["slot"])
+            if "kind" in msg:  # delta mode: what was sent, against what a full one costs
+                stats = {k: msg[k] for k in ("rank", "step", "kind", "nbytes", "full")}
+                self.coord.send("replica_sent", encode_s=msg.get("encode_s", 0.0), **stats)
             self.replicator.done(msg["rank"], msg["step"], self.rings[msg["rank"]])
         elif op == "replicate_failed":
             self.coord.send(

@@ -40,6 +40,7 @@ from tierswap.events import EventLog, Progress
 from tierswap.plan import Holdings, Plan, Tier, plan_restore
 from tierswap.shm import remove_job_segments
 from tierswap.tiers import peer
+from tierswap.tiers.deltas import Traffic
 from tierswap.wire import Channel, Message, reader, serve
 
 
@@ -92,6 +93,9 @@ class Coordinator:
         self.stopping: set[int] = set()
         self.holdings: dict[int, dict[str, dict[str, str]]] = {}
         self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
+        self.peer_deltas: dict[int, dict[str, dict[str, str]]] = {}
+        self.traffic = Traffic()
+        """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
         self.ever_committed = False
         self.last_step = -1
@@ -323,6 +327,7 @@ class Coordinator:
         self.stopping.discard(node)
         self.holdings.pop(node, None)
         self.peer_holdings.pop(node, None)
+        self.peer_deltas.pop(node, None)
         if self.phase == "running":
             self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", host)
         self._maybe_start()
@@ -383,6 +388,7 @@ class Coordinator:
         self.deadline = time.monotonic() + self.cfg.startup_timeout
         self.holdings.clear()
         self.peer_holdings.clear()
+        self.peer_deltas.clear()
         self.stopping = set(self.hosts.agents)
         self._broadcast("stop")
 
@@ -391,6 +397,7 @@ class Coordinator:
         self.stopping.discard(node)
         self.holdings[node] = msg["holdings"]
         self.peer_holdings[node] = msg.get("peer", {})
+        self.peer_deltas[node] = msg.get("peer_deltas", {})
         self._maybe_start()
 
     def _maybe_start(self) -> None:
@@ -448,7 +455,12 @@ class Coordinator:
             except OSError as e:
                 self.persister.failing(f"cannot list {self.cfg.persist}: {e}")
         return collect(
-            self.cfg.world_size, self.holdings, self.peer_holdings, durable_steps, self.bad
+            self.cfg.world_size,
+            self.holdings,
+            self.peer_holdings,
+            durable_steps,
+            self.bad,
+            self.peer_deltas,
         )
 
     def _plan(self) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
@@ -676,9 +688,22 @@ class Coordinator:
             self.log.emit("report", step=msg["step"], **metrics)
 
     def _on_memory(self, chan: Channel, node: int | None, msg: Message) -> None:
+        scope = {"scope": msg["scope"]} if "scope" in msg else {}
         self.log.emit(
-            "memory", node=node, rank=msg["rank"], tier=msg.get("tier", 0), bytes=msg["nbytes"]
+            "memory",
+            node=node,
+            rank=msg["rank"],
+            tier=msg.get("tier", 0),
+            bytes=msg["nbytes"],
+            **scope,
         )
+
+    def _on_replica_served(self, chan: Channel, node: int | None, msg: Message) -> None:
+        fields = {k: msg[k] for k in ("rank", "step", "kind", "base_step")}
+        self.log.emit("replica_served", node=node, **fields)
+
+    def _on_replica_sent(self, chan: Channel, node: int | None, msg: Message) -> None:
+        self.traffic.add(msg["kind"], int(msg["nbytes"]), int(msg["full"]), msg["encode_s"])
 
     def _on_skipped(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.log.emit("snapshot_skipped", rank=msg["rank"], step=msg["step"])
@@ -708,6 +733,8 @@ class Coordinator:
             if self.persister.inflight is not None:
                 return
         self.phase = "done"
+        if self.traffic.full:
+            self.log.emit("replica_traffic", **self.traffic.summary())
         self.log.emit(
             "job_finished", step=self.last_step, generation=self.generation, restarts=self.restarts
         )

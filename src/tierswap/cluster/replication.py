@@ -7,15 +7,19 @@ move on the replica server's connection threads and on the replicator's pool.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from tierswap.checksum import checksum_chunks
 from tierswap.config import Injection
+from tierswap.shm import populated
 from tierswap.state import Layout
+from tierswap.tiers.deltas import Base, BaseKeeper, DeltaRing, Entry
 from tierswap.tiers.memory import RankRing, Slot, SlotState
-from tierswap.tiers.peer import push
+from tierswap.tiers.peer import Lease, push, push_delta
 from tierswap.wire import Address, Channel
 
 Report = Callable[..., None]
@@ -23,33 +27,66 @@ Report = Callable[..., None]
 
 
 class PeerStore:
-    """Replicas this node holds for ranks of other nodes: one slot ring per rank."""
+    """Replicas this node holds for ranks of other nodes: per rank a ring of full
+    snapshots in shared memory (``--memory-tiers full``) or a base and its deltas
+    (``delta``)."""
 
-    def __init__(self, job_id: str, nslots: int, max_bytes: int, report: Report) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        nslots: int,
+        max_bytes: int,
+        report: Report,
+        mode: str = "full",
+        threshold: float = 0.5,
+    ) -> None:
         self.job_id = job_id
         self.nslots = nslots
         self.max_bytes = max_bytes
         self.report = report
+        self.delta = mode == "delta"
+        self.threshold = threshold
         self.rings: dict[int, RankRing] = {}
+        self.drings: dict[int, DeltaRing] = {}
         self.protects: list[int] = []
         self.corrupt: list[Injection] = []
+        self.peak = 0
+
+    def _all(self) -> list[RankRing | DeltaRing]:
+        return [*self.rings.values(), *self.drings.values()]
 
     def nbytes(self) -> int:
-        return sum(r.nbytes() for r in self.rings.values())
+        return sum(r.nbytes() for r in self._all())
 
-    def slot(self, rank: int, step: int, layout: Layout) -> Slot | None:
-        """A slot to receive ``step`` of ``rank`` into, or None (no room: skipped)."""
+    def _fits(self, rank: int, layout: Layout) -> bool:
+        """Whether the replicas of every protected rank fit ``--max-peer-memory``: full
+        snapshots in every slot, or two bases (one being renewed) and deltas at most
+        ``threshold`` of a snapshot in every slot."""
+        per_rank = self.nslots if not self.delta else 2 + self.nslots * self.threshold
+        need = int(per_rank * layout.nbytes * max(len(self.protects), 1))
+        if self.max_bytes and need > self.max_bytes:
+            self.report(
+                "peer_memory_exceeded",
+                rank=rank,
+                need=need,
+                limit=self.max_bytes,
+                ranks=self.protects,
+            )
+            return False
+        return True
+
+    def slot(self, rank: int, step: int, layout: Layout) -> tuple[Any, memoryview] | None:
+        """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
+        (no room: skipped). The token goes back to :meth:`written`."""
+        if self.delta:
+            dring = self.drings.get(rank)
+            if (dring is None or dring.layout() != layout) and not self._fits(rank, layout):
+                return None
+            buf = populated(layout.nbytes)
+            return buf, buf
         ring = self.rings.setdefault(rank, RankRing(self.job_id, rank, self.nslots))
         if ring.alloc is None or ring.alloc.layout != layout:
-            need = self.nslots * layout.nbytes * max(len(self.protects), 1)
-            if self.max_bytes and need > self.max_bytes:
-                self.report(
-                    "peer_memory_exceeded",
-                    rank=rank,
-                    need=need,
-                    limit=self.max_bytes,
-                    ranks=self.protects,
-                )
+            if not self._fits(rank, layout):
                 return None
             ring.allocate(layout)
             self.report("memory", rank=rank, tier=1, nbytes=ring.nbytes())
@@ -57,54 +94,133 @@ class PeerStore:
         index, dropped = ring.begin_write(step, ring.alloc.id)
         if dropped:
             self.report("replica_dropped", rank=rank, steps=dropped)
-        return None if index is None else ring.alloc.slots[index]
+        if index is None:
+            return None
+        slot = ring.alloc.slots[index]
+        return slot, slot.segment.buf
 
-    def received(self, rank: int, step: int, slot: Slot) -> None:
+    def received(self, rank: int, step: int, buf: memoryview) -> None:
         """Bytes are in, checksum not yet checked: where in-flight corruption is injected."""
-        self._inject(rank, step, slot, "flight")
+        self._inject(rank, step, buf, "flight")
 
     def written(
         self,
         rank: int,
-        slot: Slot,
+        token: Any,
         ok: bool,
         step: int,
+        layout: Layout | None = None,
         tree: dict[str, Any] | None = None,
         checksum: str = "",
         why: str = "",
     ) -> None:
+        """A full replica arrived (``ok``: its checksum matched): hold it, or free its room."""
+        if self.delta:
+            if ok and layout is not None:
+                base = Base(step, layout, token, checksum, tree or {})
+                self._put(rank, Entry(step, base, None, tree or {}, checksum))
+                self._inject(rank, step, base.buf, "base")
+                self._inject(rank, step, base.buf, "memory")
+            else:
+                self._rejected(rank, step, why or "checksum mismatch")
+            return
+        slot: Slot = token
         ring = self.rings[rank]
         if not ok or ring.alloc is None or slot not in ring.alloc.slots:
             slot.state, slot.step = SlotState.FREE, -1
-            self.report(
-                "replica_rejected",
-                rank=rank,
-                step=step,
-                why=why or ("checksum mismatch" if not ok else "slot gone"),
-            )
+            self._rejected(rank, step, why or ("checksum mismatch" if not ok else "slot gone"))
             return
         ring.written(slot.index, step, ring.alloc.id, tree or {})
         ring.checked(slot, checksum)
-        self._inject(rank, step, slot, "memory")
+        self._inject(rank, step, slot.segment.buf, "memory")
         self.report("replica_held", rank=rank, step=step)
 
-    def _inject(self, rank: int, step: int, slot: Slot, where: str) -> None:
-        for inj in self.corrupt:
-            if inj.where == where and inj.index == rank and step >= inj.step:
-                slot.segment.buf[slot.segment.size // 2] ^= 0xFF
+    def base(self, rank: int, step: int, checksum: str) -> Base | None:
+        """The base a delta of ``rank`` is made against, if held (else the sender sends it)."""
+        dring = self.drings.get(rank)
+        return None if dring is None else dring.base(step, checksum)
 
-    def lease(self, rank: int, step: int) -> tuple[Slot, Layout] | None:
+    def delta_written(
+        self,
+        rank: int,
+        step: int,
+        base: Base,
+        data: bytearray,
+        tree: dict[str, Any],
+        checksum: str,
+        ok: bool,
+        why: str = "",
+    ) -> None:
+        """A delta arrived (``ok``: its own checksum matched): hold it against ``base``."""
+        if not ok:
+            self._rejected(rank, step, why)
+            return
+        self._put(rank, Entry(step, base, data, tree, checksum))
+        self._inject(rank, step, memoryview(data), "memory")
+
+    def _put(self, rank: int, entry: Entry) -> None:
+        dring = self.drings.setdefault(rank, DeltaRing(rank, self.nslots))
+        dropped = dring.put(entry)
+        if entry.step in dropped:
+            self.report("replica_dropped", rank=rank, steps=dropped)
+            return
+        if dropped:
+            self.report("replica_dropped", rank=rank, steps=dropped)
+        held = self.nbytes()
+        if held > self.peak:  # the peak is what a node must have room for
+            self.peak = held
+            self.report("memory", rank=rank, tier=1, nbytes=held, scope="node")
+        self.report("replica_held", rank=rank, step=entry.step)
+
+    def _rejected(self, rank: int, step: int, why: str) -> None:
+        self.report("replica_rejected", rank=rank, step=step, why=why)
+
+    def _inject(self, rank: int, step: int, buf: memoryview, where: str) -> None:
+        for inj in self.corrupt:
+            if inj.where == where and inj.index == rank and step >= inj.step and len(buf):
+                buf[len(buf) // 2] ^= 0xFF
+
+    def lease(self, rank: int, step: int) -> Lease | None:
+        """A held replica to serve to a restoring worker; give it back with :meth:`unlease`."""
+        if self.delta:
+            dring = self.drings.get(rank)
+            entry = None if dring is None else dring.entries.get(step)
+            if entry is None:
+                return None
+            where = f"tier-1 delta of rank {rank} step {step} (base step {entry.base.step})"
+            return Lease(
+                entry.base.layout,
+                entry.tree,
+                entry.checksum,
+                partial(entry.rebuild, where),
+                kind="base" if entry.data is None else "delta",
+                base_step=entry.base.step,
+            )
         ring = self.rings.get(rank)
         slot = None if ring is None else ring.lease(step)
-        return None if slot is None or ring is None else (slot, ring.layout())
+        if slot is None or ring is None:
+            return None
+        buf = slot.segment.buf
+        return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
 
-    def unlease(self, rank: int, slot: Slot) -> None:
-        self.rings[rank].unlease(slot)
+    def unlease(self, rank: int, token: Any) -> None:
+        if isinstance(token, Slot):
+            self.rings[rank].unlease(token)
 
     def holdings(self) -> dict[str, dict[str, str]]:
-        return {
+        out = {
             str(r): {str(s): x.checksum for s, x in ring.held().items()}
             for r, ring in self.rings.items()
+        }
+        for r, dring in self.drings.items():
+            out[str(r)] = {str(s): c for s, c in dring.held().items()}
+        return out
+
+    def kinds(self) -> dict[str, dict[str, str]]:
+        """rank -> step -> "delta" for the replicas a restore must decode first."""
+        return {
+            str(r): {str(s): k for s, k in d.kinds().items() if k == "delta"}
+            for r, d in self.drings.items()
         }
 
     def verify(self) -> list[tuple[int, int]]:
@@ -115,37 +231,49 @@ class PeerStore:
                 if checksum_chunks(ring.layout().chunks(slot.segment.buf)) != slot.checksum:
                     slot.state, slot.step = SlotState.FREE, -1
                     bad.append((rank, step))
+        for rank, dring in self.drings.items():
+            bad.extend((rank, step) for step in dring.verify())
         return bad
 
     def propose(self, step: int, ranks: list[int]) -> bool:
-        ok = all(r in self.rings and self.rings[r].propose(step) for r in ranks)
+        held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
+        ok = all(r in held and held[r].propose(step) for r in ranks)
         if not ok:
             self.abort(step)
         return ok
 
     def committed(self, step: int) -> None:
-        for ring in self.rings.values():
+        for ring in self._all():
             ring.set_committed(step)
 
     def abort(self, step: int) -> None:
-        for ring in self.rings.values():
+        for ring in self._all():
             ring.abort(step)
 
     def discard_after(self, step: int, committed: int) -> None:
-        for ring in self.rings.values():
+        for ring in self._all():
             ring.discard_after(step)
             ring.protect(committed)
 
     def close(self) -> None:
-        for ring in self.rings.values():
+        for ring in self._all():
             ring.close()
 
 
 class Replicator:
     """Sends each rank's newest snapshot to its peers; one transfer in flight per rank."""
 
-    def __init__(self, secret: bytes, node: int, post: Callable[..., None], threads: int) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        node: int,
+        post: Callable[..., None],
+        threads: int,
+        keeper: BaseKeeper | None = None,
+    ) -> None:
         self.secret = secret
+        self.keeper = keeper
+        """Set for ``--memory-tiers delta``: each rank's base, and when to renew it."""
         self.node = node
         self.post = post
         self.targets: dict[int, tuple[int, ...]] = {}
@@ -180,7 +308,8 @@ class Replicator:
         slot = ring.lease(step)
         assert slot is not None
         self.busy.add(rank)
-        self.pool.submit(self._send, rank, step, slot, ring.layout())
+        epoch = None if self.keeper is None else self.keeper.epoch
+        self.pool.submit(self._send, rank, step, slot, ring.layout(), epoch)
 
     def done(self, rank: int, step: int, ring: RankRing) -> None:
         self.busy.discard(rank)
@@ -189,21 +318,24 @@ class Replicator:
             self.pending.discard(rank)
             self.offer(rank, ring)
 
-    def reset(self) -> None:
-        """A new generation: the same steps may be sent again."""
+    def reset(self, restart: int) -> None:
+        """A new generation that restarts from ``restart``: the same steps may be sent
+        again, and a base taken after ``restart`` is of an abandoned timeline."""
         self.sent.clear()
+        if self.keeper is not None:
+            self.keeper.discard_after(restart)
 
-    def _send(self, rank: int, step: int, slot: Slot, layout: Layout) -> None:
+    def _send(self, rank: int, step: int, slot: Slot, layout: Layout, epoch: int | None) -> None:
         results = {}
+        stats: dict[str, Any] = {}
         try:
+            send = self._sender(rank, step, slot, layout, epoch, stats)
             for node in self.targets.get(rank, ()):
                 try:
                     chan = self._channel(rank, node)
                     if self.announce is not None:
                         self.announce(rank=rank, step=step, peer=node)
-                    results[node] = push(
-                        chan, rank, step, layout, slot.tree, slot.checksum, slot.segment.buf
-                    )
+                    results[node] = send(chan)
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
                     results[node] = False
@@ -211,7 +343,42 @@ class Replicator:
                         "replicate_failed", rank=rank, node=node, error=f"{type(e).__name__}: {e}"
                     )
         finally:  # always: the slot is unleased and the rank's next snapshot can go
-            self.post("replicated", rank=rank, step=step, slot=slot, results=results)
+            self.post("replicated", rank=rank, step=step, slot=slot, results=results, **stats)
+
+    def _sender(
+        self,
+        rank: int,
+        step: int,
+        slot: Slot,
+        layout: Layout,
+        epoch: int | None,
+        stats: dict[str, Any],
+    ) -> Callable[[Channel], bool]:
+        """How ``step`` of ``rank`` goes to each peer: the full snapshot, or (delta mode) a
+        delta against the rank's base, preceded by the base for a peer that lacks it. The
+        delta is encoded once, here, in the agent; ``stats`` gets its size and time."""
+        buf = slot.segment.buf
+        if self.keeper is None:
+            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf)
+        base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
+        stats.update(full=layout.nbytes, kind="base" if new else "delta")
+        if new:
+            stats["nbytes"] = layout.nbytes
+            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf)
+        t0 = time.perf_counter()
+        data = self.keeper.encode(rank, base, buf)
+        stats.update(nbytes=len(data), encode_s=time.perf_counter() - t0)
+
+        def send(chan: Channel) -> bool:
+            ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum)
+            if ok is None:  # the peer lacks the base (new, or it dropped it): base first
+                b = base
+                if not push(chan, rank, b.step, b.layout, b.tree, b.checksum, b.buf):
+                    return False
+                ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum)
+            return bool(ok)
+
+        return send
 
     def _channel(self, rank: int, node: int) -> Channel:
         address = self.addresses[node]

@@ -18,9 +18,10 @@ def collect(
     peer_by_node: Reported,
     durable_steps: frozenset[int],
     bad: set[tuple[Tier, int, int]],
+    peer_deltas: Reported | None = None,
 ) -> Holdings:
     """The planner's input from what agents reported (own tier 0, replicas held for
-    others) and the committed durable steps."""
+    others, which of those are deltas) and the committed durable steps."""
     memory: dict[int, frozenset[int]] = {}
     memory_node: dict[int, int] = {}
     for node, per_rank in memory_by_node.items():
@@ -31,7 +32,11 @@ def collect(
     for node, per_rank in peer_by_node.items():
         for rank, steps in per_rank.items():
             peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
-    return Holdings(world_size, memory, memory_node, peers, durable_steps, frozenset(bad))
+    deltas: dict[int, dict[int, frozenset[int]]] = {}
+    for node, per_rank in (peer_deltas or {}).items():
+        for rank, steps in per_rank.items():
+            deltas.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
+    return Holdings(world_size, memory, memory_node, peers, deltas, durable_steps, frozenset(bad))
 
 
 def committed_steps(root: str, world_size: int) -> frozenset[int]:

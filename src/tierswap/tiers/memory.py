@@ -8,6 +8,7 @@ newer one is committed; when no slot is free the step is skipped, never waited f
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -50,7 +51,37 @@ class Allocation:
 _alloc_ids = itertools.count(1)
 
 
-class RankRing:
+class CommitVotes:
+    """A rank's side of the two-phase commit of a tier: a step proposed is protected until
+    the commit or abort; the committed step is never dropped before a newer one is."""
+
+    committed: int
+    proposed: set[int]
+
+    def held(self) -> Mapping[int, Any]:
+        raise NotImplementedError
+
+    def propose(self, step: int) -> bool:
+        """The coordinator asks to commit ``step``: protect it if held (a vote)."""
+        if step not in self.held():
+            return False
+        self.proposed.add(step)
+        return True
+
+    def protect(self, step: int) -> None:
+        """A new generation starts: ``step`` is the committed one, whatever came before."""
+        self.committed = step
+        self.proposed.clear()
+
+    def set_committed(self, step: int) -> None:
+        self.proposed = {p for p in self.proposed if p > step}
+        self.committed = max(self.committed, step)
+
+    def abort(self, step: int) -> None:
+        self.proposed.discard(step)
+
+
+class RankRing(CommitVotes):
     """The slots of one rank. Driven by the agent's single event loop (no locks)."""
 
     def __init__(self, job_id: str, rank: int, nslots: int) -> None:
@@ -160,25 +191,6 @@ class RankRing:
         self.committed = min(self.committed, step)
         self.proposed.clear()
         return dropped
-
-    def propose(self, step: int) -> bool:
-        """The coordinator asks to commit ``step``: protect it if held (a vote)."""
-        if step not in self.held():
-            return False
-        self.proposed.add(step)
-        return True
-
-    def protect(self, step: int) -> None:
-        """A new generation starts: ``step`` is the committed one, whatever came before."""
-        self.committed = step
-        self.proposed.clear()
-
-    def set_committed(self, step: int) -> None:
-        self.proposed = {p for p in self.proposed if p > step}
-        self.committed = max(self.committed, step)
-
-    def abort(self, step: int) -> None:
-        self.proposed.discard(step)
 
     # ------------------------------------------------------------ readers
 

@@ -10,14 +10,19 @@ server's connection threads ask it through ``ask``; the bytes move outside it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierswap import delta
 from tierswap.checksum import checksum_chunks
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout
 from tierswap.wire import Address, Channel, serve
+
+if TYPE_CHECKING:
+    from tierswap.tiers.deltas import Base
 
 Ask = Callable[..., Any]
 """``ask(op, **fields)``: run ``op`` on the agent's event loop and return its result."""
@@ -56,6 +61,22 @@ def describe(pl: dict[int, tuple[int, ...]], nproc_per_node: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A held replica, leased to be served: ``read()`` gives its full snapshot (a slot's
+    bytes, or base + delta rebuilt; CorruptPartError if that fails)."""
+
+    layout: Layout
+    tree: dict[str, Any]
+    checksum: str
+    read: Callable[[], memoryview]
+    token: Any = None
+    """Handed back to ``replica_unlease``."""
+    kind: str = "full"
+    """"full" (a whole snapshot), "base" (the base itself) or "delta" (base + delta)."""
+    base_step: int = -1
+
+
 class ReplicaServer:
     """Receives replicas from peers and serves them to restoring workers."""
 
@@ -84,6 +105,8 @@ class ReplicaServer:
             while (msg := chan.recv()) is not None:
                 if msg["op"] == "replica":
                     self._receive(chan, msg)
+                elif msg["op"] == "replica_delta":
+                    self._receive_delta(chan, msg)
                 elif msg["op"] == "fetch":
                     self._send(chan, msg)
                 else:
@@ -96,43 +119,102 @@ class ReplicaServer:
     def _receive(self, chan: Channel, msg: dict[str, Any]) -> None:
         rank, step = int(msg["rank"]), int(msg["step"])
         layout = Layout.from_json(msg["layout"])
-        slot = self.ask("replica_slot", rank=rank, step=step, layout=layout)
-        chan.send("ready", ok=slot is not None)
-        if slot is None:
+        got = self.ask("replica_slot", rank=rank, step=step, layout=layout)
+        chan.send("ready", ok=got is not None)
+        if got is None:
             return
-        buf = slot.segment.buf[: layout.nbytes]
+        token, room = got
+        buf = room[: layout.nbytes]
         try:
             chan.recv_raw_into(buf)
         except BaseException:
             self.ask(
-                "replica_written", rank=rank, slot=slot, ok=False, step=step, why="transfer cut off"
+                "replica_written",
+                rank=rank,
+                token=token,
+                ok=False,
+                step=step,
+                why="transfer cut off",
             )
             raise
-        self.ask("replica_received", rank=rank, step=step, slot=slot)  # fault injection
+        self.ask("replica_received", rank=rank, step=step, buf=buf)  # fault injection
         ok = checksum_chunks(layout.chunks(buf)) == msg["checksum"]
         self.ask(
             "replica_written",
             rank=rank,
-            slot=slot,
+            token=token,
             ok=ok,
             step=step,
+            layout=layout,
             tree=msg["tree"],
             checksum=msg["checksum"],
             why="" if ok else "checksum mismatch",
         )
         chan.send("ok", accepted=ok)
 
+    def _receive_delta(self, chan: Channel, msg: dict[str, Any]) -> None:
+        rank, step = int(msg["rank"]), int(msg["step"])
+        base = self.ask(
+            "replica_base", rank=rank, step=int(msg["base_step"]), checksum=msg["base_checksum"]
+        )
+        chan.send("ready", ok=base is not None, need="base" if base is None else "")
+        if base is None:
+            return
+        data = bytearray(int(msg["nbytes"]))
+        fields = {"rank": rank, "step": step, "base": base, "data": data}
+        try:
+            chan.recv_raw_into(memoryview(data))
+        except BaseException:
+            self.ask(
+                "replica_delta_written",
+                ok=False,
+                why="transfer cut off",
+                tree={},
+                checksum="",
+                **fields,
+            )
+            raise
+        self.ask("replica_received", rank=rank, step=step, buf=memoryview(data))
+        why = ""
+        try:  # its own checksum; a delta is checked against its base when it is rebuilt
+            delta.Delta.from_bytes(data, where=f"delta of rank {rank} step {step}")
+        except CorruptPartError as e:
+            why = e.why
+        self.ask(
+            "replica_delta_written",
+            ok=not why,
+            why=why,
+            tree=msg["tree"],
+            checksum=msg["checksum"],
+            **fields,
+        )
+        chan.send("ok", accepted=not why)
+
     def _send(self, chan: Channel, msg: dict[str, Any]) -> None:
-        got = self.ask("replica_lease", rank=int(msg["rank"]), step=int(msg["step"]))
-        if got is None:
+        rank = int(msg["rank"])
+        lease: Lease | None = self.ask("replica_lease", rank=rank, step=int(msg["step"]))
+        if lease is None:
             chan.send("missing")
             return
-        slot, layout = got
         try:
-            chan.send("part", layout=layout.to_json(), tree=slot.tree, checksum=slot.checksum)
-            chan.send_raw(slot.segment.buf[: layout.nbytes])
+            try:
+                buf = lease.read()
+            except CorruptPartError as e:
+                chan.send("missing", why=str(e))
+                return
+            chan.send(
+                "part", layout=lease.layout.to_json(), tree=lease.tree, checksum=lease.checksum
+            )
+            chan.send_raw(buf[: lease.layout.nbytes])
+            self.ask(
+                "replica_served",
+                rank=rank,
+                step=int(msg["step"]),
+                kind=lease.kind,
+                base_step=lease.base_step,
+            )
         finally:
-            self.ask("replica_unlease", rank=int(msg["rank"]), slot=slot)
+            self.ask("replica_unlease", rank=rank, token=lease.token)
 
 
 def push(
@@ -163,6 +245,37 @@ def push(
     return bool(done.get("accepted"))
 
 
+def push_delta(
+    chan: Channel,
+    rank: int,
+    step: int,
+    base: Base,
+    data: bytes,
+    tree: dict[str, Any],
+    checksum: str,
+) -> bool | None:
+    """Send one replica as a delta against ``base``: True when stored, False when refused,
+    None when the peer does not hold ``base`` (send it first)."""
+    reply = chan.call(
+        "replica_delta",
+        timeout=60,
+        rank=rank,
+        step=step,
+        base_step=base.step,
+        base_checksum=base.checksum,
+        nbytes=len(data),
+        tree=tree,
+        checksum=checksum,
+    )
+    if not reply.get("ok"):
+        return None if reply.get("need") == "base" else False
+    chan.send_raw(memoryview(data))
+    done = chan.recv(timeout=300)
+    if done is None:
+        raise TimeoutError(f"no answer from the peer to delta of rank {rank} step {step}")
+    return bool(done.get("accepted"))
+
+
 def fetch(
     address: Address, secret: bytes, rank: int, step: int
 ) -> tuple[Layout, dict[str, Any], memoryview]:
@@ -175,7 +288,7 @@ def fetch(
     try:
         reply = chan.call("fetch", timeout=60, rank=rank, step=step)
         if reply["op"] != "part":
-            raise CorruptPartError(where, "the peer no longer holds it")
+            raise CorruptPartError(where, reply.get("why") or "the peer no longer holds it")
         layout = Layout.from_json(reply["layout"])
         buf = populated(layout.nbytes)
         chan.recv_raw_into(buf)

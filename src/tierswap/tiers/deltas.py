@@ -1,0 +1,269 @@
+"""Tier 1 in delta form (``--memory-tiers delta``): a peer holds one full *base* snapshot of a
+rank and each later step as a delta against it (:mod:`tierswap.delta`).
+
+A restore from here rebuilds base + one delta: deltas are never chained. The sender (the
+protected rank's agent, :class:`BaseKeeper`) keeps its own copy of the base to encode against,
+and takes a new one every ``base_every`` steps or once a delta grew past ``threshold`` of the
+full size. The peer's bookkeeping (:class:`DeltaRing`) runs on its agent's event loop, like
+:class:`~tierswap.tiers.memory.RankRing`: the same commit votes, the same rule that the step
+committed in tier 1 and the newest one are never dropped, the same discard of a timeline a
+restore went back from. Its bytes are immutable once stored (a base is never written after it
+is checked, a delta is ``bytes``), so a server thread reads them without a lease.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from tierswap import delta
+from tierswap.checksum import checksum_chunks
+from tierswap.errors import CorruptPartError
+from tierswap.shm import populated
+from tierswap.state import Layout, torch_dtype
+from tierswap.tiers.memory import CommitVotes
+
+
+def itemsize_of(layout: Layout) -> int:
+    """The element width that covers most of the snapshot's bytes: the delta codec splits
+    byte planes by it (a wrong one costs ratio, never correctness)."""
+    weights: Counter[int] = Counter()
+    for e in layout.entries:
+        weights[torch_dtype(e.dtype).itemsize] += e.nbytes
+    return max(weights, key=lambda k: (weights[k], k)) if weights else 4
+
+
+@dataclass(slots=True)
+class Base:
+    """A full snapshot that deltas are made against."""
+
+    step: int
+    layout: Layout
+    buf: memoryview
+    checksum: str
+    tree: dict[str, Any]
+
+    def verify(self) -> bool:
+        return checksum_chunks(self.layout.chunks(self.buf)) == self.checksum
+
+
+@dataclass(slots=True)
+class Entry:
+    """One restorable step: the base itself (``data`` None) or a delta against it."""
+
+    step: int
+    base: Base
+    data: bytes | bytearray | None
+    tree: dict[str, Any]
+    checksum: str
+    """Checksum of the full snapshot (tierswap.checksum over the layout's tensors)."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else len(self.data)
+
+    def rebuild(self, where: str) -> memoryview:
+        """The full snapshot. Raises CorruptPartError when it cannot be rebuilt bit for bit."""
+        if self.data is None:
+            return self.base.buf
+        d = delta.Delta.from_bytes(self.data, where=where)
+        out = populated(self.base.layout.nbytes)
+        delta.decode_into(self.base.buf, d, out, where=where)
+        if checksum_chunks(self.base.layout.chunks(out)) != self.checksum:
+            raise CorruptPartError(where, "the rebuilt snapshot does not match its checksum")
+        return out
+
+
+class DeltaRing(CommitVotes):
+    """The replicas of one rank held in delta form. Driven by one event loop (no locks)."""
+
+    def __init__(self, rank: int, nslots: int) -> None:
+        self.rank = rank
+        self.nslots = nslots
+        self.entries: dict[int, Entry] = {}
+        self.latest: Base | None = None
+        """The newest base received: what the sender's next deltas are made against, kept
+        even when its own step is no longer held."""
+        self.committed = -1
+        self.proposed: set[int] = set()
+
+    # ------------------------------------------------------------ the write path
+
+    def base(self, step: int, checksum: str) -> Base | None:
+        """The base of ``step`` if held and it is the one named (same checksum)."""
+        for b in self.bases():
+            if b.step == step and b.checksum == checksum:
+                return b
+        return None
+
+    def put(self, entry: Entry) -> list[int]:
+        """Hold ``entry``; returns the steps dropped to make room (maybe ``entry``'s own)."""
+        old = self.entries.get(entry.step)
+        if old is not None and old.checksum == entry.checksum and old.base is entry.base:
+            return []
+        self.entries[entry.step] = entry
+        if entry.data is None and (self.latest is None or entry.step >= self.latest.step):
+            self.latest = entry.base
+        dropped = []
+        while len(self.entries) > self.nslots:
+            keep = {self.committed, *self.proposed, max(self.entries)}
+            stale = sorted(s for s in self.entries if s not in keep)
+            if not stale:
+                break
+            del self.entries[stale[0]]
+            dropped.append(stale[0])
+        return dropped
+
+    def discard_after(self, step: int) -> list[int]:
+        """A restore went back to ``step``: later steps (and a base taken after it) belong to
+        an abandoned timeline."""
+        dropped = sorted(s for s in self.entries if s > step)
+        for s in dropped:
+            del self.entries[s]
+        for s, e in list(self.entries.items()):
+            if e.base.step > step:
+                del self.entries[s]
+                dropped.append(s)
+        if self.latest is not None and self.latest.step > step:
+            self.latest = None
+        self.committed = min(self.committed, step)
+        self.proposed.clear()
+        return dropped
+
+    # ------------------------------------------------------------ readers
+
+    def held(self) -> dict[int, str]:
+        return {s: e.checksum for s, e in self.entries.items()}
+
+    def kinds(self) -> dict[int, str]:
+        """step -> "base" or "delta": what a restore of it costs (a decode or not)."""
+        return {s: "base" if e.data is None else "delta" for s, e in self.entries.items()}
+
+    def bases(self) -> list[Base]:
+        """The bases still needed by a held step, and the latest one (each once)."""
+        seen: dict[int, Base] = {} if self.latest is None else {id(self.latest): self.latest}
+        for e in self.entries.values():
+            seen.setdefault(id(e.base), e.base)
+        return list(seen.values())
+
+    def verify(self) -> list[int]:
+        """Check every base and every delta's own checksum; drop what is corrupt (and every
+        delta of a corrupt base). Returns the steps dropped."""
+        bad_bases = {id(b) for b in self.bases() if not b.verify()}
+        if self.latest is not None and id(self.latest) in bad_bases:
+            self.latest = None
+        bad = []
+        for s, e in list(self.entries.items()):
+            ok = id(e.base) not in bad_bases
+            if ok and e.data is not None:
+                try:
+                    delta.Delta.from_bytes(e.data)
+                except CorruptPartError:
+                    ok = False
+            if not ok:
+                del self.entries[s]
+                bad.append(s)
+        return sorted(bad)
+
+    def nbytes(self) -> int:
+        return sum(b.layout.nbytes for b in self.bases()) + sum(
+            e.nbytes for e in self.entries.values()
+        )
+
+    def layout(self) -> Layout | None:
+        bases = self.bases()
+        return bases[-1].layout if bases else None
+
+    def close(self) -> None:
+        self.entries.clear()
+        self.latest = None
+
+
+class BaseKeeper:
+    """The sender's side: the base each of its ranks encodes against, and when to renew it.
+
+    Used by one replication thread per rank at a time (one transfer in flight per rank).
+    """
+
+    def __init__(self, base_every: int, threshold: float) -> None:
+        self.base_every = base_every
+        self.threshold = threshold
+        self.bases: dict[int, Base] = {}
+        self.renew: set[int] = set()
+        """Ranks whose last delta grew past the threshold: their next snapshot is a base."""
+        self.epoch = 0
+        """Bumped by :meth:`discard_after`: a transfer begun before it keeps no new base."""
+
+    def base_for(
+        self,
+        rank: int,
+        step: int,
+        layout: Layout,
+        buf: memoryview,
+        checksum: str,
+        tree: Any,
+        epoch: int | None = None,
+    ) -> tuple[Base, bool]:
+        """The base to send ``step`` against, and whether it is new (``step`` itself).
+        ``epoch`` is :attr:`epoch` when the transfer was queued."""
+        b = self.bases.get(rank)
+        if (
+            b is None
+            or b.layout != layout
+            or step <= b.step
+            or step - b.step >= self.base_every
+            or rank in self.renew
+        ):
+            copy = populated(layout.nbytes)
+            copy[:] = buf[: layout.nbytes]
+            b = Base(step, layout, copy, checksum, dict(tree))
+            if epoch is None or epoch == self.epoch:
+                self.bases[rank] = b
+                self.renew.discard(rank)
+            return b, True
+        return b, False
+
+    def encode(self, rank: int, b: Base, buf: memoryview) -> bytes:
+        """The delta of ``buf`` against ``b``; a large one renews the base next time."""
+        d = delta.encode(b.buf, buf[: b.layout.nbytes], itemsize=itemsize_of(b.layout))
+        if d.nbytes > self.threshold * b.layout.nbytes:
+            self.renew.add(rank)
+        return d.to_bytes()
+
+    def discard_after(self, step: int) -> None:
+        """A restore went back to ``step``: a base taken later is of an abandoned timeline."""
+        self.epoch += 1
+        for rank in [r for r, b in self.bases.items() if b.step > step]:
+            del self.bases[rank]
+
+    def nbytes(self) -> int:
+        return sum(b.layout.nbytes for b in self.bases.values())
+
+
+class Traffic:
+    """The coordinator's tally of what delta-mode replication sent, for the event log."""
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()
+        self.full = 0
+        self.encode_s = 0.0
+
+    def add(self, kind: str, nbytes: int, full: int, encode_s: float) -> None:
+        self.count[kind] += 1
+        self.sent[kind] += nbytes
+        self.full += full
+        self.encode_s += encode_s
+
+    def summary(self) -> dict[str, Any]:
+        """Deltas and bases sent, their bytes against full snapshots, and encode speed."""
+        deltas = self.count["delta"]
+        return {
+            "deltas": deltas,
+            "bases": self.count["base"],
+            "bytes_sent": sum(self.sent.values()),
+            "bytes_full": self.full,
+            "ratio": sum(self.sent.values()) / self.full if self.full else None,
+            "encode_s": round(self.encode_s, 4),
+        }
