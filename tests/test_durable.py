@@ -256,3 +256,132 @@ def test_probe_writable(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     assert durable.probe_writable(str(tmp_path / "file" / "sub")) is not None
     assert durable.probe_writable(f"memory://probe-{uuid.uuid4().hex}") is None
+
+
+# ---------------------------------------------------------------- incremental tier 2
+
+
+def _changed(step: int) -> dict[str, torch.Tensor]:
+    """``_tensors()`` after ``step`` small updates of one value."""
+    t = {k: v.clone() for k, v in _tensors().items()}
+    t["model/w"][0, 0] += 0.01 * step
+    return t
+
+
+def _write_delta(root: str, step: int, base_step: int, world: int = 2) -> dict[int, PartInfo]:
+    """Delta parts of ``_changed(step)`` against ``_tensors()`` written at ``base_step``."""
+    from tierswap import delta
+    from tierswap.tiers.deltas import contiguous
+
+    parts = {}
+    for rank in range(world):
+        blayout, _, bbuf = _slot(_tensors())
+        layout, tree, buf = _slot(_changed(step))
+        d = delta.encode(contiguous(blayout, bbuf), contiguous(layout, buf))
+        cs = checksum_chunks(layout.chunks(buf))
+        parts[rank] = durable.write_delta_part(
+            root, step, rank, world, layout, tree, cs, base_step, d.to_bytes()
+        )
+    durable.write_commit(root, step, world, parts)
+    return parts
+
+
+def test_delta_parts_rebuild_bit_for_bit_and_are_listed_with_their_base(root: str) -> None:
+    _write(root, 10)
+    parts = _write_delta(root, 12, base_step=10)
+    assert {p.base for p in parts.values()} == {10}
+    for rank in range(2):
+        layout, tree, buf = durable.read_part(root, 12, rank, expected=parts[rank])
+        _assert_same(layout, buf, _changed(12))
+        assert tree["epoch"] == 3
+    assert durable.verify(root) == []
+    (s10, s12) = durable.list_steps(root)
+    assert s10.restorable and s12.restorable and s12.bases == {10} and s12.present_ranks == [0, 1]
+    assert durable.restorable_steps(root) == [10, 12]
+
+
+def test_a_delta_whose_base_is_gone_is_never_restorable(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    _write(root, 10)
+    _write_delta(root, 12, base_step=10)
+    (tmp_path / "ckpt" / "step-000000010" / "COMMIT").unlink()
+    (_, s12) = durable.list_steps(root)
+    assert s12.committed and not s12.restorable and s12.missing_bases == (10,)
+    assert durable.restorable_steps(root) == []
+    from tierswap.cluster.restore import committed_steps
+
+    assert committed_steps(root, 2) == frozenset(), "the planner never sees it"
+    problems = durable.verify(root, 12)
+    assert problems and all("its base, step 10, is gone" in p for p in problems)
+    with pytest.raises(CorruptPartError, match="is gone"):
+        durable.read_part(root, 12, 0)
+
+
+def test_a_corrupt_delta_part_is_named(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    _write(root, 10)
+    _write_delta(root, 12, base_step=10)
+    path = tmp_path / "ckpt" / "step-000000012" / "rank-00001.delta"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    (problem,) = durable.verify(root, 12)
+    assert "rank-00001.delta" in problem and "delta checksum mismatch" in problem
+
+
+def test_retain_keeps_the_bases_kept_deltas_need(root: str) -> None:
+    _write(root, 10)
+    _write_delta(root, 12, base_step=10)
+    _write_delta(root, 14, base_step=10)
+    _write(root, 16, commit=False)
+    assert durable.retain(root, keep=1) == [12]
+    assert [s.step for s in durable.list_steps(root)] == [10, 14, 16]
+    assert durable.restorable_steps(root) == [10, 14]
+
+
+def test_export_of_a_delta_step_equals_the_full_one(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _write(a, 10)
+    _write_delta(a, 12, base_step=10)
+    parts = {}
+    for rank in range(2):
+        layout, tree, buf = _slot(_changed(12))
+        cs = checksum_chunks(layout.chunks(buf))
+        parts[rank] = durable.write_part(b, 12, rank, 2, layout, tree, buf, cs)
+    durable.write_commit(b, 12, 2, parts)
+    durable.export(a, 12, tmp_path / "a.safetensors")
+    durable.export(b, 12, tmp_path / "b.safetensors")
+    ta, tb = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_durable_bases_write_full_then_deltas_and_renew(tmp_path: Path) -> None:
+    from tierswap.tiers.deltas import DurableBases, Part
+    from tierswap.tiers.memory import Slot
+
+    root = str(tmp_path / "ckpt")
+    writer = DurableBases(base_every=4, threshold=0.5)
+
+    def write(step: int, committed: set[int], tensors: dict[str, torch.Tensor]) -> PartInfo:
+        layout, tree, buf = _slot(tensors)
+        slot = Slot(0, None, step=step, checksum=checksum_chunks(layout.chunks(buf)), tree=tree)  # type: ignore[arg-type]
+        slot.segment = type("Seg", (), {"buf": buf})()  # type: ignore[assignment]
+        return writer.write(Part(root, step, 0, 1, layout, slot, 0), committed)
+
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(1))
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        changed = w.clone()
+        changed[0, :step] += 0.01
+        return {"w": changed, "n": torch.tensor([step])}
+
+    assert write(1, set(), state(1)).base is None, "no base yet: full"
+    two = write(2, set(), state(2))
+    assert two.base is None, "its base not committed: full again"
+    durable.write_commit(root, 2, 1, {0: two})
+    assert write(3, {2}, state(3)).base == 2
+    assert write(6, {2}, state(6)).base is None, "base_every steps later: a new base"
+    noise = {"w": w + torch.rand(w.shape), "n": torch.tensor([7])}
+    assert write(7, {6}, noise).base is None, "a delta past the threshold: full"
+    layout, _, buf = durable.read_part(root, 3, 0)
+    assert torch.equal(tensor_view(buf, layout.entries[0]), state(3)["w"])

@@ -14,6 +14,7 @@ import pytest
 
 from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
 from tierswap.demo import job_command
+from tierswap.tiers import durable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -85,11 +86,17 @@ def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, base
     assert set(events(run_dir, "restored")[0]["tiers"].values()) == {0}
 
 
-def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path, baseline) -> None:
+@pytest.mark.parametrize("deltas", [False, True], ids=["full", "persist-deltas"])
+def test_whole_job_killed_resumes_from_durable_bit_exact(
+    tmp_path: Path, baseline, deltas: bool
+) -> None:
+    """With ``--persist-deltas`` tier 2 holds one full step and deltas against it (every
+    delta kept: threshold 1), and the resume rebuilds base + delta."""
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="ddp")
     run_dir = tmp_path / "first"
-    proc = _start(tmp_path, run_dir, persist, steps=12)
+    incremental = ("--persist-deltas", "--delta-threshold", "1.0") if deltas else ()
+    proc = _start(tmp_path, run_dir, persist, steps=12, extra=incremental)
     try:
         _wait_for(
             lambda: any(
@@ -103,11 +110,22 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path, baselin
         proc.wait()
     _remove_segments_of(run_dir)
     code, run_dir2, out = run_job(
-        tmp_path, "second", steps=12, extra=("--persist", str(persist), "--persist-every", "2")
+        tmp_path,
+        "second",
+        steps=12,
+        extra=("--persist", str(persist), "--persist-every", "2", *incremental),
     )
     assert code == 0, out
     (restored,) = events(run_dir2, "restored")
     assert 4 <= restored["step"] < 11 and set(restored["tiers"].values()) == {2}
+    if deltas:
+        (written,) = [
+            e
+            for e in _safe_events(run_dir, "snapshot_committed")
+            if e["tier"] == 2 and e["step"] == restored["step"]
+        ]
+        assert written.get("delta_parts") == 2, "restored through base + delta"
+        assert durable.verify(str(persist)) == []
     assert not events(run_dir, "job_finished"), "the first run was killed before its end"
     assert_same_bits(base, final_state(tmp_path, "second"))
 
@@ -138,10 +156,12 @@ def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) ->
 # ---------------------------------------------------------------- helpers
 
 
-def _start(tmp: Path, run_dir: Path, persist: Path, steps: int) -> subprocess.Popen[bytes]:
+def _start(
+    tmp: Path, run_dir: Path, persist: Path, steps: int, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     cmd = job_command(
         run_dir,
-        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2"],
+        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2", *extra],
         ["--steps", str(steps), "--sleep", "0.2"],
     )
     log = (tmp / "first.log").open("w")

@@ -68,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         memory_tiers=args.memory_tiers,
         base_every=args.base_every,
         delta_threshold=args.delta_threshold,
+        persist_deltas=args.persist_deltas or None,
     )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
@@ -91,6 +92,10 @@ def _ls(args: argparse.Namespace) -> int:
     table = Table("step", "state", "world size", "parts", "bytes")
     for s in steps:
         state = "committed" if s.committed else "not committed"
+        if s.bases:
+            state += f", deltas of step {'/'.join(map(str, sorted(s.bases)))}"
+        if s.missing_bases:
+            state += f"; NOT restorable: base {'/'.join(map(str, s.missing_bases))} is gone"
         ws = "" if s.world_size is None else str(s.world_size)
         table.add_row(str(s.step), state, ws, str(len(s.present_ranks)), f"{s.nbytes:,}")
     Console().print(table)
@@ -201,6 +206,11 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="delta mode: a delta past this fraction of full makes the next replica a base",
+    )
+    run.add_argument(
+        "--persist-deltas",
+        action="store_true",
+        help="tier 2 holds deltas between full steps (every --base-every steps a full one)",
     )
     run.add_argument(
         "--join",

@@ -143,6 +143,12 @@ class Config:
     (fine-tuning, sparse embeddings, bf16), in peer memory and traffic."""
     base_every: int = 50
     """``--memory-tiers delta``: a new base every this many steps at most."""
+    persist_deltas: bool = False
+    """Incremental tier 2: a rank's part is written as a delta against its part of an older
+    full step (at most ``base_every`` steps old; a delta past ``delta_threshold`` is written
+    full instead), so frequent durable checkpoints cost the bytes that changed. A step
+    whose base is gone is never restored from; retention keeps the bases that kept steps
+    need."""
     delta_threshold: float = 0.5
     """``--memory-tiers delta``: a delta larger than this fraction of its snapshot makes
     the next replica a new base (deltas are never chained; each is against its base)."""

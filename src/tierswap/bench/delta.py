@@ -439,6 +439,10 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     res = run(args.repeats)
     report(res)
+    from tierswap.bench import deltajobs
+
+    res["jobs"] = deltajobs.run(args.repeats)
+    deltajobs.report(res["jobs"])
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -33,7 +33,7 @@ from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
 from tierswap.tiers import durable
-from tierswap.tiers.deltas import BaseKeeper
+from tierswap.tiers.deltas import BaseKeeper, DurableBases, Part
 from tierswap.tiers.memory import RankRing, Slot
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
@@ -88,6 +88,9 @@ class Agent:
         if cfg.memory_tiers == "delta":
             keeper = BaseKeeper(cfg.base_every, cfg.delta_threshold)
         self.replicator = Replicator(secret, host, self._post, cfg.nproc_per_node, keeper)
+        self.durable_bases = None
+        if cfg.persist_deltas:
+            self.durable_bases = DurableBases(cfg.base_every, cfg.delta_threshold)
         self.server = ReplicaServer(cfg.bind, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
@@ -216,7 +219,11 @@ class Agent:
                 self.peers.abort(int(msg["step"]))
         elif op == "persist":
             self._persist(
-                int(msg["step"]), str(msg["root"]), int(msg["world_size"]), int(msg["token"])
+                int(msg["step"]),
+                str(msg["root"]),
+                int(msg["world_size"]),
+                int(msg["token"]),
+                {int(b) for b in msg.get("bases", ())},
             )
         else:
             raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
@@ -512,7 +519,7 @@ class Agent:
         self.workers.spawn(local)  # a fresh parked worker, for this rank or as the next spare
         self._maybe_stopped()
 
-    def _persist(self, step: int, root: str, world_size: int, token: int) -> None:
+    def _persist(self, step: int, root: str, world_size: int, token: int, bases: set[int]) -> None:
         for rank, ring in self.rings.items():
             slot = ring.lease(step)
             if slot is None:
@@ -520,25 +527,19 @@ class Agent:
                     "part", rank=rank, step=step, token=token, error="tier 0 no longer holds it"
                 )
                 continue
-            self.writers.submit(
-                self._write_part, root, step, rank, world_size, ring.layout(), slot, token
-            )
+            part = Part(root, step, rank, world_size, ring.layout(), slot, token)
+            self.writers.submit(self._write_part, part, bases)
 
-    def _write_part(
-        self,
-        root: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        layout: Layout,
-        slot: Slot,
-        token: int,
-    ) -> None:
-        done = {"rank": rank, "step": step, "slot": slot, "token": token}
+    def _write_part(self, p: Part, bases: set[int]) -> None:
+        done = {"rank": p.rank, "step": p.step, "slot": p.slot, "token": p.token}
         try:
-            info = durable.write_part(
-                root, step, rank, world_size, layout, slot.tree, slot.segment.buf, slot.checksum
-            )
+            if self.durable_bases is not None:
+                info = self.durable_bases.write(p, bases)
+            else:
+                info = durable.write_part(
+                    p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
+                    p.slot.segment.buf, p.slot.checksum,
+                )  # fmt: skip
             self._post("persisted", part=info.to_json(), **done)
         except Exception as e:  # reported: the job keeps training on the memory tiers
             self._post("persisted", error=f"{type(e).__name__}: {e}", **done)

@@ -39,6 +39,9 @@ class Persistence:
         self.token = 0
         self.committed = -1
         self.ok = True
+        self.held: set[int] = set()
+        """Steps this job committed in tier 2 and retention kept: what a delta part may be
+        made against (``--persist-deltas``)."""
 
     def maybe_persist(self, step: int, final: bool = False) -> None:
         """Ask the agents to write ``step`` (committed in tier 0) when it is due."""
@@ -57,6 +60,7 @@ class Persistence:
             root=self.cfg.persist,
             world_size=self.cfg.world_size,
             token=self.token,
+            bases=sorted(self.held),
         )
 
     def cancel(self, restart: int | None = None) -> None:
@@ -97,7 +101,15 @@ class Persistence:
             deleted = []
             self.log.emit("retention_failed", error=str(e))
         self.committed = p.step
-        self.log.emit("snapshot_committed", tier=2, step=p.step, deleted=deleted)
+        self.held = (self.held | {p.step}) - set(deleted)
+        deltas = sum(1 for part in p.parts.values() if part.base is not None)
+        self.log.emit(
+            "snapshot_committed",
+            tier=2,
+            step=p.step,
+            deleted=deleted,
+            **({"delta_parts": deltas} if deltas else {}),
+        )
         if not self.ok:
             self.ok = True
             self.progress.message(f"durability restored: step {p.step} is in {self.cfg.persist}")

@@ -40,9 +40,10 @@ def collect(
 
 
 def committed_steps(root: str, world_size: int) -> frozenset[int]:
-    """Steps committed in tier 2 by a job of this world size. Raises OSError."""
+    """Steps restorable from tier 2 (committed, with every base their delta parts need)
+    written by a job of this world size. Raises OSError."""
     return frozenset(
-        s.step for s in durable.list_steps(root) if s.committed and s.world_size == world_size
+        s.step for s in durable.list_steps(root) if s.restorable and s.world_size == world_size
     )
 
 

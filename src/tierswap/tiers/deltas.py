@@ -22,7 +22,9 @@ from tierswap.checksum import checksum_chunks
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout, torch_dtype
-from tierswap.tiers.memory import CommitVotes
+from tierswap.tiers import durable
+from tierswap.tiers.durable import PartInfo
+from tierswap.tiers.memory import CommitVotes, Slot
 
 
 def itemsize_of(layout: Layout) -> int:
@@ -267,3 +269,72 @@ class Traffic:
             "ratio": sum(self.sent.values()) / self.full if self.full else None,
             "encode_s": round(self.encode_s, 4),
         }
+
+
+# ---------------------------------------------------------------- incremental tier 2
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One rank's part of a step to persist, from its leased tier-0 slot."""
+
+    root: str
+    step: int
+    rank: int
+    world_size: int
+    layout: Layout
+    slot: Slot
+    token: int
+
+
+def contiguous(layout: Layout, buf: memoryview) -> memoryview:
+    """The layout's tensors back to back: a safetensors data section."""
+    out = populated(layout.data_nbytes)
+    offset = 0
+    for chunk in layout.chunks(buf):
+        out[offset : offset + len(chunk)] = chunk
+        offset += len(chunk)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DurableBase:
+    step: int
+    layout: Layout
+    data: memoryview
+    """The data section of the full part written at ``step``."""
+
+
+class DurableBases:
+    """``--persist-deltas``, in the agent's tier-2 writer threads: each rank's part is written
+    as a delta against the data section of the rank's newest full part when that step is
+    still committed, younger than ``base_every`` steps and the delta is at most
+    ``threshold`` of the data; else it is written full and becomes the base."""
+
+    def __init__(self, base_every: int, threshold: float) -> None:
+        self.base_every = base_every
+        self.threshold = threshold
+        self.bases: dict[int, DurableBase] = {}
+
+    def write(self, p: Part, committed: set[int]) -> PartInfo:
+        """Write ``p``, as a delta where it pays; ``committed`` are the steps a base may be."""
+        data = contiguous(p.layout, p.slot.segment.buf)
+        b = self.bases.get(p.rank)
+        if (
+            b is not None
+            and b.step in committed
+            and b.layout == p.layout
+            and 0 < p.step - b.step < self.base_every
+        ):
+            d = delta.encode(b.data, data, itemsize=itemsize_of(p.layout))
+            if d.nbytes <= self.threshold * len(data):
+                return durable.write_delta_part(
+                    p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
+                    p.slot.checksum, b.step, d.to_bytes(),
+                )  # fmt: skip
+        info = durable.write_part(
+            p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree, p.slot.segment.buf,
+            p.slot.checksum,
+        )  # fmt: skip
+        self.bases[p.rank] = DurableBase(p.step, p.layout, data)
+        return info

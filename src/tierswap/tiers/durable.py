@@ -3,9 +3,17 @@
 ::
 
     ROOT/step-000000100/rank-00003.safetensors   the tensors of rank 3 (plain safetensors)
+    ROOT/step-000000110/rank-00003.delta         or: a delta against the same rank's part
+                                                 of a base step (``--persist-deltas``)
     ROOT/step-000000100/rank-00003.json          its layout, JSON tree and data checksum
+                                                 (and for a delta: its base step, checksum)
     ROOT/step-000000100/COMMIT                   written last: world size, every part's checksums
     ROOT/LATEST                                  newest committed step (a hint; COMMIT is the truth)
+
+A delta part (:mod:`tierswap.delta`) encodes the safetensors data section of the rank's
+part against the data section of its base's part, a full part of an older committed step;
+deltas never chain. A step whose base is gone is committed but not *restorable*: listed
+as such, never planned, and retention never deletes a base a kept step needs.
 
 Every file is written to a temporary name, synced and renamed, so a crash leaves either
 the old file or the new one. Readers trust a step only once its COMMIT is there, and never
@@ -30,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierswap import delta
 from tierswap.checksum import checksum_bytes, checksum_chunks
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
@@ -52,7 +61,7 @@ FORMAT = 1
 ST_FORMAT = "tierswap-1"
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _STEP_RE = re.compile(r"step-(\d{9,})")
-_PART_RE = re.compile(r"rank-(\d{5,})\.safetensors")
+_PART_RE = re.compile(r"rank-(\d{5,})\.(safetensors|delta)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +75,17 @@ class PartInfo:
     """Checksum of the bytes of the rank's .json file."""
     nbytes: int
     """Bytes of tensor data."""
+    base: int | None = None
+    """For a delta part: the step whose full part of this rank it is made against."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"data": self.data, "json": self.json, "bytes": self.nbytes}
+        out: dict[str, Any] = {"data": self.data, "json": self.json, "bytes": self.nbytes}
+        return out if self.base is None else {**out, "base": self.base}
 
     @staticmethod
     def from_json(rank: int, d: Mapping[str, Any]) -> PartInfo:
-        return PartInfo(rank, str(d["data"]), str(d["json"]), int(d["bytes"]))
+        base = None if d.get("base") is None else int(d["base"])
+        return PartInfo(rank, str(d["data"]), str(d["json"]), int(d["bytes"]), base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,14 @@ class StepInfo:
     """Ranks whose .safetensors and .json files are both in the folder."""
     nbytes: int
     """Bytes of all files in the folder."""
+    restorable: bool = False
+    """Committed, and every delta part's base is a committed step with a full part."""
+    missing_bases: tuple[int, ...] = ()
+    """Base steps its delta parts need that are not committed any more."""
+
+    @property
+    def bases(self) -> set[int]:
+        return {p.base for p in self.parts.values() if p.base is not None}
 
 
 # ---------------------------------------------------------------- paths
@@ -167,6 +188,44 @@ def write_part(
     flayout = _file_layout(layout)
     head = _header_bytes(_header(flayout, step, rank))
     write_atomic(fs, f"{folder}/{_part(rank, 'safetensors')}", [head, *layout.chunks(mv)])
+    return _write_meta(fs, folder, step, rank, world_size, flayout, tree, data_checksum, {})
+
+
+def write_delta_part(
+    root: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    tree: dict[str, Any],
+    data_checksum: str,
+    base_step: int,
+    delta_bytes: bytes,
+) -> PartInfo:
+    """Write one rank's part as ``delta_bytes``: the delta of its data section (``layout``'s
+    tensors, contiguous) against the data section of its full part of ``base_step``."""
+    if base_step >= step:
+        raise ValueError(f"step {step}: a delta's base must be an older step, not {base_step}")
+    fs, base = url_fs(root)
+    folder = _step_dir(base, step)
+    fs.makedirs(folder, exist_ok=True)
+    write_atomic(fs, f"{folder}/{_part(rank, 'delta')}", [delta_bytes])
+    extra = {"base": base_step, "delta_checksum": checksum_bytes(delta_bytes)}
+    flayout = _file_layout(layout)
+    return _write_meta(fs, folder, step, rank, world_size, flayout, tree, data_checksum, extra)
+
+
+def _write_meta(
+    fs: Any,
+    folder: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    flayout: Layout,
+    tree: dict[str, Any],
+    data_checksum: str,
+    extra: Mapping[str, Any],
+) -> PartInfo:
     meta = {
         "format": FORMAT,
         "step": step,
@@ -176,16 +235,17 @@ def write_part(
         "tree": tree,
         "data_checksum": data_checksum,
         "nbytes": flayout.nbytes,
+        **extra,
     }
     raw = json.dumps(meta, allow_nan=False).encode()
     write_atomic(fs, f"{folder}/{_part(rank, 'json')}", [raw])
-    return PartInfo(rank, data_checksum, checksum_bytes(raw), flayout.nbytes)
+    return PartInfo(rank, data_checksum, checksum_bytes(raw), flayout.nbytes, extra.get("base"))
 
 
 def _read_meta(
     fs: Any, path: str, step: int, rank: int, expected: PartInfo | None
-) -> tuple[Layout, dict[str, Any], str]:
-    """The layout, tree and data checksum in a rank's .json file."""
+) -> tuple[Layout, dict[str, Any], str, dict[str, Any]]:
+    """The layout, tree and data checksum in a rank's .json file, and the whole file."""
     raw = read_small(fs, path)
     if expected is not None and checksum_bytes(raw) != expected.json:
         raise CorruptPartError(path, "checksum differs from the one in COMMIT")
@@ -199,7 +259,9 @@ def _read_meta(
         tree = meta["tree"]
         if not isinstance(tree, dict):
             raise ValueError("tree is not a JSON object")
-        return layout, tree, str(meta["data_checksum"])
+        if "base" in meta and not isinstance(meta["base"], int):
+            raise ValueError("base is not a step number")
+        return layout, tree, str(meta["data_checksum"]), meta
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptPartError(path, f"bad part json: {e}") from e
 
@@ -236,31 +298,71 @@ def _read(
 ) -> tuple[Layout, dict[str, Any], memoryview]:
     """Read and check one part; without ``keep`` only check it (the data is streamed)."""
     folder = _step_dir(base, step)
-    layout, tree, want = _read_meta(fs, f"{folder}/{_part(rank, 'json')}", step, rank, expected)
+    meta_path = f"{folder}/{_part(rank, 'json')}"
+    layout, tree, want, meta = _read_meta(fs, meta_path, step, rank, expected)
     if layout != _file_layout(layout):
-        raise CorruptPartError(f"{folder}/{_part(rank, 'json')}", "layout is not contiguous")
-    path = f"{folder}/{_part(rank, 'safetensors')}"
-    data = populated(layout.nbytes if keep else 0)
-    try:
-        size = int(fs.size(path))
-        with open_read(fs, path) as f:
-            _check_header(path, f, size, layout)
-            if keep:
-                read_exact(f, data)
-                got = checksum_bytes(data)
-            else:
-                got = checksum_chunks(stream(f, layout.nbytes))
-    except FileNotFoundError:
-        raise CorruptPartError(path, "missing") from None
-    except EOFError:
-        raise CorruptPartError(path, "ends early (truncated?)") from None
-    except OSError as e:
-        raise CorruptPartError(path, f"cannot read: {e}") from e
+        raise CorruptPartError(meta_path, "layout is not contiguous")
+    if "base" in meta or (expected is not None and expected.base is not None):
+        data = _read_delta(fs, base, step, rank, layout, meta, expected)
+        got = checksum_bytes(data)
+        path = f"{folder}/{_part(rank, 'delta')}"
+    else:
+        path = f"{folder}/{_part(rank, 'safetensors')}"
+        data = populated(layout.nbytes if keep else 0)
+        try:
+            size = int(fs.size(path))
+            with open_read(fs, path) as f:
+                _check_header(path, f, size, layout)
+                if keep:
+                    read_exact(f, data)
+                    got = checksum_bytes(data)
+                else:
+                    got = checksum_chunks(stream(f, layout.nbytes))
+        except FileNotFoundError:
+            raise CorruptPartError(path, "missing") from None
+        except EOFError:
+            raise CorruptPartError(path, "ends early (truncated?)") from None
+        except OSError as e:
+            raise CorruptPartError(path, f"cannot read: {e}") from e
     if got != want:
         raise CorruptPartError(path, "data checksum mismatch (corrupt or truncated?)")
     if expected is not None and got != expected.data:
         raise CorruptPartError(path, "data checksum differs from the one in COMMIT")
     return layout, tree, data
+
+
+def _read_delta(
+    fs: Any,
+    root: str,
+    step: int,
+    rank: int,
+    layout: Layout,
+    meta: Mapping[str, Any],
+    expected: PartInfo | None,
+) -> memoryview:
+    """A delta part's data section, rebuilt from its base's full part (checked on the way)."""
+    path = f"{_step_dir(root, step)}/{_part(rank, 'delta')}"
+    base_step = meta.get("base")
+    if expected is not None and expected.base != base_step:
+        raise CorruptPartError(path, f"base {base_step} differs from COMMIT's {expected.base}")
+    if not isinstance(base_step, int):
+        raise CorruptPartError(path, "a delta part without a base step")
+    raw = read_small(fs, path)
+    if checksum_bytes(raw) != meta.get("delta_checksum"):
+        raise CorruptPartError(path, "delta checksum mismatch (corrupt or truncated?)")
+    try:
+        _, base_parts = _read_commit(fs, root, base_step)
+    except CorruptPartError as e:
+        raise CorruptPartError(path, f"its base, step {base_step}, is gone: {e.why}") from e
+    bpart = base_parts.get(rank)
+    if bpart is None or bpart.base is not None:
+        raise CorruptPartError(path, f"step {base_step} holds no full part of rank {rank}")
+    blayout, _, bdata = _read(fs, root, base_step, rank, bpart, keep=True)
+    if blayout != layout:
+        raise CorruptPartError(path, f"the layout differs from its base's (step {base_step})")
+    out = populated(layout.nbytes)
+    delta.decode_into(bdata, delta.Delta.from_bytes(raw, where=path), out, where=path)
+    return out
 
 
 def read_part(
@@ -342,7 +444,7 @@ def _step_info(fs: Any, base: str, step: int) -> StepInfo:
     present = sorted(
         int(m.group(1))
         for name in sizes
-        if (m := _PART_RE.fullmatch(name)) and f"{name.removesuffix('.safetensors')}.json" in sizes
+        if (m := _PART_RE.fullmatch(name)) and f"rank-{m.group(1)}.json" in sizes
     )
     world_size: int | None = None
     parts: dict[int, PartInfo] = {}
@@ -366,12 +468,32 @@ def list_steps(root: str) -> list[StepInfo]:
         m = _STEP_RE.fullmatch(posixpath.basename(str(name).rstrip("/")))
         if m:
             steps.append(_step_info(fs, base, int(m.group(1))))
-    return sorted(steps, key=lambda s: s.step)
+    full = {s.step: {r for r, p in s.parts.items() if p.base is None} for s in steps}
+    out = []
+    for s in sorted(steps, key=lambda s: s.step):
+        missing = sorted(
+            {
+                p.base
+                for r, p in s.parts.items()
+                if p.base is not None and r not in full.get(p.base, ())
+            }
+        )
+        out.append(
+            dataclasses.replace(
+                s, restorable=s.committed and not missing, missing_bases=tuple(missing)
+            )
+        )
+    return out
 
 
 def committed_steps(root: str) -> list[int]:
     """Steps with a readable COMMIT, oldest first."""
     return [s.step for s in list_steps(root) if s.committed]
+
+
+def restorable_steps(root: str) -> list[int]:
+    """Committed steps whose delta parts' bases are there too, oldest first."""
+    return [s.step for s in list_steps(root) if s.restorable]
 
 
 def verify(root: str, step: int | None = None) -> list[str]:
@@ -399,15 +521,18 @@ def verify(root: str, step: int | None = None) -> list[str]:
 
 
 def retain(root: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` committed steps, and uncommitted folders older
-    than the newest committed step. Returns the deleted steps."""
+    """Delete all but the newest ``keep`` restorable steps (and the newest committed one),
+    keeping every base step their delta parts need, and uncommitted folders older than the
+    newest committed step. Returns the deleted steps."""
     if keep < 1:
         raise ValueError(f"retain(keep={keep}): keep at least 1 (the newest committed step)")
     steps = list_steps(root)
     committed = [s.step for s in steps if s.committed]
     if not committed:
         return []
-    kept = set(committed[-keep:])
+    restorable = [s for s in steps if s.restorable]
+    kept = {committed[-1], *(s.step for s in restorable[-keep:])}
+    kept |= {b for s in steps if s.step in kept for b in s.bases}  # never a needed base
     doomed = [s.step for s in steps if s.step not in kept and s.step < committed[-1]]
     fs, base = url_fs(root)
     for s in doomed:
