@@ -385,3 +385,22 @@ def test_durable_bases_write_full_then_deltas_and_renew(tmp_path: Path) -> None:
     assert write(7, {6}, noise).base is None, "a delta past the threshold: full"
     layout, _, buf = durable.read_part(root, 3, 0)
     assert torch.equal(tensor_view(buf, layout.entries[0]), state(3)["w"])
+
+
+def test_ls_names_each_delta_steps_base_and_one_that_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierswap import cli
+
+    root = str(tmp_path / "ckpt")
+    _write(root, 10)
+    _write_delta(root, 12, base_step=10)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["ls", root])
+    assert done.value.code == 0
+    assert "deltas of step 10" in capsys.readouterr().out
+    (tmp_path / "ckpt" / "step-000000010" / "COMMIT").unlink()
+    with pytest.raises(SystemExit):
+        cli.main(["ls", root])
+    out = capsys.readouterr().out
+    assert "NOT restorable" in out and "base 10 is gone" in out

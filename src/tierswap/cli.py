@@ -90,6 +90,7 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"{args.url}: no steps")
         return 0
     table = Table("step", "state", "world size", "parts", "bytes")
+    table.columns[1].no_wrap = True  # a step's state is read (and grepped) whole
     for s in steps:
         state = "committed" if s.committed else "not committed"
         if s.bases:
@@ -98,7 +99,10 @@ def _ls(args: argparse.Namespace) -> int:
             state += f"; NOT restorable: base {'/'.join(map(str, s.missing_bases))} is gone"
         ws = "" if s.world_size is None else str(s.world_size)
         table.add_row(str(s.step), state, ws, str(len(s.present_ranks)), f"{s.nbytes:,}")
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: no terminal width to fit, keep rows whole
+        console = Console(width=160)
+    console.print(table)
     return 0
 
 
