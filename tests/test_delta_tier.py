@@ -288,3 +288,27 @@ def test_checksum_of_a_rebuilt_replica_is_the_snapshot_checksum() -> None:
     _, entries = _entries(replicas)
     out = entries[2].rebuild("x")
     assert checksum_chunks(replicas[2].layout.chunks(out)) == replicas[2].checksum
+
+
+@pytest.mark.parametrize("mode", ["full", "delta"])
+def test_a_replica_sent_in_an_ended_generation_is_refused(mode: str) -> None:
+    """After a restore went back, a transfer queued before it may carry a step of the
+    abandoned timeline: the peer, already in the next generation, never holds it."""
+    reports: list[tuple[str, dict[str, Any]]] = []
+    store = PeerStore(
+        "test-gen", nslots=3, max_bytes=0, report=lambda op, **f: reports.append((op, f)), mode=mode
+    )
+    store.generation = 2
+    r = _replicas(1)[0]
+    try:
+        assert store.slot(0, 5, r.layout, generation=1) is None
+        assert reports[-1][0] == "replica_rejected" and "generation 1" in reports[-1][1]["why"]
+        token, buf = store.slot(0, 5, r.layout, generation=2) or (None, None)
+        assert buf is not None
+        buf[: r.layout.nbytes] = r.view
+        store.generation = 3  # a generation ended while it was in flight
+        store.written(0, token, True, 5, r.layout, r.tree, r.checksum, generation=2)
+        assert store.holdings().get("0", {}) == {}
+        assert store.base(0, 5, r.checksum, generation=2) is None
+    finally:
+        store.close()

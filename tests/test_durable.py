@@ -279,8 +279,9 @@ def _write_delta(root: str, step: int, base_step: int, world: int = 2) -> dict[i
         layout, tree, buf = _slot(_changed(step))
         d = delta.encode(contiguous(blayout, bbuf), contiguous(layout, buf))
         cs = checksum_chunks(layout.chunks(buf))
+        base_cs = checksum_chunks(blayout.chunks(bbuf))
         parts[rank] = durable.write_delta_part(
-            root, step, rank, world, layout, tree, cs, base_step, d.to_bytes()
+            root, step, rank, world, layout, tree, cs, base_step, d.to_bytes(), base_cs
         )
     durable.write_commit(root, step, world, parts)
     return parts
@@ -362,7 +363,9 @@ def test_durable_bases_write_full_then_deltas_and_renew(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     writer = DurableBases(base_every=4, threshold=0.5)
 
-    def write(step: int, committed: set[int], tensors: dict[str, torch.Tensor]) -> PartInfo:
+    def write(
+        step: int, committed: dict[int, dict[int, str]], tensors: dict[str, torch.Tensor]
+    ) -> PartInfo:
         layout, tree, buf = _slot(tensors)
         slot = Slot(0, None, step=step, checksum=checksum_chunks(layout.chunks(buf)), tree=tree)  # type: ignore[arg-type]
         slot.segment = type("Seg", (), {"buf": buf})()  # type: ignore[assignment]
@@ -375,16 +378,21 @@ def test_durable_bases_write_full_then_deltas_and_renew(tmp_path: Path) -> None:
         changed[0, :step] += 0.01
         return {"w": changed, "n": torch.tensor([step])}
 
-    assert write(1, set(), state(1)).base is None, "no base yet: full"
-    two = write(2, set(), state(2))
+    assert write(1, {}, state(1)).base is None, "no base yet: full"
+    two = write(2, {}, state(2))
     assert two.base is None, "its base not committed: full again"
     durable.write_commit(root, 2, 1, {0: two})
-    assert write(3, {2}, state(3)).base == 2
-    assert write(6, {2}, state(6)).base is None, "base_every steps later: a new base"
-    noise = {"w": w + torch.rand(w.shape), "n": torch.tensor([7])}
-    assert write(7, {6}, noise).base is None, "a delta past the threshold: full"
-    layout, _, buf = durable.read_part(root, 3, 0)
-    assert torch.equal(tensor_view(buf, layout.entries[0]), state(3)["w"])
+    three = write(3, {2: {0: "another checksum"}}, state(3))
+    assert three.base is None, "step 2 in tier 2 is not these bytes: full"
+    durable.write_commit(root, 3, 1, {0: three})
+    assert write(4, {3: {0: three.data}}, state(4)).base == 3
+    seven = write(7, {3: {0: three.data}}, state(7))
+    assert seven.base is None, "base_every steps later: a new base"
+    durable.write_commit(root, 7, 1, {0: seven})
+    noise = {"w": w + torch.rand(w.shape), "n": torch.tensor([8])}
+    assert write(8, {7: {0: seven.data}}, noise).base is None, "past the threshold: full"
+    layout, _, buf = durable.read_part(root, 4, 0)
+    assert torch.equal(tensor_view(buf, layout.entries[0]), state(4)["w"])
 
 
 def test_ls_names_each_delta_steps_base_and_one_that_is_gone(
@@ -404,3 +412,18 @@ def test_ls_names_each_delta_steps_base_and_one_that_is_gone(
         cli.main(["ls", root])
     out = capsys.readouterr().out
     assert "NOT restorable" in out and "base 10 is gone" in out
+
+
+def test_a_delta_on_a_rewritten_base_step_is_refused(tmp_path: Path) -> None:
+    """Step 10 written again by another timeline: a delta made on the old bytes is bad."""
+    root = str(tmp_path / "ckpt")
+    _write(root, 10)
+    _write_delta(root, 12, base_step=10)
+    parts = {}
+    for rank in range(2):
+        layout, tree, buf = _slot(_changed(5))
+        cs = checksum_chunks(layout.chunks(buf))
+        parts[rank] = durable.write_part(root, 10, rank, 2, layout, tree, buf, cs)
+    durable.write_commit(root, 10, 2, parts)
+    with pytest.raises(CorruptPartError, match="was rewritten"):
+        durable.read_part(root, 12, 0)

@@ -223,7 +223,10 @@ class Agent:
                 str(msg["root"]),
                 int(msg["world_size"]),
                 int(msg["token"]),
-                {int(b) for b in msg.get("bases", ())},
+                {
+                    int(s): {int(r): str(c) for r, c in parts.items()}
+                    for s, parts in msg.get("bases", {}).items()
+                },
             )
         else:
             raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
@@ -252,13 +255,14 @@ class Agent:
             ring.discard_after(restart)
             ring.protect(int(msg["committed"][0]))
             ring.peer_committed = int(msg["committed"][1])
+        self.peers.generation = self.generation
         self.peers.discard_after(restart, int(msg["committed"][1]))
         self.peers.protects = [int(r) for r in msg["protects"]]
         self.peers.corrupt = [i for i in self.injections if i.action == "corrupt"]
         targets = {int(r): tuple(int(n) for n in t) for r, t in msg["placement"].items()}
         addresses = {int(n): (str(a[0]), int(a[1])) for n, a in msg["peers"].items()}
         self.replicator.configure(targets, addresses)
-        self.replicator.reset(restart)
+        self.replicator.reset(restart, self.generation)
         cut = any(i.during == "replication" for i in self.injections)
         self.replicator.announce = self._announce_transfer if cut else None
         assignment = {
@@ -487,10 +491,11 @@ class Agent:
             self.replicator.offer(msg["rank"], ring)
         elif op == "replicated":
             self._unlease(msg["slot"])
-            if "kind" in msg:  # delta mode: what was sent, against what a full one costs
+            if "nbytes" in msg:  # delta mode: what was sent, against what a full one costs
                 stats = {k: msg[k] for k in ("rank", "step", "kind", "nbytes", "full")}
                 self.coord.send("replica_sent", encode_s=msg.get("encode_s", 0.0), **stats)
-            self.replicator.done(msg["rank"], msg["step"], self.rings[msg["rank"]])
+            ring = self.rings[msg["rank"]]
+            self.replicator.done(msg["rank"], msg["step"], ring, msg["generation"])
         elif op == "replicate_failed":
             self.coord.send(
                 "replicate_failed", rank=msg["rank"], node=msg["node"], error=msg["error"]
@@ -519,7 +524,9 @@ class Agent:
         self.workers.spawn(local)  # a fresh parked worker, for this rank or as the next spare
         self._maybe_stopped()
 
-    def _persist(self, step: int, root: str, world_size: int, token: int, bases: set[int]) -> None:
+    def _persist(
+        self, step: int, root: str, world_size: int, token: int, bases: dict[int, dict[int, str]]
+    ) -> None:
         for rank, ring in self.rings.items():
             slot = ring.lease(step)
             if slot is None:
@@ -530,7 +537,7 @@ class Agent:
             part = Part(root, step, rank, world_size, ring.layout(), slot, token)
             self.writers.submit(self._write_part, part, bases)
 
-    def _write_part(self, p: Part, bases: set[int]) -> None:
+    def _write_part(self, p: Part, bases: dict[int, dict[int, str]]) -> None:
         done = {"rank": p.rank, "step": p.step, "slot": p.slot, "token": p.token}
         try:
             if self.durable_bases is not None:

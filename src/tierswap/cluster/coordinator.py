@@ -480,6 +480,7 @@ class Coordinator:
                 assert plan.step is not None
                 self.log.emit("corrupt_part", step=plan.step, tier=2, where="COMMIT", why=str(e))
                 self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.cfg.world_size)}
+                self.persister.forget(plan.step)
 
     def _start_generation(self) -> None:
         holdings, plan, plans = self._plan()
@@ -573,6 +574,8 @@ class Coordinator:
         rank, step, tier = int(msg["rank"]), msg.get("step"), msg.get("tier")
         if step is not None and tier is not None:
             self.bad.add((Tier(int(tier)), int(step), rank))
+            if int(tier) == Tier.DURABLE:
+                self.persister.forget(int(step))
         self.log.emit(
             "corrupt_part", rank=rank, where=msg["where"], why=msg["why"], step=step, tier=tier
         )

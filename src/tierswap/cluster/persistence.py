@@ -39,9 +39,9 @@ class Persistence:
         self.token = 0
         self.committed = -1
         self.ok = True
-        self.held: set[int] = set()
-        """Steps this job committed in tier 2 and retention kept: what a delta part may be
-        made against (``--persist-deltas``)."""
+        self.held: dict[int, dict[int, str]] = {}
+        """Steps of this timeline committed in tier 2 and kept by retention, with each full
+        part's data checksum: what a delta part may be made against (``--persist-deltas``)."""
 
     def maybe_persist(self, step: int, final: bool = False) -> None:
         """Ask the agents to write ``step`` (committed in tier 0) when it is due."""
@@ -60,7 +60,7 @@ class Persistence:
             root=self.cfg.persist,
             world_size=self.cfg.world_size,
             token=self.token,
-            bases=sorted(self.held),
+            bases={str(s): {str(r): c for r, c in parts.items()} for s, parts in self.held.items()},
         )
 
     def cancel(self, restart: int | None = None) -> None:
@@ -68,6 +68,11 @@ class Persistence:
         self.inflight = None
         if restart is not None:
             self.last_request = restart
+            self.held = {s: p for s, p in self.held.items() if s <= restart}
+
+    def forget(self, step: int) -> None:
+        """``step`` of tier 2 proved unreadable: never a base again."""
+        self.held.pop(step, None)
 
     def on_part(self, msg: dict[str, Any]) -> int | None:
         """One rank's part is written (or failed). Returns the step when it got committed."""
@@ -101,7 +106,9 @@ class Persistence:
             deleted = []
             self.log.emit("retention_failed", error=str(e))
         self.committed = p.step
-        self.held = (self.held | {p.step}) - set(deleted)
+        self.held[p.step] = {r: part.data for r, part in p.parts.items() if part.base is None}
+        for gone in deleted:
+            self.held.pop(gone, None)
         deltas = sum(1 for part in p.parts.values() if part.base is not None)
         self.log.emit(
             "snapshot_committed",

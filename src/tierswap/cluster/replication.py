@@ -51,6 +51,9 @@ class PeerStore:
         self.protects: list[int] = []
         self.corrupt: list[Injection] = []
         self.peak = 0
+        self.generation = -1
+        """Replicas sent in an older generation are refused: they may be of a timeline a
+        restore went back from, and would arrive after :meth:`discard_after`."""
 
     def _all(self) -> list[RankRing | DeltaRing]:
         return [*self.rings.values(), *self.drings.values()]
@@ -75,9 +78,20 @@ class PeerStore:
             return False
         return True
 
-    def slot(self, rank: int, step: int, layout: Layout) -> tuple[Any, memoryview] | None:
+    def _stale(self, rank: int, step: int, generation: int) -> bool:
+        if generation >= self.generation:
+            return False
+        self._rejected(rank, step, f"sent in generation {generation}, now {self.generation}")
+        return True
+
+    def slot(
+        self, rank: int, step: int, layout: Layout, generation: int = -1
+    ) -> tuple[Any, memoryview] | None:
         """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
-        (no room: skipped). The token goes back to :meth:`written`."""
+        (no room, or sent in an ended generation: skipped). The token goes back to
+        :meth:`written`."""
+        if self._stale(rank, step, generation):
+            return None
         if self.delta:
             dring = self.drings.get(rank)
             if (dring is None or dring.layout() != layout) and not self._fits(rank, layout):
@@ -113,8 +127,11 @@ class PeerStore:
         tree: dict[str, Any] | None = None,
         checksum: str = "",
         why: str = "",
+        generation: int = -1,
     ) -> None:
         """A full replica arrived (``ok``: its checksum matched): hold it, or free its room."""
+        if ok and generation < self.generation:  # a generation ended while it was in flight
+            ok, why = False, f"sent in generation {generation}, now {self.generation}"
         if self.delta:
             if ok and layout is not None:
                 base = Base(step, layout, token, checksum, tree or {})
@@ -135,8 +152,10 @@ class PeerStore:
         self._inject(rank, step, slot.segment.buf, "memory")
         self.report("replica_held", rank=rank, step=step)
 
-    def base(self, rank: int, step: int, checksum: str) -> Base | None:
+    def base(self, rank: int, step: int, checksum: str, generation: int = -1) -> Base | None:
         """The base a delta of ``rank`` is made against, if held (else the sender sends it)."""
+        if generation < self.generation:
+            return None
         dring = self.drings.get(rank)
         return None if dring is None else dring.base(step, checksum)
 
@@ -150,8 +169,11 @@ class PeerStore:
         checksum: str,
         ok: bool,
         why: str = "",
+        generation: int = -1,
     ) -> None:
         """A delta arrived (``ok``: its own checksum matched): hold it against ``base``."""
+        if ok and generation < self.generation:
+            ok, why = False, f"sent in generation {generation}, now {self.generation}"
         if not ok:
             self._rejected(rank, step, why)
             return
@@ -167,6 +189,10 @@ class PeerStore:
         if dropped:
             self.report("replica_dropped", rank=rank, steps=dropped)
         held = self.nbytes()
+        if self.max_bytes and held > self.max_bytes:  # bases pinned by old steps, say
+            del dring.entries[entry.step]
+            self._rejected(rank, entry.step, f"--max-peer-memory {self.max_bytes:,} reached")
+            return
         if held > self.peak:  # the peak is what a node must have room for
             self.peak = held
             self.report("memory", rank=rank, tier=1, nbytes=held, scope="node")
@@ -283,6 +309,7 @@ class Replicator:
         self.announce: Callable[..., None] | None = None
         """Called as each transfer starts (fault injection cuts transfers in flight)."""
         self.sent: dict[int, int] = {}
+        self.generation = -1
         self._chans: dict[tuple[int, int], tuple[Address, Channel]] = {}
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(
@@ -309,27 +336,41 @@ class Replicator:
         assert slot is not None
         self.busy.add(rank)
         epoch = None if self.keeper is None else self.keeper.epoch
-        self.pool.submit(self._send, rank, step, slot, ring.layout(), epoch)
+        self.pool.submit(self._send, rank, step, slot, ring.layout(), epoch, self.generation)
 
-    def done(self, rank: int, step: int, ring: RankRing) -> None:
+    def done(self, rank: int, step: int, ring: RankRing, generation: int) -> None:
         self.busy.discard(rank)
-        self.sent[rank] = max(self.sent.get(rank, -1), step)
+        if generation == self.generation:  # a step of an ended generation was not sent now
+            self.sent[rank] = max(self.sent.get(rank, -1), step)
         if rank in self.pending:
             self.pending.discard(rank)
             self.offer(rank, ring)
 
-    def reset(self, restart: int) -> None:
+    def reset(self, restart: int, generation: int) -> None:
         """A new generation that restarts from ``restart``: the same steps may be sent
-        again, and a base taken after ``restart`` is of an abandoned timeline."""
+        again, a base taken after ``restart`` is of an abandoned timeline, and a transfer
+        queued before now is not sent (peers would refuse it anyway)."""
+        self.generation = generation
         self.sent.clear()
         if self.keeper is not None:
             self.keeper.discard_after(restart)
 
-    def _send(self, rank: int, step: int, slot: Slot, layout: Layout, epoch: int | None) -> None:
-        results = {}
+    def _send(
+        self, rank: int, step: int, slot: Slot, layout: Layout, epoch: int | None, generation: int
+    ) -> None:
+        results: dict[int, bool] = {}
         stats: dict[str, Any] = {}
         try:
-            send = self._sender(rank, step, slot, layout, epoch, stats)
+            if generation != self.generation:
+                return  # queued before a restore went back: maybe of an abandoned timeline
+            try:
+                send = self._sender(rank, step, slot, layout, epoch, generation, stats)
+            except Exception as e:  # the encode failed (memory, say): reported, not fatal
+                stats.clear()
+                for node in self.targets.get(rank, ()):
+                    results[node] = False
+                    self.post("replicate_failed", rank=rank, node=node, error=f"{e!r}")
+                return
             for node in self.targets.get(rank, ()):
                 try:
                     chan = self._channel(rank, node)
@@ -343,7 +384,15 @@ class Replicator:
                         "replicate_failed", rank=rank, node=node, error=f"{type(e).__name__}: {e}"
                     )
         finally:  # always: the slot is unleased and the rank's next snapshot can go
-            self.post("replicated", rank=rank, step=step, slot=slot, results=results, **stats)
+            self.post(
+                "replicated",
+                rank=rank,
+                step=step,
+                slot=slot,
+                results=results,
+                generation=generation,
+                **stats,
+            )
 
     def _sender(
         self,
@@ -352,6 +401,7 @@ class Replicator:
         slot: Slot,
         layout: Layout,
         epoch: int | None,
+        generation: int,
         stats: dict[str, Any],
     ) -> Callable[[Channel], bool]:
         """How ``step`` of ``rank`` goes to each peer: the full snapshot, or (delta mode) a

@@ -13,7 +13,9 @@ is checked, a delta is ``bytes``), so a server thread reads them without a lease
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +107,7 @@ class DeltaRing(CommitVotes):
         if old is not None and old.checksum == entry.checksum and old.base is entry.base:
             return []
         self.entries[entry.step] = entry
-        if entry.data is None and (self.latest is None or entry.step >= self.latest.step):
+        if entry.data is None:  # the sender's current base: its next deltas are against it
             self.latest = entry.base
         dropped = []
         while len(self.entries) > self.nslots:
@@ -196,6 +198,8 @@ class BaseKeeper:
         """Ranks whose last delta grew past the threshold: their next snapshot is a base."""
         self.epoch = 0
         """Bumped by :meth:`discard_after`: a transfer begun before it keeps no new base."""
+        self._lock = threading.Lock()
+        """Replication threads decide and store bases; the event loop discards them."""
 
     def base_for(
         self,
@@ -209,35 +213,39 @@ class BaseKeeper:
     ) -> tuple[Base, bool]:
         """The base to send ``step`` against, and whether it is new (``step`` itself).
         ``epoch`` is :attr:`epoch` when the transfer was queued."""
-        b = self.bases.get(rank)
-        if (
-            b is None
-            or b.layout != layout
-            or step <= b.step
-            or step - b.step >= self.base_every
-            or rank in self.renew
-        ):
-            copy = populated(layout.nbytes)
-            copy[:] = buf[: layout.nbytes]
-            b = Base(step, layout, copy, checksum, dict(tree))
+        with self._lock:
+            b = self.bases.get(rank)
+            if not (
+                b is None
+                or b.layout != layout
+                or step <= b.step
+                or step - b.step >= self.base_every
+                or rank in self.renew
+            ):
+                return b, False
+        copy = populated(layout.nbytes)
+        copy[:] = buf[: layout.nbytes]
+        b = Base(step, layout, copy, checksum, dict(tree))
+        with self._lock:
             if epoch is None or epoch == self.epoch:
                 self.bases[rank] = b
                 self.renew.discard(rank)
-            return b, True
-        return b, False
+        return b, True
 
     def encode(self, rank: int, b: Base, buf: memoryview) -> bytes:
         """The delta of ``buf`` against ``b``; a large one renews the base next time."""
         d = delta.encode(b.buf, buf[: b.layout.nbytes], itemsize=itemsize_of(b.layout))
         if d.nbytes > self.threshold * b.layout.nbytes:
-            self.renew.add(rank)
+            with self._lock:
+                self.renew.add(rank)
         return d.to_bytes()
 
     def discard_after(self, step: int) -> None:
         """A restore went back to ``step``: a base taken later is of an abandoned timeline."""
-        self.epoch += 1
-        for rank in [r for r, b in self.bases.items() if b.step > step]:
-            del self.bases[rank]
+        with self._lock:
+            self.epoch += 1
+            for rank in [r for r, b in self.bases.items() if b.step > step]:
+                del self.bases[rank]
 
     def nbytes(self) -> int:
         return sum(b.layout.nbytes for b in self.bases.values())
@@ -303,26 +311,30 @@ class DurableBase:
     layout: Layout
     data: memoryview
     """The data section of the full part written at ``step``."""
+    checksum: str
+    """Its data checksum, as in that step's COMMIT."""
 
 
 class DurableBases:
     """``--persist-deltas``, in the agent's tier-2 writer threads: each rank's part is written
     as a delta against the data section of the rank's newest full part when that step is
-    still committed, younger than ``base_every`` steps and the delta is at most
-    ``threshold`` of the data; else it is written full and becomes the base."""
+    still committed with these very bytes (its COMMIT's data checksum), younger than
+    ``base_every`` steps and the delta is at most ``threshold`` of the data; else it is
+    written full and becomes the base."""
 
     def __init__(self, base_every: int, threshold: float) -> None:
         self.base_every = base_every
         self.threshold = threshold
         self.bases: dict[int, DurableBase] = {}
 
-    def write(self, p: Part, committed: set[int]) -> PartInfo:
-        """Write ``p``, as a delta where it pays; ``committed`` are the steps a base may be."""
+    def write(self, p: Part, committed: Mapping[int, Mapping[int, str]]) -> PartInfo:
+        """Write ``p``, as a delta where it pays. ``committed``: step -> rank -> data checksum
+        of the full parts in tier 2 that a base may be."""
         data = contiguous(p.layout, p.slot.segment.buf)
         b = self.bases.get(p.rank)
         if (
             b is not None
-            and b.step in committed
+            and committed.get(b.step, {}).get(p.rank) == b.checksum
             and b.layout == p.layout
             and 0 < p.step - b.step < self.base_every
         ):
@@ -330,11 +342,11 @@ class DurableBases:
             if d.nbytes <= self.threshold * len(data):
                 return durable.write_delta_part(
                     p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
-                    p.slot.checksum, b.step, d.to_bytes(),
+                    p.slot.checksum, b.step, d.to_bytes(), b.checksum,
                 )  # fmt: skip
         info = durable.write_part(
             p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree, p.slot.segment.buf,
             p.slot.checksum,
         )  # fmt: skip
-        self.bases[p.rank] = DurableBase(p.step, p.layout, data)
+        self.bases[p.rank] = DurableBase(p.step, p.layout, data, p.slot.checksum)
         return info

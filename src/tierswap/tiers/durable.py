@@ -99,7 +99,7 @@ class StepInfo:
     parts: dict[int, PartInfo]
     """From COMMIT; empty if the step is not committed."""
     present_ranks: list[int]
-    """Ranks whose .safetensors and .json files are both in the folder."""
+    """Ranks whose .json and data file (.safetensors, or .delta) are both in the folder."""
     nbytes: int
     """Bytes of all files in the folder."""
     restorable: bool = False
@@ -201,16 +201,22 @@ def write_delta_part(
     data_checksum: str,
     base_step: int,
     delta_bytes: bytes,
+    base_checksum: str,
 ) -> PartInfo:
     """Write one rank's part as ``delta_bytes``: the delta of its data section (``layout``'s
-    tensors, contiguous) against the data section of its full part of ``base_step``."""
+    tensors, contiguous) against the data section of its full part of ``base_step``, whose
+    data checksum is ``base_checksum``."""
     if base_step >= step:
         raise ValueError(f"step {step}: a delta's base must be an older step, not {base_step}")
     fs, base = url_fs(root)
     folder = _step_dir(base, step)
     fs.makedirs(folder, exist_ok=True)
     write_atomic(fs, f"{folder}/{_part(rank, 'delta')}", [delta_bytes])
-    extra = {"base": base_step, "delta_checksum": checksum_bytes(delta_bytes)}
+    extra = {
+        "base": base_step,
+        "base_checksum": base_checksum,
+        "delta_checksum": checksum_bytes(delta_bytes),
+    }
     flayout = _file_layout(layout)
     return _write_meta(fs, folder, step, rank, world_size, flayout, tree, data_checksum, extra)
 
@@ -357,6 +363,8 @@ def _read_delta(
     bpart = base_parts.get(rank)
     if bpart is None or bpart.base is not None:
         raise CorruptPartError(path, f"step {base_step} holds no full part of rank {rank}")
+    if bpart.data != meta.get("base_checksum"):
+        raise CorruptPartError(path, f"step {base_step} was rewritten: not the base it was made on")
     blayout, _, bdata = _read(fs, root, base_step, rank, bpart, keep=True)
     if blayout != layout:
         raise CorruptPartError(path, f"the layout differs from its base's (step {base_step})")
@@ -442,9 +450,11 @@ def _step_info(fs: Any, base: str, step: int) -> StepInfo:
     files = fs.ls(_step_dir(base, step), detail=True)
     sizes = {posixpath.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in files}
     present = sorted(
-        int(m.group(1))
-        for name in sizes
-        if (m := _PART_RE.fullmatch(name)) and f"rank-{m.group(1)}.json" in sizes
+        {
+            int(m.group(1))
+            for name in sizes
+            if (m := _PART_RE.fullmatch(name)) and f"rank-{m.group(1)}.json" in sizes
+        }
     )
     world_size: int | None = None
     parts: dict[int, PartInfo] = {}

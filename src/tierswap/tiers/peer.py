@@ -119,7 +119,8 @@ class ReplicaServer:
     def _receive(self, chan: Channel, msg: dict[str, Any]) -> None:
         rank, step = int(msg["rank"]), int(msg["step"])
         layout = Layout.from_json(msg["layout"])
-        got = self.ask("replica_slot", rank=rank, step=step, layout=layout)
+        generation = int(msg.get("generation", -1))
+        got = self.ask("replica_slot", rank=rank, step=step, layout=layout, generation=generation)
         chan.send("ready", ok=got is not None)
         if got is None:
             return
@@ -135,6 +136,7 @@ class ReplicaServer:
                 ok=False,
                 step=step,
                 why="transfer cut off",
+                generation=generation,
             )
             raise
         self.ask("replica_received", rank=rank, step=step, buf=buf)  # fault injection
@@ -149,19 +151,25 @@ class ReplicaServer:
             tree=msg["tree"],
             checksum=msg["checksum"],
             why="" if ok else "checksum mismatch",
+            generation=generation,
         )
         chan.send("ok", accepted=ok)
 
     def _receive_delta(self, chan: Channel, msg: dict[str, Any]) -> None:
         rank, step = int(msg["rank"]), int(msg["step"])
+        generation = int(msg.get("generation", -1))
         base = self.ask(
-            "replica_base", rank=rank, step=int(msg["base_step"]), checksum=msg["base_checksum"]
+            "replica_base",
+            rank=rank,
+            step=int(msg["base_step"]),
+            checksum=msg["base_checksum"],
+            generation=generation,
         )
         chan.send("ready", ok=base is not None, need="base" if base is None else "")
         if base is None:
             return
         data = bytearray(int(msg["nbytes"]))
-        fields = {"rank": rank, "step": step, "base": base, "data": data}
+        fields = {"rank": rank, "step": step, "base": base, "data": data, "generation": generation}
         try:
             chan.recv_raw_into(memoryview(data))
         except BaseException:
@@ -225,6 +233,7 @@ def push(
     tree: dict[str, Any],
     checksum: str,
     buf: memoryview,
+    generation: int = -1,
 ) -> bool:
     """Send one replica to a peer; True when it was stored and its checksum matched."""
     reply = chan.call(
@@ -232,6 +241,7 @@ def push(
         timeout=60,
         rank=rank,
         step=step,
+        generation=generation,
         layout=layout.to_json(),
         tree=tree,
         checksum=checksum,
@@ -253,6 +263,7 @@ def push_delta(
     data: bytes,
     tree: dict[str, Any],
     checksum: str,
+    generation: int = -1,
 ) -> bool | None:
     """Send one replica as a delta against ``base``: True when stored, False when refused,
     None when the peer does not hold ``base`` (send it first)."""
@@ -261,6 +272,7 @@ def push_delta(
         timeout=60,
         rank=rank,
         step=step,
+        generation=generation,
         base_step=base.step,
         base_checksum=base.checksum,
         nbytes=len(data),
