@@ -312,3 +312,21 @@ def test_a_replica_sent_in_an_ended_generation_is_refused(mode: str) -> None:
         assert store.base(0, 5, r.checksum, generation=2) is None
     finally:
         store.close()
+
+
+def test_bench_reads_peer_memory_per_node_from_the_event_log() -> None:
+    from tierswap.bench.deltajobs import peer_memory
+
+    full = [  # reserved rings, per rank held for others, per node
+        {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 400},
+        {"event": "memory", "node": 0, "rank": 3, "tier": 1, "bytes": 400},
+        {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 500},
+        {"event": "memory", "node": 1, "rank": 0, "tier": 0, "bytes": 9999},
+    ]
+    assert peer_memory(full) == 800
+    delta = [  # peaks of what a node holds
+        {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 100, "scope": "node"},
+        {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 250, "scope": "node"},
+        {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 200, "scope": "node"},
+    ]
+    assert peer_memory(delta) == 250

@@ -20,7 +20,10 @@ event log:
 - peer memory per node: what a node holds for its peers at its peak (full: the slot rings it
   reserved, ``memory`` events of tier 1; delta: the bases and deltas held, ``scope: node``);
 - bytes per snapshot: ``replica_traffic`` (delta mode), bytes sent over bytes of the full
-  snapshots they stand for, bases included; and the agent's encode throughput.
+  snapshots they stand for, bases included; and the agent's encode throughput;
+- tier-1 commits per step: the steps that reached peer memory on every rank over the steps
+  trained. Replication sends each rank's newest snapshot when its previous transfer ends,
+  so a slower transfer (or encode) protects fewer steps, and a failure redoes more.
 
 Every run trains the same steps, so the job's own work is the same in each mode.
 """
@@ -87,6 +90,8 @@ def _run(work: Path, name: str, workload: str, mode: str) -> dict[str, Any]:
         raise RuntimeError(f"benchmark job {name} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     evs = _events(run_dir)
     out: dict[str, Any] = {"step_s": _step_s(evs), "peer_bytes": peer_memory(evs)}
+    commits = [e for e in evs if e["event"] == "snapshot_committed" and e["tier"] == 1]
+    out["tier1_per_step"] = len(commits) / STEPS
     snap = [e["bytes"] for e in evs if e["event"] == "memory" and e["tier"] == 0]
     out["snapshot_bytes"] = snap[0] // 4 if snap else 0  # tier 0 reserves 4 slots a rank
     traffic = [e for e in evs if e["event"] == "replica_traffic"]
@@ -129,6 +134,7 @@ def _summary(
             "step_s": stats([r["step_s"] for r in rs]),
             "overhead": stats([r["step_s"] / b - 1 for r, b in zip(rs, base, strict=True)]),
             "peer_bytes": max(r["peer_bytes"] for r in rs),
+            "tier1_per_step": stats([r["tier1_per_step"] for r in rs]),
         }
     d = runs[(workload, "delta")]
     out["delta"].update(
@@ -150,7 +156,7 @@ def report(res: Mapping[str, Any]) -> None:
 
     table = Table(title=f"2-node jobs, {STEPS} steps, medians (min–max) over repeats")
     for col in ("workload", "snapshot MB", "tier 1", "step ms", "vs tier 0", "peer MB/node",
-                "bytes/full", "encode GB/s"):  # fmt: skip
+                "bytes/full", "encode GB/s", "tier-1 commits/step"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("workload", "tier 1") else "right")
     for name, w in res.items():
         for mode in ("full", "delta"):
@@ -167,6 +173,7 @@ def report(res: Mapping[str, Any]) -> None:
                 f"{m['peer_bytes'] / 1e6:.1f}",
                 f"{ratio['median']:.3f}" if ratio else "1",
                 f"{enc['median'] / 1e9:.2f}" if enc and enc.get("median") else "",
+                f"{m['tier1_per_step']['median']:.2f}",
                 end_section=mode == "delta",
             )
     Console(width=160).print(table)

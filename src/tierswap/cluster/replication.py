@@ -407,25 +407,26 @@ class Replicator:
         """How ``step`` of ``rank`` goes to each peer: the full snapshot, or (delta mode) a
         delta against the rank's base, preceded by the base for a peer that lacks it. The
         delta is encoded once, here, in the agent; ``stats`` gets its size and time."""
-        buf = slot.segment.buf
+        buf, g = slot.segment.buf, generation
         if self.keeper is None:
-            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf)
+            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
         base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
-        stats.update(full=layout.nbytes, kind="base" if new else "delta")
         if new:
-            stats["nbytes"] = layout.nbytes
-            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf)
+            stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes)
+            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
         t0 = time.perf_counter()
         data = self.keeper.encode(rank, base, buf)
-        stats.update(nbytes=len(data), encode_s=time.perf_counter() - t0)
+        stats.update(
+            full=layout.nbytes, kind="delta", nbytes=len(data), encode_s=time.perf_counter() - t0
+        )
 
         def send(chan: Channel) -> bool:
-            ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum)
+            ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum, g)
             if ok is None:  # the peer lacks the base (new, or it dropped it): base first
                 b = base
-                if not push(chan, rank, b.step, b.layout, b.tree, b.checksum, b.buf):
+                if not push(chan, rank, b.step, b.layout, b.tree, b.checksum, b.buf, g):
                     return False
-                ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum)
+                ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum, g)
             return bool(ok)
 
         return send
