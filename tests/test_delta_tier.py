@@ -62,7 +62,7 @@ def test_every_step_rebuilds_bit_for_bit_from_base_and_one_delta() -> None:
     replicas = _replicas(6)
     base, entries = _entries(replicas)
     for e, r in zip(entries, replicas, strict=True):
-        assert bytes(e.rebuild("test")) == bytes(r.buf)
+        assert bytes(e.rebuild(0, "test")) == bytes(r.buf)
         assert e.data is None or e.nbytes < base.layout.nbytes / 4, "a small change is small"
 
 
@@ -122,7 +122,7 @@ def test_a_delta_against_another_base_is_refused_on_rebuild() -> None:
     other, _ = _entries(replicas, base_at=1)
     wrong = Entry(3, other, entries[3].data, entries[3].tree, entries[3].checksum)
     with pytest.raises(CorruptPartError, match="not the one the delta was made against"):
-        wrong.rebuild("rank 0 step 3")
+        wrong.rebuild(0, "rank 0 step 3")
 
 
 # ---------------------------------------------------------------- the sender's base
@@ -286,7 +286,7 @@ def test_planner_prefers_a_full_replica_to_a_delta_that_must_be_decoded() -> Non
 def test_checksum_of_a_rebuilt_replica_is_the_snapshot_checksum() -> None:
     replicas = _replicas(3)
     _, entries = _entries(replicas)
-    out = entries[2].rebuild("x")
+    out = entries[2].rebuild(0, "x")
     assert checksum_chunks(replicas[2].layout.chunks(out)) == replicas[2].checksum
 
 
@@ -330,3 +330,49 @@ def test_bench_reads_peer_memory_per_node_from_the_event_log() -> None:
         {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 200, "scope": "node"},
     ]
     assert peer_memory(delta) == 250
+
+
+def test_a_base_lost_from_memory_is_read_back_from_tier_2(tmp_path: Any) -> None:
+    """Delta mode with --persist: the sender wrote the base to tier 2, so a peer whose copy
+    went bad keeps its deltas and rebuilds them from the durable base, bit for bit."""
+    from tierswap.tiers import durable
+
+    replicas = _replicas(4)
+    base, entries = _entries(replicas)
+    root = str(tmp_path / "memory-bases")
+    assert base.buf is not None
+    durable.write_part(root, 0, 0, 1, base.layout, base.tree, base.buf, base.checksum)
+    base.durable = root
+    ring = DeltaRing(rank=0, nslots=8)
+    for e in entries:
+        ring.put(e)
+    base.buf[3] ^= 0x20
+    assert ring.verify() == [0], "only the base's own step (the base itself) is gone"
+    assert ring.kinds() == {1: "delta+durable", 2: "delta+durable", 3: "delta+durable"}
+    assert bytes(ring.entries[3].rebuild(0, "t")) == bytes(replicas[3].buf)
+    durable.remove_part(root, 0, 0)
+    with pytest.raises(CorruptPartError, match="base step 0 in tier 2"):
+        ring.entries[3].rebuild(0, "t")
+
+
+def test_planner_reads_tier_2_rather_than_a_delta_whose_base_is_there_too() -> None:
+    peer_only = Holdings(
+        world_size=2,
+        memory={0: frozenset({5})},
+        memory_node={0: 0},
+        peer={1: {0: frozenset({5})}},
+        peer_delta={1: {0: frozenset({5})}},
+        peer_durable_base={1: {0: frozenset({5})}},
+        durable=frozenset({3}),
+    )
+    assert plan_restore(peer_only).sources[1] == Source(Tier.PEER, 0), "tier 2 lacks step 5"
+    both = Holdings(
+        world_size=2,
+        memory={0: frozenset({5})},
+        memory_node={0: 0},
+        peer={1: {0: frozenset({5})}},
+        peer_delta={1: {0: frozenset({5})}},
+        peer_durable_base={1: {0: frozenset({5})}},
+        durable=frozenset({5}),
+    )
+    assert plan_restore(both).sources[1] == Source(Tier.DURABLE)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
+from tierswap.tiers import durable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -142,8 +143,9 @@ def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path:
 def test_corrupt_replica_is_detected_and_not_used(
     tmp_path: Path, baseline, where: str, tiers: str
 ) -> None:
-    """A corrupt full replica, a corrupt delta, or the corrupt base of every delta: none is
-    a source, and the lost rank comes from tier 2 instead."""
+    """A corrupt full replica or a corrupt delta is never a source: the lost rank comes from
+    tier 2 instead. A corrupt base in a peer's memory is dropped there; its deltas are sound
+    and the sender wrote the base to tier 2, so the peer rebuilds them on that copy."""
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
@@ -165,6 +167,17 @@ def test_corrupt_replica_is_detected_and_not_used(
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
+    if where == "base":  # its deltas are sound, and the sender wrote the base to tier 2
+        lost = events(run_dir, "replica_base_lost")
+        assert lost and all(e["rank"] == 1 for e in lost)
+        restored = events(run_dir, "restored")[-1]
+        if _restored(run_dir)[1] == 1:
+            (served,) = events(run_dir, "replica_served")
+            assert served["kind"] == "delta+durable", "rebuilt on the base read back from disk"
+        else:  # tier 2 holds the step itself: one read of its part is cheaper
+            assert restored["step"] in durable.restorable_steps(str(persist))
+        assert (persist / "memory-bases").is_dir()
+        return
     rejected = events(run_dir, "replica_rejected")
     assert rejected and all(e["rank"] == 1 for e in rejected)
     assert _restored(run_dir)[1] == 2, "a corrupt replica is never a source"

@@ -7,9 +7,10 @@ A pure function, so every case can be tested without processes. Rules:
 - For each rank the fastest tier holding that step wins: its own node's memory (tier 0),
   then a peer's memory (tier 1), then durable storage (tier 2). Among the peers that hold
   it, the cheapest: a replica held as a delta costs a decode against its base on top of
-  the transfer (``DECODE_COST`` transfers), and each rank already given to a peer costs
-  one transfer more there, so the ranks spread over the holders and are fetched in
-  parallel.
+  the transfer (``DECODE_COST`` transfers), one whose base the peer must first read back
+  from tier 2 costs that read too (``BASE_READ_COST``; when tier 2 holds the step itself,
+  its part is read instead), and each rank already given to a peer costs one transfer
+  more there, so the ranks spread over the holders and are fetched in parallel.
 - Parts known to be corrupt are not sources; a step passed over is named with the reason.
 """
 
@@ -22,6 +23,9 @@ from enum import IntEnum
 DECODE_COST = 1.0
 """A delta's decode in units of one full transfer: the codec rebuilds at about the speed of
 the loopback network (``tierswap bench delta``), so base + delta costs about two."""
+BASE_READ_COST = 1.0
+"""Reading a delta's base back from tier 2 (its peer lost it from memory), in the same
+units: a local disk read measured about as fast as a peer fetch (``bench replication``)."""
 
 
 class Tier(IntEnum):
@@ -50,6 +54,8 @@ class Holdings:
     """rank -> node -> steps that node holds as tier-1 replicas of the rank."""
     peer_delta: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
     """rank -> node -> the steps of ``peer`` held as a delta against a base."""
+    peer_durable_base: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
+    """rank -> node -> the steps of ``peer_delta`` whose base only tier 2 still holds."""
     durable: frozenset[int] = frozenset()
     """Steps committed in tier 2 by a job of the same world size."""
     bad: frozenset[tuple[Tier, int, int]] = frozenset()
@@ -72,16 +78,21 @@ def _source(h: Holdings, step: int, rank: int, load: dict[int, float]) -> Source
     if step in h.memory.get(rank, ()) and (Tier.MEMORY, step, rank) not in h.bad:
         return Source(Tier.MEMORY, h.memory_node.get(rank))
     holders = sorted(n for n, steps in h.peer.get(rank, {}).items() if step in steps)
+    durable_ok = step in h.durable and (Tier.DURABLE, step, rank) not in h.bad
     if holders and (Tier.PEER, step, rank) not in h.bad:
         deltas = h.peer_delta.get(rank, {})
+        from_disk = h.peer_durable_base.get(rank, {})
+        if durable_ok and all(step in from_disk.get(n, ()) for n in holders):
+            return Source(Tier.DURABLE)  # one read of the part beats base read + delta
 
         def cost(n: int) -> float:
-            return 1.0 + (DECODE_COST if step in deltas.get(n, ()) else 0.0)
+            c = 1.0 + (DECODE_COST if step in deltas.get(n, ()) else 0.0)
+            return c + (BASE_READ_COST if step in from_disk.get(n, ()) else 0.0)
 
         node = min(holders, key=lambda n: (load.get(n, 0.0) + cost(n), n))
         load[node] = load.get(node, 0.0) + cost(node)
         return Source(Tier.PEER, node)
-    if step in h.durable and (Tier.DURABLE, step, rank) not in h.bad:
+    if durable_ok:
         return Source(Tier.DURABLE)
     return None
 

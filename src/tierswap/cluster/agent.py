@@ -33,7 +33,7 @@ from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
 from tierswap.tiers import durable
-from tierswap.tiers.deltas import BaseKeeper, DurableBases, Part
+from tierswap.tiers.deltas import MEMORY_BASES, BaseKeeper, DurableBases, Part
 from tierswap.tiers.memory import RankRing, Slot
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
@@ -87,7 +87,12 @@ class Agent:
         keeper = None
         if cfg.memory_tiers == "delta":
             keeper = BaseKeeper(cfg.base_every, cfg.delta_threshold)
-        self.replicator = Replicator(secret, host, self._post, cfg.nproc_per_node, keeper)
+        base_root = None
+        if keeper is not None and cfg.persist is not None:
+            base_root = f"{cfg.persist.rstrip('/')}/{MEMORY_BASES}"
+        self.replicator = Replicator(
+            secret, host, self._post, cfg.nproc_per_node, keeper, base_root, cfg.world_size
+        )
         self.durable_bases = None
         if cfg.persist_deltas:
             self.durable_bases = DurableBases(cfg.base_every, cfg.delta_threshold)

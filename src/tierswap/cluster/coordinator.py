@@ -43,6 +43,13 @@ from tierswap.tiers import peer
 from tierswap.tiers.deltas import Traffic
 from tierswap.wire import Channel, Message, reader, serve
 
+LOGGED: dict[str, tuple[str, ...]] = {
+    "replica_served": ("rank", "step", "kind", "base_step"),
+    "replica_base_lost": ("rank", "step", "kept"),
+}
+"""Agent messages that only go to the event log (as events of the same name), with the
+fields kept."""
+
 
 class JobStopped(Exception):
     """The job cannot go on; the message says why and what is kept."""
@@ -177,6 +184,9 @@ class Coordinator:
         if host is None and op != "hello":
             return  # a host already declared lost (fenced): what it says no longer counts
         node = self.hosts.node_of(host)
+        if op in LOGGED:  # a fact for the event log, nothing to decide
+            self.log.emit(op, node=node, **{k: msg[k] for k in LOGGED[op]})
+            return
         handler = getattr(self, f"_on_{op}", None)
         if handler is None:
             raise JobStopped(f"unknown message {op!r} from host {host}")
@@ -700,10 +710,6 @@ class Coordinator:
             bytes=msg["nbytes"],
             **scope,
         )
-
-    def _on_replica_served(self, chan: Channel, node: int | None, msg: Message) -> None:
-        fields = {k: msg[k] for k in ("rank", "step", "kind", "base_step")}
-        self.log.emit("replica_served", node=node, **fields)
 
     def _on_replica_sent(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.traffic.add(msg["kind"], int(msg["nbytes"]), int(msg["full"]), msg["encode_s"])

@@ -17,6 +17,7 @@ from tierswap.checksum import checksum_chunks
 from tierswap.config import Injection
 from tierswap.shm import populated
 from tierswap.state import Layout
+from tierswap.tiers import durable
 from tierswap.tiers.deltas import Base, BaseKeeper, DeltaRing, Entry
 from tierswap.tiers.memory import RankRing, Slot, SlotState
 from tierswap.tiers.peer import Lease, push, push_delta
@@ -134,10 +135,10 @@ class PeerStore:
             ok, why = False, f"sent in generation {generation}, now {self.generation}"
         if self.delta:
             if ok and layout is not None:
-                base = Base(step, layout, token, checksum, tree or {})
-                self._put(rank, Entry(step, base, None, tree or {}, checksum))
-                self._inject(rank, step, base.buf, "base")
-                self._inject(rank, step, base.buf, "memory")
+                self._put(rank, Entry(step, Base(step, layout, token, checksum, tree or {}),
+                                      None, tree or {}, checksum))  # fmt: skip
+                self._inject(rank, step, token, "base")
+                self._inject(rank, step, token, "memory")
             else:
                 self._rejected(rank, step, why or "checksum mismatch")
             return
@@ -170,13 +171,17 @@ class PeerStore:
         ok: bool,
         why: str = "",
         generation: int = -1,
+        base_durable: str | None = None,
     ) -> None:
-        """A delta arrived (``ok``: its own checksum matched): hold it against ``base``."""
+        """A delta arrived (``ok``: its own checksum matched): hold it against ``base``,
+        which tier 2 also holds under ``base_durable`` once the sender wrote it there."""
         if ok and generation < self.generation:
             ok, why = False, f"sent in generation {generation}, now {self.generation}"
         if not ok:
             self._rejected(rank, step, why)
             return
+        if base_durable and base.durable is None:
+            base.durable = base_durable
         self._put(rank, Entry(step, base, data, tree, checksum))
         self._inject(rank, step, memoryview(data), "memory")
 
@@ -218,8 +223,8 @@ class PeerStore:
                 entry.base.layout,
                 entry.tree,
                 entry.checksum,
-                partial(entry.rebuild, where),
-                kind="base" if entry.data is None else "delta",
+                partial(entry.rebuild, rank, where),
+                kind=entry.kind,
                 base_step=entry.base.step,
             )
         ring = self.rings.get(rank)
@@ -243,9 +248,10 @@ class PeerStore:
         return out
 
     def kinds(self) -> dict[str, dict[str, str]]:
-        """rank -> step -> "delta" for the replicas a restore must decode first."""
+        """rank -> step -> "delta" or "delta+durable" for the replicas a restore must decode
+        first (the second after reading its base back from tier 2)."""
         return {
-            str(r): {str(s): k for s, k in d.kinds().items() if k == "delta"}
+            str(r): {str(s): k for s, k in d.kinds().items() if k != "base"}
             for r, d in self.drings.items()
         }
 
@@ -258,7 +264,12 @@ class PeerStore:
                     slot.state, slot.step = SlotState.FREE, -1
                     bad.append((rank, step))
         for rank, dring in self.drings.items():
+            in_memory = [b for b in dring.bases() if b.buf is not None]
             bad.extend((rank, step) for step in dring.verify())
+            for b in in_memory:
+                if b.buf is None:
+                    kept = sorted(s for s, e in dring.entries.items() if e.base is b)
+                    self.report("replica_base_lost", rank=rank, step=b.step, kept=kept)
         return bad
 
     def propose(self, step: int, ranks: list[int]) -> bool:
@@ -296,10 +307,18 @@ class Replicator:
         post: Callable[..., None],
         threads: int,
         keeper: BaseKeeper | None = None,
+        base_root: str | None = None,
+        world_size: int = 0,
     ) -> None:
         self.secret = secret
         self.keeper = keeper
         """Set for ``--memory-tiers delta``: each rank's base, and when to renew it."""
+        self.base_root = base_root
+        """Delta mode with ``--persist``: every base is also written to tier 2 here (in this
+        thread, after it went to the peers), so a peer that loses it can read it back."""
+        self.world_size = world_size
+        self.persisted: dict[int, list[int]] = {}
+        """rank -> base steps written under ``base_root``, oldest first (two are kept)."""
         self.node = node
         self.post = post
         self.targets: dict[int, tuple[int, ...]] = {}
@@ -364,7 +383,7 @@ class Replicator:
             if generation != self.generation:
                 return  # queued before a restore went back: maybe of an abandoned timeline
             try:
-                send = self._sender(rank, step, slot, layout, epoch, generation, stats)
+                send, base = self._sender(rank, step, slot, layout, epoch, generation, stats)
             except Exception as e:  # the encode failed (memory, say): reported, not fatal
                 stats.clear()
                 for node in self.targets.get(rank, ()):
@@ -383,6 +402,8 @@ class Replicator:
                     self.post(
                         "replicate_failed", rank=rank, node=node, error=f"{type(e).__name__}: {e}"
                     )
+            if base is not None and base.step == step and self.base_root is not None:
+                self._persist_base(rank, base)
         finally:  # always: the slot is unleased and the rank's next snapshot can go
             self.post(
                 "replicated",
@@ -403,17 +424,21 @@ class Replicator:
         epoch: int | None,
         generation: int,
         stats: dict[str, Any],
-    ) -> Callable[[Channel], bool]:
+    ) -> tuple[Callable[[Channel], bool], Base | None]:
         """How ``step`` of ``rank`` goes to each peer: the full snapshot, or (delta mode) a
         delta against the rank's base, preceded by the base for a peer that lacks it. The
         delta is encoded once, here, in the agent; ``stats`` gets its size and time."""
         buf, g = slot.segment.buf, generation
         if self.keeper is None:
-            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+            return (
+                lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+            ), None
         base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
         if new:
             stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes)
-            return lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+            return (
+                lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+            ), base
         t0 = time.perf_counter()
         data = self.keeper.encode(rank, base, buf)
         stats.update(
@@ -424,12 +449,29 @@ class Replicator:
             ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum, g)
             if ok is None:  # the peer lacks the base (new, or it dropped it): base first
                 b = base
+                assert b.buf is not None
                 if not push(chan, rank, b.step, b.layout, b.tree, b.checksum, b.buf, g):
                     return False
                 ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum, g)
             return bool(ok)
 
-        return send
+        return send, base
+
+    def _persist_base(self, rank: int, base: Base) -> None:
+        """Write a new base to tier 2 (``base_root``) and drop the one before the last."""
+        assert self.base_root is not None and base.buf is not None
+        try:
+            durable.write_part(
+                self.base_root, base.step, rank, self.world_size, base.layout, base.tree,
+                base.buf, base.checksum,
+            )  # fmt: skip
+            base.durable = self.base_root
+            steps = self.persisted.setdefault(rank, [])
+            steps.append(base.step)
+            while len(steps) > 2:  # peers may still hold steps on the previous one
+                durable.remove_part(self.base_root, steps.pop(0), rank)
+        except Exception as e:  # reported; the peers still hold the base in memory
+            self.post("replicate_failed", rank=rank, node=-1, error=f"base to tier 2: {e!r}")
 
     def _channel(self, rank: int, node: int) -> Channel:
         address = self.addresses[node]

@@ -33,10 +33,16 @@ def collect(
         for rank, steps in per_rank.items():
             peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
     deltas: dict[int, dict[int, frozenset[int]]] = {}
+    from_disk: dict[int, dict[int, frozenset[int]]] = {}
     for node, per_rank in (peer_deltas or {}).items():
-        for rank, steps in per_rank.items():
-            deltas.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
-    return Holdings(world_size, memory, memory_node, peers, deltas, durable_steps, frozenset(bad))
+        for rank, kinds in per_rank.items():
+            deltas.setdefault(int(rank), {})[node] = frozenset(int(s) for s in kinds)
+            from_disk.setdefault(int(rank), {})[node] = frozenset(
+                int(s) for s, k in kinds.items() if k == "delta+durable"
+            )
+    return Holdings(
+        world_size, memory, memory_node, peers, deltas, from_disk, durable_steps, frozenset(bad)
+    )
 
 
 def committed_steps(root: str, world_size: int) -> frozenset[int]:

@@ -28,6 +28,10 @@ from tierswap.tiers import durable
 from tierswap.tiers.durable import PartInfo
 from tierswap.tiers.memory import CommitVotes, Slot
 
+MEMORY_BASES = "memory-bases"
+"""Folder under the ``--persist`` root where delta mode writes tier 1's bases: one part per
+rank and base step (``memory-bases/step-N/rank-R.*``), no COMMIT; never a restorable step."""
+
 
 def itemsize_of(layout: Layout) -> int:
     """The element width that covers most of the snapshot's bytes: the delta codec splits
@@ -44,12 +48,34 @@ class Base:
 
     step: int
     layout: Layout
-    buf: memoryview
+    buf: memoryview | None
+    """Its bytes in memory; None once only tier 2 holds them (see ``durable``)."""
     checksum: str
     tree: dict[str, Any]
+    durable: str | None = None
+    """The tier-2 root its part was written under (``--persist``): where a peer that lost
+    the bytes reads them back."""
 
     def verify(self) -> bool:
-        return checksum_chunks(self.layout.chunks(self.buf)) == self.checksum
+        """Whether its bytes are intact (a base only in tier 2 is checked when read)."""
+        return self.buf is None or checksum_chunks(self.layout.chunks(self.buf)) == self.checksum
+
+    def bytes(self, rank: int, where: str) -> memoryview:
+        """Its bytes: from memory, or read back from tier 2 into the slot layout."""
+        if self.buf is not None:
+            return self.buf
+        if self.durable is None:
+            raise CorruptPartError(where, f"base step {self.step} is gone from memory and disk")
+        try:
+            flayout, _, data = durable.read_part(self.durable, self.step, rank)
+        except (CorruptPartError, OSError) as e:
+            raise CorruptPartError(where, f"base step {self.step} in tier 2: {e}") from e
+        if flayout.signature() != self.layout.signature():
+            raise CorruptPartError(where, f"base step {self.step} in tier 2 has another layout")
+        out = spread(self.layout, data)
+        if checksum_chunks(self.layout.chunks(out)) != self.checksum:
+            raise CorruptPartError(where, f"base step {self.step} in tier 2 is not this base")
+        return out
 
 
 @dataclass(slots=True)
@@ -67,16 +93,37 @@ class Entry:
     def nbytes(self) -> int:
         return 0 if self.data is None else len(self.data)
 
-    def rebuild(self, where: str) -> memoryview:
+    @property
+    def kind(self) -> str:
+        """ "base", "delta", or "delta+durable" (its base must be read from tier 2 first)."""
+        if self.data is None:
+            return "base"
+        return "delta" if self.base.buf is not None else "delta+durable"
+
+    def rebuild(self, rank: int, where: str) -> memoryview:
         """The full snapshot. Raises CorruptPartError when it cannot be rebuilt bit for bit."""
         if self.data is None:
+            if self.base.buf is None:
+                raise CorruptPartError(where, "the base itself is no longer held")
             return self.base.buf
+        base = self.base.bytes(rank, where)
         d = delta.Delta.from_bytes(self.data, where=where)
         out = populated(self.base.layout.nbytes)
-        delta.decode_into(self.base.buf, d, out, where=where)
+        delta.decode_into(base, d, out, where=where)
         if checksum_chunks(self.base.layout.chunks(out)) != self.checksum:
             raise CorruptPartError(where, "the rebuilt snapshot does not match its checksum")
         return out
+
+
+def spread(layout: Layout, data: memoryview) -> memoryview:
+    """The inverse of :func:`contiguous`: a data section back into ``layout``'s offsets
+    (padding zero, as in a fresh slot)."""
+    out = populated(layout.nbytes)
+    offset = 0
+    for e in layout.entries:
+        out[e.offset : e.offset + e.nbytes] = data[offset : offset + e.nbytes]
+        offset += e.nbytes
+    return out
 
 
 class DeltaRing(CommitVotes):
@@ -97,7 +144,7 @@ class DeltaRing(CommitVotes):
     def base(self, step: int, checksum: str) -> Base | None:
         """The base of ``step`` if held and it is the one named (same checksum)."""
         for b in self.bases():
-            if b.step == step and b.checksum == checksum:
+            if b.step == step and b.checksum == checksum and b.buf is not None:
                 return b
         return None
 
@@ -141,8 +188,8 @@ class DeltaRing(CommitVotes):
         return {s: e.checksum for s, e in self.entries.items()}
 
     def kinds(self) -> dict[int, str]:
-        """step -> "base" or "delta": what a restore of it costs (a decode or not)."""
-        return {s: "base" if e.data is None else "delta" for s, e in self.entries.items()}
+        """step -> :attr:`Entry.kind`: what a restore of it costs."""
+        return {s: e.kind for s, e in self.entries.items()}
 
     def bases(self) -> list[Base]:
         """The bases still needed by a held step, and the latest one (each once)."""
@@ -152,14 +199,17 @@ class DeltaRing(CommitVotes):
         return list(seen.values())
 
     def verify(self) -> list[int]:
-        """Check every base and every delta's own checksum; drop what is corrupt (and every
-        delta of a corrupt base). Returns the steps dropped."""
-        bad_bases = {id(b) for b in self.bases() if not b.verify()}
-        if self.latest is not None and id(self.latest) in bad_bases:
-            self.latest = None
+        """Check every base and every delta's own checksum; drop what is corrupt. A corrupt
+        base in memory is dropped from memory: its deltas stay when tier 2 holds it (read
+        back for a restore), and go with it when not. Returns the steps dropped."""
+        for b in self.bases():
+            if not b.verify():
+                b.buf = None  # the durable copy, if any, is checked when it is read
+        if self.latest is not None and self.latest.buf is None:
+            self.latest = None  # the sender sends it again
         bad = []
         for s, e in list(self.entries.items()):
-            ok = id(e.base) not in bad_bases
+            ok = e.base.buf is not None or (e.data is not None and e.base.durable is not None)
             if ok and e.data is not None:
                 try:
                     delta.Delta.from_bytes(e.data)
@@ -171,7 +221,7 @@ class DeltaRing(CommitVotes):
         return sorted(bad)
 
     def nbytes(self) -> int:
-        return sum(b.layout.nbytes for b in self.bases()) + sum(
+        return sum(b.layout.nbytes for b in self.bases() if b.buf is not None) + sum(
             e.nbytes for e in self.entries.values()
         )
 
@@ -234,6 +284,7 @@ class BaseKeeper:
 
     def encode(self, rank: int, b: Base, buf: memoryview) -> bytes:
         """The delta of ``buf`` against ``b``; a large one renews the base next time."""
+        assert b.buf is not None  # the sender's own bases are always in memory
         d = delta.encode(b.buf, buf[: b.layout.nbytes], itemsize=itemsize_of(b.layout))
         if d.nbytes > self.threshold * b.layout.nbytes:
             with self._lock:

@@ -221,6 +221,18 @@ def write_delta_part(
     return _write_meta(fs, folder, step, rank, world_size, flayout, tree, data_checksum, extra)
 
 
+def remove_part(root: str, step: int, rank: int) -> None:
+    """Delete one rank's files of ``step`` (and the step's folder once empty)."""
+    fs, base = url_fs(root)
+    folder = _step_dir(base, step)
+    for ext in ("json", "safetensors", "delta"):  # the json first: no half part is listed
+        path = f"{folder}/{_part(rank, ext)}"
+        if fs.exists(path):
+            fs.rm(path)
+    if fs.exists(folder) and not fs.ls(folder, detail=False):
+        fs.rmdir(folder)
+
+
 def _write_meta(
     fs: Any,
     folder: str,

@@ -169,7 +169,14 @@ class ReplicaServer:
         if base is None:
             return
         data = bytearray(int(msg["nbytes"]))
-        fields = {"rank": rank, "step": step, "base": base, "data": data, "generation": generation}
+        fields = {
+            "rank": rank,
+            "step": step,
+            "base": base,
+            "data": data,
+            "generation": generation,
+            "base_durable": msg.get("base_durable"),
+        }
         try:
             chan.recv_raw_into(memoryview(data))
         except BaseException:
@@ -273,6 +280,7 @@ def push_delta(
         rank=rank,
         step=step,
         generation=generation,
+        base_durable=base.durable,
         base_step=base.step,
         base_checksum=base.checksum,
         nbytes=len(data),
