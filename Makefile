@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=12
 
 demo: $(STAMP)
 	$(BIN)/tierswap demo

@@ -4,6 +4,7 @@ falls back to an older complete pair or another tier, never to a mixed state."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,7 +195,10 @@ def test_peer_asks_for_the_base_then_serves_base_plus_delta_bit_for_bit(dserver:
         layout, _, buf = peer.fetch(dserver.address, dserver.secret, rank=2, step=step)
         assert layout == replicas[step].layout
         assert bytes(buf) == bytes(replicas[step].buf)
-    served = [f for op, f in dserver.agent.reports if op == "replica_served"]
+    deadline = time.monotonic() + 10  # the server reports after the bytes went out
+    while len(served := [f for op, f in dserver.agent.reports if op == "replica_served"]) < 2:
+        assert time.monotonic() < deadline, served
+        time.sleep(0.01)
     assert [(f["step"], f["kind"], f["base_step"]) for f in served] == [
         (3, "delta", 0),
         (4, "delta", 0),

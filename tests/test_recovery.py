@@ -49,6 +49,8 @@ def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseli
 
 
 def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, baseline) -> None:
+    """Tier 2 incremental (``--persist-deltas``, every delta kept: threshold 1): the lost
+    rank's shard comes back as its full part of an older step plus a delta."""
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="fsdp")
     code, run_dir, out = run_job(
@@ -62,9 +64,12 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, basel
             "--persist",
             str(persist),
             "--persist-every",
-            "4",
+            "2",
             "--inject",
             "kill:node=1:step=10",
+            "--persist-deltas",
+            "--delta-threshold",
+            "1.0",
         ),
     )
     assert code == 0, out
@@ -73,6 +78,13 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, basel
     assert failure["what"] == "node" and failure["node"] == 1
     (restored,) = events(run_dir, "restored")
     assert restored["tiers"]["1"] == 2, "the lost node's rank comes from tier 2"
+    (written,) = [
+        e
+        for e in events(run_dir, "snapshot_committed")
+        if e["tier"] == 2 and e["step"] == restored["step"]
+    ]
+    assert written.get("delta_parts") == 2, "restored through base + delta"
+    assert durable.verify(str(persist)) == []
     assert restored["tiers"]["0"] in (0, 2), "a survivor takes its fastest tier holding the step"
 
 
@@ -86,17 +98,11 @@ def test_fsdp2_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, base
     assert set(events(run_dir, "restored")[0]["tiers"].values()) == {0}
 
 
-@pytest.mark.parametrize("deltas", [False, True], ids=["full", "persist-deltas"])
-def test_whole_job_killed_resumes_from_durable_bit_exact(
-    tmp_path: Path, baseline, deltas: bool
-) -> None:
-    """With ``--persist-deltas`` tier 2 holds one full step and deltas against it (every
-    delta kept: threshold 1), and the resume rebuilds base + delta."""
+def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="ddp")
     run_dir = tmp_path / "first"
-    incremental = ("--persist-deltas", "--delta-threshold", "1.0") if deltas else ()
-    proc = _start(tmp_path, run_dir, persist, steps=12, extra=incremental)
+    proc = _start(tmp_path, run_dir, persist, steps=12)
     try:
         _wait_for(
             lambda: any(
@@ -110,22 +116,11 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(
         proc.wait()
     _remove_segments_of(run_dir)
     code, run_dir2, out = run_job(
-        tmp_path,
-        "second",
-        steps=12,
-        extra=("--persist", str(persist), "--persist-every", "2", *incremental),
+        tmp_path, "second", steps=12, extra=("--persist", str(persist), "--persist-every", "2")
     )
     assert code == 0, out
     (restored,) = events(run_dir2, "restored")
     assert 4 <= restored["step"] < 11 and set(restored["tiers"].values()) == {2}
-    if deltas:
-        (written,) = [
-            e
-            for e in _safe_events(run_dir, "snapshot_committed")
-            if e["tier"] == 2 and e["step"] == restored["step"]
-        ]
-        assert written.get("delta_parts") == 2, "restored through base + delta"
-        assert durable.verify(str(persist)) == []
     assert not events(run_dir, "job_finished"), "the first run was killed before its end"
     assert_same_bits(base, final_state(tmp_path, "second"))
 
@@ -156,12 +151,10 @@ def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) ->
 # ---------------------------------------------------------------- helpers
 
 
-def _start(
-    tmp: Path, run_dir: Path, persist: Path, steps: int, extra: tuple[str, ...] = ()
-) -> subprocess.Popen[bytes]:
+def _start(tmp: Path, run_dir: Path, persist: Path, steps: int) -> subprocess.Popen[bytes]:
     cmd = job_command(
         run_dir,
-        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2", *extra],
+        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2"],
         ["--steps", str(steps), "--sleep", "0.2"],
     )
     log = (tmp / "first.log").open("w")

@@ -137,15 +137,14 @@ def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path:
     assert events(run_dir, "job_failed")
 
 
-@pytest.mark.parametrize(
-    ("where", "tiers"), [("flight", "full"), ("memory", "delta"), ("base", "delta")]
-)
+@pytest.mark.parametrize(("where", "tiers"), [("flight", "full"), ("base", "delta")])
 def test_corrupt_replica_is_detected_and_not_used(
     tmp_path: Path, baseline, where: str, tiers: str
 ) -> None:
-    """A corrupt full replica or a corrupt delta is never a source: the lost rank comes from
-    tier 2 instead. A corrupt base in a peer's memory is dropped there; its deltas are sound
-    and the sender wrote the base to tier 2, so the peer rebuilds them on that copy."""
+    """A corrupt replica is never a source: the lost rank comes from tier 2 instead (a
+    corrupt delta likewise: tests/test_delta_tier.py). A corrupt base in a peer's memory is
+    dropped there; its deltas are sound and the sender wrote the base to tier 2, so the peer
+    rebuilds them on that copy."""
     persist = tmp_path / "ckpt"
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = run_job(
