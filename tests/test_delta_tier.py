@@ -4,6 +4,7 @@ falls back to an older complete pair or another tier, never to a mixed state."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -370,13 +371,5 @@ def test_planner_reads_tier_2_rather_than_a_delta_whose_base_is_there_too() -> N
         durable=frozenset({3}),
     )
     assert plan_restore(peer_only).sources[1] == Source(Tier.PEER, 0), "tier 2 lacks step 5"
-    both = Holdings(
-        world_size=2,
-        memory={0: frozenset({5})},
-        memory_node={0: 0},
-        peer={1: {0: frozenset({5})}},
-        peer_delta={1: {0: frozenset({5})}},
-        peer_durable_base={1: {0: frozenset({5})}},
-        durable=frozenset({5}),
-    )
+    both = dataclasses.replace(peer_only, durable=frozenset({5}))
     assert plan_restore(both).sources[1] == Source(Tier.DURABLE)

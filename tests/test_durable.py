@@ -66,10 +66,16 @@ def _slot(
     return layout, tree, buf
 
 
-def _write(root: str, step: int, world: int = 2, commit: bool = True) -> dict[int, PartInfo]:
+def _write(
+    root: str,
+    step: int,
+    world: int = 2,
+    commit: bool = True,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> dict[int, PartInfo]:
     parts = {}
     for rank in range(world):
-        layout, tree, buf = _slot(_tensors())
+        layout, tree, buf = _slot(_tensors() if tensors is None else tensors)
         cs = checksum_chunks(layout.chunks(buf))
         parts[rank] = durable.write_part(root, step, rank, world, layout, tree, buf, cs)
     if commit:
@@ -344,12 +350,7 @@ def test_export_of_a_delta_step_equals_the_full_one(tmp_path: Path) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     _write(a, 10)
     _write_delta(a, 12, base_step=10)
-    parts = {}
-    for rank in range(2):
-        layout, tree, buf = _slot(_changed(12))
-        cs = checksum_chunks(layout.chunks(buf))
-        parts[rank] = durable.write_part(b, 12, rank, 2, layout, tree, buf, cs)
-    durable.write_commit(b, 12, 2, parts)
+    _write(b, 12, tensors=_changed(12))
     durable.export(a, 12, tmp_path / "a.safetensors")
     durable.export(b, 12, tmp_path / "b.safetensors")
     ta, tb = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
@@ -419,11 +420,6 @@ def test_a_delta_on_a_rewritten_base_step_is_refused(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     _write(root, 10)
     _write_delta(root, 12, base_step=10)
-    parts = {}
-    for rank in range(2):
-        layout, tree, buf = _slot(_changed(5))
-        cs = checksum_chunks(layout.chunks(buf))
-        parts[rank] = durable.write_part(root, 10, rank, 2, layout, tree, buf, cs)
-    durable.write_commit(root, 10, 2, parts)
+    _write(root, 10, tensors=_changed(5))
     with pytest.raises(CorruptPartError, match="was rewritten"):
         durable.read_part(root, 12, 0)

@@ -635,8 +635,8 @@ class Coordinator:
 
     def _on_peer_memory_exceeded(self, chan: Channel, node: int | None, msg: Message) -> None:
         raise JobStopped(
-            f"node {node} must hold {self.cfg.slots} slots x {msg['need'] // self.cfg.slots:,} "
-            f"bytes of replicas for ranks {msg['ranks']} ({msg['need']:,} bytes), more than "
+            f"node {node} must hold {msg['need']:,} bytes of replicas for ranks {msg['ranks']} "
+            f"({self.cfg.slots} slots each, --memory-tiers {self.cfg.memory_tiers}), more than "
             f"--max-peer-memory {msg['limit']:,}. Raise --max-peer-memory, add nodes, or "
             "lower --replicas."
         )

@@ -119,6 +119,14 @@ def _step_dir(base: str, step: int) -> str:
     return f"{base}/step-{step:09d}"
 
 
+def _new_step_dir(root: str, step: int) -> tuple[Any, str]:
+    """The filesystem and folder of ``step`` under ``root``, created if missing."""
+    fs, base = url_fs(root)
+    folder = _step_dir(base, step)
+    fs.makedirs(folder, exist_ok=True)
+    return fs, folder
+
+
 def _part(rank: int, ext: str) -> str:
     return f"rank-{rank:05d}.{ext}"
 
@@ -179,9 +187,7 @@ def write_part(
 
     ``data_checksum`` is ``checksum_chunks(layout.chunks(buf))``, known from the slot.
     """
-    fs, base = url_fs(root)
-    folder = _step_dir(base, step)
-    fs.makedirs(folder, exist_ok=True)
+    fs, folder = _new_step_dir(root, step)
     mv = memoryview(buf).cast("B")
     if len(mv) < layout.nbytes:
         raise ValueError(f"buffer of {len(mv)} bytes is smaller than its layout ({layout.nbytes})")
@@ -208,9 +214,7 @@ def write_delta_part(
     data checksum is ``base_checksum``."""
     if base_step >= step:
         raise ValueError(f"step {step}: a delta's base must be an older step, not {base_step}")
-    fs, base = url_fs(root)
-    folder = _step_dir(base, step)
-    fs.makedirs(folder, exist_ok=True)
+    fs, folder = _new_step_dir(root, step)
     write_atomic(fs, f"{folder}/{_part(rank, 'delta')}", [delta_bytes])
     extra = {
         "base": base_step,

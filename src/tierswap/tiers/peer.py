@@ -255,11 +255,7 @@ def push(
     )
     if not reply.get("ok"):
         return False
-    chan.send_raw(buf[: layout.nbytes])
-    done = chan.recv(timeout=300)
-    if done is None:  # a late reply would be read as the next one's: drop the channel
-        raise TimeoutError(f"no answer from the peer to replica of rank {rank} step {step}")
-    return bool(done.get("accepted"))
+    return _send_bytes(chan, buf[: layout.nbytes], f"replica of rank {rank} step {step}")
 
 
 def push_delta(
@@ -289,10 +285,15 @@ def push_delta(
     )
     if not reply.get("ok"):
         return None if reply.get("need") == "base" else False
-    chan.send_raw(memoryview(data))
+    return _send_bytes(chan, memoryview(data), f"delta of rank {rank} step {step}")
+
+
+def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
+    """The bytes a ``ready`` reply asked for; True when the peer accepted them."""
+    chan.send_raw(data)
     done = chan.recv(timeout=300)
-    if done is None:
-        raise TimeoutError(f"no answer from the peer to delta of rank {rank} step {step}")
+    if done is None:  # a late reply would be read as the next one's: drop the channel
+        raise TimeoutError(f"no answer from the peer to {what}")
     return bool(done.get("accepted"))
 
 
