@@ -28,12 +28,12 @@ from typing import Any
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.replication import PeerStore, Replicator
 from tierswap.cluster.workers import Workers, send
+from tierswap.cluster.writer import Bases, PartWriter, bases_of
 from tierswap.config import Config, Injection
 from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
-from tierswap.tiers import durable
-from tierswap.tiers.deltas import MEMORY_BASES, BaseKeeper, DurableBases, Part
+from tierswap.tiers.deltas import MEMORY_BASES, BaseKeeper, Part
 from tierswap.tiers.memory import RankRing, Slot
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
@@ -72,7 +72,7 @@ class Agent:
         self.checks: list[Future[None]] = []
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-check")
         # tier-2 writes get their own threads: a slow disk must not hold up checksums
-        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-persist")
+        self.writer = PartWriter(cfg, self._post)
         self.last_skipped: dict[int, int] = {}
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
@@ -93,9 +93,6 @@ class Agent:
         self.replicator = Replicator(
             secret, host, self._post, cfg.nproc_per_node, keeper, base_root, cfg.world_size
         )
-        self.durable_bases = None
-        if cfg.persist_deltas:
-            self.durable_bases = DurableBases(cfg.base_every, cfg.delta_threshold)
         self.server = ReplicaServer(cfg.bind, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
@@ -159,7 +156,7 @@ class Agent:
         self.replicator.close()
         self.peers.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.writers.shutdown(wait=True, cancel_futures=True)
+        self.writer.close()
         for ring in self.rings.values():
             ring.close()
         Path(self.sock).unlink(missing_ok=True)
@@ -228,10 +225,7 @@ class Agent:
                 str(msg["root"]),
                 int(msg["world_size"]),
                 int(msg["token"]),
-                {
-                    int(s): {int(r): str(c) for r, c in parts.items()}
-                    for s, parts in msg.get("bases", {}).items()
-                },
+                bases_of(msg),
             )
         else:
             raise ValueError(f"agent {self.node}: unknown coordinator message {op!r}")
@@ -406,7 +400,7 @@ class Agent:
             ) from e
         if lost := sorted(before - set(ring.held())):
             self.coord.send("dropped", rank=rank, steps=lost)  # the layout changed
-        self.coord.send("memory", node=self.node, rank=rank, nbytes=ring.nbytes())
+        self.coord.send("memory", node=self.node, rank=rank, tier=0, nbytes=ring.nbytes())
         send(chan, "ok", alloc=alloc.id, segments=[str(s.segment.path.name) for s in alloc.slots])
 
     def _w_slot(self, chan: Channel, rank: int, msg: Message) -> None:
@@ -529,9 +523,7 @@ class Agent:
         self.workers.spawn(local)  # a fresh parked worker, for this rank or as the next spare
         self._maybe_stopped()
 
-    def _persist(
-        self, step: int, root: str, world_size: int, token: int, bases: dict[int, dict[int, str]]
-    ) -> None:
+    def _persist(self, step: int, root: str, world_size: int, token: int, bases: Bases) -> None:
         for rank, ring in self.rings.items():
             slot = ring.lease(step)
             if slot is None:
@@ -539,22 +531,9 @@ class Agent:
                     "part", rank=rank, step=step, token=token, error="tier 0 no longer holds it"
                 )
                 continue
-            part = Part(root, step, rank, world_size, ring.layout(), slot, token)
-            self.writers.submit(self._write_part, part, bases)
-
-    def _write_part(self, p: Part, bases: dict[int, dict[int, str]]) -> None:
-        done = {"rank": p.rank, "step": p.step, "slot": p.slot, "token": p.token}
-        try:
-            if self.durable_bases is not None:
-                info = self.durable_bases.write(p, bases)
-            else:
-                info = durable.write_part(
-                    p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
-                    p.slot.segment.buf, p.slot.checksum,
-                )  # fmt: skip
-            self._post("persisted", part=info.to_json(), **done)
-        except Exception as e:  # reported: the job keeps training on the memory tiers
-            self._post("persisted", error=f"{type(e).__name__}: {e}", **done)
+            self.writer.submit(
+                Part(root, step, rank, world_size, ring.layout(), slot, token), bases
+            )
 
 
 def main() -> None:

@@ -27,28 +27,37 @@ from tierswap.cluster.hosts import Hosts
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id, node_faults_due
 from tierswap.cluster.persistence import Persistence
 from tierswap.cluster.recovery import RecoveryClock
-from tierswap.cluster.restore import (
-    collect,
-    committed_steps,
-    lost_message,
-    memory_lost,
-    rank_plans,
-)
+from tierswap.cluster.restore import Reports, committed_steps, lost_message, memory_lost
 from tierswap.config import Config, Injection
-from tierswap.errors import CorruptPartError
 from tierswap.events import EventLog, Progress
-from tierswap.plan import Holdings, Plan, Tier, plan_restore
+from tierswap.plan import Holdings, Plan, Tier
 from tierswap.shm import remove_job_segments
 from tierswap.tiers import peer
 from tierswap.tiers.deltas import Traffic
 from tierswap.wire import Channel, Message, reader, serve
 
-LOGGED: dict[str, tuple[str, ...]] = {
-    "replica_served": ("rank", "step", "kind", "base_step"),
-    "replica_base_lost": ("rank", "step", "kept"),
+LOGGED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replica_served": ("replica_served", ("rank", "step", "kind", "base_step")),
+    "replica_base_lost": ("replica_base_lost", ("rank", "step", "kept")),
+    "replica_rejected": ("replica_rejected", ("rank", "step", "why")),
+    "replicate_failed": ("replicate_failed", ("rank", "peer=node", "error")),
+    "agent_error": ("agent_error", ("rank", "request", "error")),
+    "skipped": ("snapshot_skipped", ("rank", "step")),
+    "memory": ("memory", ("rank", "tier", "bytes=nbytes", "scope?")),
 }
-"""Agent messages that only go to the event log (as events of the same name), with the
-fields kept."""
+"""Agent messages that only go to the event log: op -> (event, fields). A field is kept as
+``name``, renamed as ``name=field``, or kept when present as ``name?``; every event also
+names the node it came from."""
+
+
+def _logged(msg: Message, fields: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for f in fields:
+        name, _, source = f.rstrip("?").partition("=")
+        if f.endswith("?") and (source or name) not in msg:
+            continue
+        out[name] = msg[source or name]
+    return out
 
 
 class JobStopped(Exception):
@@ -93,14 +102,11 @@ class Coordinator:
         self.replicas = min(cfg.replicas, cfg.nodes - 1)
         self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
         self.commits = Commits(cfg.world_size, self.targets, self._send_to)
-        self.bad: set[tuple[Tier, int, int]] = set()
         self.plan: Plan | None = None
         self.restored: dict[int, Message] = {}
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
-        self.holdings: dict[int, dict[str, dict[str, str]]] = {}
-        self.peer_holdings: dict[int, dict[str, dict[str, str]]] = {}
-        self.peer_deltas: dict[int, dict[str, dict[str, str]]] = {}
+        self.reports = Reports(cfg.world_size, cfg.persist)
         self.traffic = Traffic()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
@@ -185,7 +191,8 @@ class Coordinator:
             return  # a host already declared lost (fenced): what it says no longer counts
         node = self.hosts.node_of(host)
         if op in LOGGED:  # a fact for the event log, nothing to decide
-            self.log.emit(op, node=node, **{k: msg[k] for k in LOGGED[op]})
+            event, fields = LOGGED[op]
+            self.log.emit(event, node=node, **_logged(msg, fields))
             return
         handler = getattr(self, f"_on_{op}", None)
         if handler is None:
@@ -335,9 +342,7 @@ class Coordinator:
             return
         self.hosts.vacant.add(node)
         self.stopping.discard(node)
-        self.holdings.pop(node, None)
-        self.peer_holdings.pop(node, None)
-        self.peer_deltas.pop(node, None)
+        self.reports.forget(node)
         if self.phase == "running":
             self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", host)
         self._maybe_start()
@@ -396,18 +401,14 @@ class Coordinator:
         self.phase = "recovering"
         self.persister.cancel()
         self.deadline = time.monotonic() + self.cfg.startup_timeout
-        self.holdings.clear()
-        self.peer_holdings.clear()
-        self.peer_deltas.clear()
+        self.reports.forget()
         self.stopping = set(self.hosts.agents)
         self._broadcast("stop")
 
     def _on_stopped(self, chan: Channel, node: int | None, msg: Message) -> None:
         assert node is not None
         self.stopping.discard(node)
-        self.holdings[node] = msg["holdings"]
-        self.peer_holdings[node] = msg.get("peer", {})
-        self.peer_deltas[node] = msg.get("peer_deltas", {})
+        self.reports.stopped(node, msg)
         self._maybe_start()
 
     def _maybe_start(self) -> None:
@@ -457,43 +458,23 @@ class Coordinator:
                 f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
             )
 
-    def _collect(self) -> Holdings:
-        durable_steps: frozenset[int] = frozenset()
-        if self.cfg.persist is not None:
-            try:
-                durable_steps = committed_steps(self.cfg.persist, self.cfg.world_size)
-            except OSError as e:
-                self.persister.failing(f"cannot list {self.cfg.persist}: {e}")
-        return collect(
-            self.cfg.world_size,
-            self.holdings,
-            self.peer_holdings,
-            durable_steps,
-            self.bad,
-            self.peer_deltas,
-        )
+    def _durable_steps(self) -> frozenset[int]:
+        if self.cfg.persist is None:
+            return frozenset()
+        try:
+            return committed_steps(self.cfg.persist, self.cfg.world_size)
+        except OSError as e:
+            self.persister.failing(f"cannot list {self.cfg.persist}: {e}")
+            return frozenset()
 
-    def _plan(self) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
-        """Plan the restore; a durable step whose COMMIT is unreadable is skipped."""
-        while True:
-            holdings = self._collect()
-            plan = plan_restore(holdings)
-            try:
-                return (
-                    holdings,
-                    plan,
-                    rank_plans(
-                        plan, self.cfg.world_size, self.cfg.persist, self.hosts.peer_addresses
-                    ),
-                )
-            except (CorruptPartError, OSError) as e:
-                assert plan.step is not None
-                self.log.emit("corrupt_part", step=plan.step, tier=2, where="COMMIT", why=str(e))
-                self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.cfg.world_size)}
-                self.persister.forget(plan.step)
+    def _bad_commit(self, step: int, why: str) -> None:
+        self.log.emit("corrupt_part", step=step, tier=2, where="COMMIT", why=why)
+        self.persister.forget(step)
 
     def _start_generation(self) -> None:
-        holdings, plan, plans = self._plan()
+        holdings, plan, plans = self.reports.plan(
+            self._durable_steps, self.hosts.peer_addresses, self._bad_commit
+        )
         for step, why in plan.skipped:
             self.log.emit("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
@@ -510,7 +491,7 @@ class Coordinator:
         self.commits.reset(restart, memory, peers)
         self.persister.cancel(restart)
         # parts of later steps will be written anew by this timeline
-        self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= restart}
+        self.reports.restarted(restart)
         self.deadline = float("inf")
         self.clock.generation_started()
         for node, chan in sorted(self.hosts.agents.items()):
@@ -583,18 +564,13 @@ class Coordinator:
     def _on_corrupt(self, chan: Channel, node: int | None, msg: Message) -> None:
         rank, step, tier = int(msg["rank"]), msg.get("step"), msg.get("tier")
         if step is not None and tier is not None:
-            self.bad.add((Tier(int(tier)), int(step), rank))
+            self.reports.bad.add((Tier(int(tier)), int(step), rank))
             if int(tier) == Tier.DURABLE:
                 self.persister.forget(int(step))
         self.log.emit(
             "corrupt_part", rank=rank, where=msg["where"], why=msg["why"], step=step, tier=tier
         )
         self.progress.message(f"rank {rank}: {msg['where']}: {msg['why']}; trying an older step")
-
-    def _on_agent_error(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit(
-            "agent_error", node=node, rank=msg["rank"], request=msg["request"], error=msg["error"]
-        )
 
     def _on_fatal(self, chan: Channel, node: int | None, msg: Message) -> None:
         raise JobStopped(f"rank {msg['rank']}: {msg['message']}")
@@ -622,16 +598,6 @@ class Coordinator:
     def _on_replica_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
         assert node is not None
         self.commits.replica_dropped(int(msg["rank"]), node, [int(s) for s in msg["steps"]])
-
-    def _on_replica_rejected(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit(
-            "replica_rejected", node=node, rank=msg["rank"], step=msg["step"], why=msg["why"]
-        )
-
-    def _on_replicate_failed(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit(
-            "replicate_failed", node=node, rank=msg["rank"], peer=msg["node"], error=msg["error"]
-        )
 
     def _on_peer_memory_exceeded(self, chan: Channel, node: int | None, msg: Message) -> None:
         raise JobStopped(
@@ -661,7 +627,7 @@ class Coordinator:
         step = self.persister.on_part(msg)
         if step is not None:
             self.ever_committed = True
-            self.bad = {b for b in self.bad if not (b[0] == Tier.DURABLE and b[1] == step)}
+            self.reports.durable_good(step)
         self._maybe_done()
 
     # ---------------------------------------------------------------- progress and the end
@@ -700,22 +666,8 @@ class Coordinator:
             self.last_loss = metrics.get("loss", self.last_loss)
             self.log.emit("report", step=msg["step"], **metrics)
 
-    def _on_memory(self, chan: Channel, node: int | None, msg: Message) -> None:
-        scope = {"scope": msg["scope"]} if "scope" in msg else {}
-        self.log.emit(
-            "memory",
-            node=node,
-            rank=msg["rank"],
-            tier=msg.get("tier", 0),
-            bytes=msg["nbytes"],
-            **scope,
-        )
-
     def _on_replica_sent(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.traffic.add(msg["kind"], int(msg["nbytes"]), int(msg["full"]), msg["encode_s"])
-
-    def _on_skipped(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.log.emit("snapshot_skipped", rank=msg["rank"], step=msg["step"])
 
     def _tiers(self) -> dict[str, int]:
         c = self.commits.committed

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from tierswap.plan import Holdings, Plan, Tier
+from tierswap.errors import CorruptPartError
+from tierswap.plan import Holdings, Plan, Tier, plan_restore
 from tierswap.tiers import durable
 
 Reported = Mapping[int, Mapping[str, Mapping[str, str]]]
@@ -98,3 +99,64 @@ def lost_message(plan: Plan, persist: str | None) -> str:
             " ranks' snapshots with it: run with --persist URL to survive node loss."
         )
     return f"no step can be restored on every rank ({why}).{hint}"
+
+
+class Reports:
+    """What the agents reported holding when their workers stopped, and the parts found
+    bad since: the coordinator's input to each restore plan."""
+
+    def __init__(self, world_size: int, persist: str | None) -> None:
+        self.world_size = world_size
+        self.persist = persist
+        self.memory: dict[int, dict[str, dict[str, str]]] = {}
+        self.peer: dict[int, dict[str, dict[str, str]]] = {}
+        self.peer_deltas: dict[int, dict[str, dict[str, str]]] = {}
+        self.bad: set[tuple[Tier, int, int]] = set()
+
+    def stopped(self, node: int, msg: Mapping[str, Any]) -> None:
+        self.memory[node] = msg["holdings"]
+        self.peer[node] = msg.get("peer", {})
+        self.peer_deltas[node] = msg.get("peer_deltas", {})
+
+    def forget(self, node: int | None = None) -> None:
+        """A node is gone (or, with None, every node reports afresh)."""
+        for reported in (self.memory, self.peer, self.peer_deltas):
+            if node is None:
+                reported.clear()
+            else:
+                reported.pop(node, None)
+
+    def holdings(self, durable_steps: frozenset[int]) -> Holdings:
+        return collect(
+            self.world_size, self.memory, self.peer, durable_steps, self.bad, self.peer_deltas
+        )
+
+    def plan(
+        self,
+        durable_steps: Callable[[], frozenset[int]],
+        peer_addresses: Mapping[int, Any],
+        on_bad_commit: Callable[[int, str], None],
+    ) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
+        """The restore plan and each rank's part of it. A durable step whose COMMIT turns
+        out unreadable is marked bad (``on_bad_commit(step, why)``) and planned past."""
+        while True:
+            holdings = self.holdings(durable_steps())
+            plan = plan_restore(holdings)
+            try:
+                return (
+                    holdings,
+                    plan,
+                    rank_plans(plan, self.world_size, self.persist, peer_addresses),
+                )
+            except (CorruptPartError, OSError) as e:
+                assert plan.step is not None
+                self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.world_size)}
+                on_bad_commit(plan.step, str(e))
+
+    def restarted(self, step: int) -> None:
+        """A new generation restores ``step``: memory parts of later steps will be new."""
+        self.bad = {b for b in self.bad if b[0] == Tier.DURABLE or b[1] <= step}
+
+    def durable_good(self, step: int) -> None:
+        """``step`` was committed in tier 2 anew: its parts are no longer bad."""
+        self.bad = {b for b in self.bad if not (b[0] == Tier.DURABLE and b[1] == step)}

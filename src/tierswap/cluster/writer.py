@@ -1,0 +1,53 @@
+"""The agent's tier-2 writer: its ranks' parts of a step to persist, on threads of their
+own (a slow disk must not hold up checksums or replication), full or, with
+``--persist-deltas``, as deltas against an older full part (:class:`DurableBases`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tierswap.config import Config
+from tierswap.tiers import durable
+from tierswap.tiers.deltas import DurableBases, Part
+
+Bases = dict[int, dict[int, str]]
+"""step -> rank -> data checksum of the full parts committed in tier 2 (delta bases)."""
+
+
+def bases_of(msg: Mapping[str, Any]) -> Bases:
+    """The ``bases`` of a coordinator's ``persist`` message."""
+    return {
+        int(s): {int(r): str(c) for r, c in parts.items()}
+        for s, parts in msg.get("bases", {}).items()
+    }
+
+
+class PartWriter:
+    def __init__(self, cfg: Config, post: Callable[..., None]) -> None:
+        self.post = post
+        """``post("persisted", ...)`` once per part, written or failed, with its slot."""
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-persist")
+        self.bases = DurableBases(cfg.base_every, cfg.delta_threshold)
+        self.deltas = cfg.persist_deltas
+
+    def submit(self, part: Part, bases: Bases) -> None:
+        self.pool.submit(self._write, part, bases)
+
+    def _write(self, p: Part, bases: Bases) -> None:
+        done = {"rank": p.rank, "step": p.step, "slot": p.slot, "token": p.token}
+        try:
+            if self.deltas:
+                info = self.bases.write(p, bases)
+            else:
+                info = durable.write_part(
+                    p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
+                    p.slot.segment.buf, p.slot.checksum,
+                )  # fmt: skip
+            self.post("persisted", part=info.to_json(), **done)
+        except Exception as e:  # reported: the job keeps training on the memory tiers
+            self.post("persisted", error=f"{type(e).__name__}: {e}", **done)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
