@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(60)
         ({"threads": -2}, "threads"),
         ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
         ({"spares": -1}, "spares must be >= 0, got -1"),
+        ({"max_redo": -1}, "max_redo must be >= 0, got -1"),
         ({"on_no_spare": "retry"}, "on_no_spare must be 'wait' or 'fail', got 'retry'"),
         ({"heartbeat": 1.0, "lease": 1.5}, r"lease \(1.5 s\) must be at least 2 heartbeats"),
         ({"collective_timeout": float("nan")}, "collective_timeout must be > 0"),
@@ -149,6 +150,7 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ),
         ("stop:rank=1:step=6", Injection("stop", "rank", 1, 6)),
         ("stop:node=0:step=3", Injection("stop", "node", 0, 3)),
+        ("delay:node=1:seconds=0.25", Injection("delay", "node", 1, -1, seconds=0.25)),
     ],
 )
 def test_injection_parse_and_str(spec: str, expected: Injection) -> None:

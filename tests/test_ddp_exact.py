@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -103,8 +104,15 @@ def _worker(rank: int, port: int, cases: list[Case], results: Any) -> None:
         out = [(_run(case, restart=False), _run(case, restart=True)) for case in cases]
         if rank == 0:
             results.put(_to_numpy(out))
+        dist.barrier()  # nobody closes its sockets while another rank still works
     finally:
         dist.destroy_process_group()
+    if rank == 0:
+        results.close()
+        results.join_thread()  # the result is in the pipe before the process goes
+    # Skip the interpreter's teardown: gloo's threads, destroyed there, once aborted a rank
+    # ("terminate called without an active exception", exit -6) after its work was done.
+    os._exit(0)
 
 
 def _wait_for_result(results: Any, procs: list[Any]) -> Any:

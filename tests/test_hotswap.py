@@ -53,16 +53,23 @@ def _assert_hot_swapped(run_dir: Path, survivors: list[int], replaced: list[int]
         assert len({p[rank] for p in pids}) > 1, f"rank {rank} kept a dead process: {pids}"
 
 
+DELAY_S = 0.25
+
+
 def test_spare_takes_failed_node_ddp(tmp_path: Path, baseline) -> None:
+    """Node 1's replicas are held back (a slow network, far slower than a step): training
+    waits for tier 1 (``--max-redo 1``), so the swap still redoes at most one step."""
     base = baseline(nodes=2, mode="ddp")
+    slow = f"delay:node=1:seconds={DELAY_S}"
     code, run_dir, out = run_job(
         tmp_path,
         "swap",
         steps=12,
-        train_args=SLOW,
-        extra=("--spares", "1", "--inject", "kill:node=1:step=7"),
+        extra=("--spares", "1", "--inject", "kill:node=1:step=7", "--inject", slow),
     )
     assert code == 0, out
+    reports = {e["step"]: e["time"] for e in events(run_dir, "report")}
+    assert reports[6] - reports[2] >= 4 * DELAY_S * 0.9, "the steps did not wait for tier 1"
     assert_same_bits(base, final_state(tmp_path, "swap"))
     (assigned,) = events(run_dir, "spare_assigned")
     spares = [e for e in events(run_dir, "node_joined") if e["role"] == "spare"]

@@ -57,6 +57,7 @@ def _run(args: argparse.Namespace) -> int:
         threads=args.threads,
         replicas=args.replicas,
         max_peer_memory=args.max_peer_memory,
+        max_redo=args.max_redo,
         bind=args.bind,
         spares=args.spares,
         spare_workers=args.spare_workers,
@@ -168,6 +169,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="bytes one node may hold for others (default: no bound)",
+    )
+    run.add_argument(
+        "--max-redo",
+        type=int,
+        default=None,
+        help="steps a node failure may cost: training waits for tier 1 past this (default "
+        "1; 0 never waits)",
     )
     run.add_argument("--bind", default=None, help="interface to listen on (replicas, coordinator)")
     run.add_argument(

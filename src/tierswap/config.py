@@ -25,7 +25,9 @@ class Injection:
     ``corrupt:rank=R:step=S:where=flight|memory`` flips a byte of every tier-1 replica of
     rank R from step S on, as it arrives (before its checksum is checked) or once stored;
     ``where=base`` (``--memory-tiers delta``) flips a byte of the base that rank R's deltas
-    from step S on are made against, as the peer stores it.
+    from step S on are made against, as the peer stores it;
+    ``delay:node=I:seconds=F`` holds every tier-1 transfer from node I for F seconds
+    before it is sent (a slow network).
     """
 
     action: str
@@ -38,6 +40,8 @@ class Injection:
     during: str = ""
     """For ``kill:node=I:step=S:during=replication``: fire only as a replica of step S or
     later is being sent to or from node I, so the kill cuts a transfer in flight."""
+    seconds: float = 0.0
+    """For ``delay:node=I:seconds=F``: how long each transfer is held."""
 
     @staticmethod
     def parse(spec: str) -> Injection:
@@ -51,6 +55,9 @@ class Injection:
         at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
         if at_gen is not None:
             return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
+        slow = re.fullmatch(r"delay:node=(\d+):seconds=(\d+(?:\.\d*)?)", spec.strip())
+        if slow is not None:
+            return Injection("delay", "node", int(slow.group(1)), -1, seconds=float(slow.group(2)))
         bad = re.fullmatch(
             r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", spec.strip()
         )
@@ -60,10 +67,12 @@ class Injection:
             f"--inject {spec!r}: expected kill:node=I:step=S, kill:node=I:gen=G, "
             "kill:node=I:step=S:during=replication, "
             "kill:rank=R:step=S, stop:node=I:step=S, stop:rank=R:step=S or "
-            "corrupt:rank=R:step=S:where=flight|memory|base"
+            "corrupt:rank=R:step=S:where=flight|memory|base or delay:node=I:seconds=F"
         )
 
     def __str__(self) -> str:
+        if self.action == "delay":
+            return f"delay:node={self.index}:seconds={self.seconds:g}"
         where = f":where={self.where}" if self.where else ""
         when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
         during = f":during={self.during}" if self.during else ""
@@ -95,6 +104,13 @@ class Config:
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
     a job with fewer nodes uses what it has)."""
+    max_redo: int = 1
+    """Steps of work a node failure may cost while tier 1 is on. The ``optimizer.step()``
+    of step t waits until tier 1 has committed step t - max_redo (or a failure there, a
+    skipped snapshot or a rejected replica, means it never will), so replication can never
+    fall further behind than that; where it keeps up the wait is zero. 0 never waits:
+    training then runs ahead of a slow network and a failure redoes as many steps as
+    tier 1 trails by."""
     max_peer_memory: int = 0
     """Bytes of replicas one node may hold for others; 0 is no bound."""
     bind: str = "127.0.0.1"
@@ -161,7 +177,7 @@ class Config:
             raise ValueError(
                 f"slots must be >= 3 (committed, in flight, being written), got {self.slots}"
             )
-        for name in ("max_restarts", "threads", "replicas", "max_peer_memory"):
+        for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("spares", "spare_workers"):

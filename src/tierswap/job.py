@@ -35,6 +35,8 @@ class Job:
         injections: tuple[Injection, ...] = (),
         secret: bytes = b"",
         ended: threading.Event | None = None,
+        tier1: snapshot.Watermark | None = None,
+        max_redo: int = 0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -49,6 +51,8 @@ class Job:
         )
         self._ended = ended if ended is not None else threading.Event()
         self._snap: snapshot.Snapshotter | None = None
+        self._tier1 = tier1
+        self._max_redo = max_redo
         self.restored_step: int | None = None
         self.plan_step: int | None = None
         self.plan_tier: int | None = None
@@ -68,7 +72,7 @@ class Job:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # nobody trains until every rank holds the same step
         if self._chan is not None and self._snap is None:
-            self._snap = snapshot.Snapshotter(self._chan, self.rank)
+            self._snap = snapshot.Snapshotter(self._chan, self.rank, self._tier1, self._max_redo)
         for step in range(start, total):
             self._check()
             yield step

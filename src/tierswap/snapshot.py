@@ -8,6 +8,10 @@ copy; the wait is measured, and it is the only stall the training loop pays.
 
 On CUDA the deferred copy is issued on a side stream into the slot, registered as pinned
 host memory, and the background thread waits for the stream's event.
+
+With tier 1 on, the same pre-hook also bounds how far training may run ahead of
+replication (``--max-redo``): the optimizer step of step t waits until tier 1 is done
+with step t - max_redo, as the agent tells it through a :class:`Watermark`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def fence() -> None:
 
 def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     fence()
+    for snap in _active:
+        snap.gate()
 
 
 def _install_hook() -> None:
@@ -47,6 +53,38 @@ def _install_hook() -> None:
     with _hook_lock:
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+
+
+GATE_LIMIT_S = 120.0
+"""The longest an optimizer step waits for tier 1. Every way a step can fail to commit
+there is reported and ends the wait at once; this only bounds a wait nobody ends (a bug),
+which is then reported as ``tier1_wait_timeout``."""
+
+
+class Watermark:
+    """The newest step tier 1 is done with (committed, or given up) in one generation, as
+    the agent reports it; closed when the generation ends, which releases every wait."""
+
+    def __init__(self, step: int = -1) -> None:
+        self.step = step
+        self.closed = False
+        self._cond = threading.Condition()
+
+    def advance(self, step: int) -> None:
+        with self._cond:
+            if step > self.step:
+                self.step = step
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def wait(self, step: int, timeout: float) -> bool:
+        """Until tier 1 is done with ``step`` or the generation ended; False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.step >= step or self.closed, timeout)
 
 
 @dataclass(slots=True)
@@ -58,6 +96,8 @@ class Stats:
     fence_waits: list[float] = field(default_factory=list)
     sync_copies: list[float] = field(default_factory=list)
     copy_times: list[float] = field(default_factory=list)
+    tier1_waits: list[float] = field(default_factory=list)
+    """Each optimizer step's wait for tier 1 (``--max-redo``), zeros included."""
 
     LIMIT = 100_000
     """Samples kept per list: a long run must not grow without bound."""
@@ -70,7 +110,8 @@ class Stats:
     def last_stall(self) -> float:
         wait = self.fence_waits[-1] if self.fence_waits else 0.0
         sync = self.sync_copies[-1] if self.sync_copies else 0.0
-        return wait + sync
+        tier1 = self.tier1_waits[-1] if self.tier1_waits else 0.0
+        return wait + sync + tier1
 
 
 @dataclass(slots=True)
@@ -110,10 +151,18 @@ class _Job:
 class Snapshotter:
     """Snapshots of one rank into its agent's tier-0 ring."""
 
-    def __init__(self, chan: Channel, rank: int) -> None:
+    def __init__(
+        self, chan: Channel, rank: int, watermark: Watermark | None = None, max_redo: int = 0
+    ) -> None:
         self.chan = chan
         self.rank = rank
         self.stats = Stats()
+        self.watermark = watermark if max_redo > 0 else None
+        """Tier 1's progress, when the optimizer step waits for it."""
+        self.max_redo = max_redo
+        self.last_taken = -1
+        """The newest step snapshotted (its copy may still be in flight)."""
+        self._gated = -1
         self._alloc: _Allocation | None = None
         self._idle = threading.Event()
         self._idle.set()
@@ -150,6 +199,7 @@ class Snapshotter:
                     dst.copy_(src)
         job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
         self.stats.record(self.stats.sync_copies, time.monotonic() - t0)
+        self.last_taken = step
         self._idle.clear()
         self._queue.put(job)
         return True
@@ -167,6 +217,22 @@ class Snapshotter:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"snapshot copy of rank {self.rank} failed: {error}") from error
+
+    def gate(self) -> None:
+        """Before the state changes: wait until tier 1 is done with the step ``max_redo``
+        steps back, so a node failure never costs more than ``max_redo`` steps."""
+        if self.watermark is None or self.last_taken < 0:
+            return
+        target = self.last_taken - (self.max_redo - 1)
+        if target <= self._gated:
+            return  # a second optimizer in the same step
+        self._gated = target
+        t0 = time.monotonic()
+        done = self.watermark.wait(target, GATE_LIMIT_S)
+        waited = time.monotonic() - t0
+        self.stats.record(self.stats.tier1_waits, waited)
+        if not done:
+            self.chan.send("lagging", rank=self.rank, step=target, seconds=waited)
 
     def close(self) -> None:
         """Finish the copy in flight, stop the thread, unmap the slots."""

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 from tierswap.config import Injection
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.job import Job
+from tierswap.snapshot import Watermark
 from tierswap.wire import Channel, Message
 
 EXIT_USAGE = 3
@@ -77,6 +78,8 @@ class Control:
         self.chan = Channel.connect(address, secret)
         self.assignments: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.ended: dict[int, threading.Event] = {}
+        self.tier1: dict[int, Watermark] = {}
+        """generation -> how far tier 1 got (the optimizer step waits on it)."""
         self._lock = threading.Lock()
         self.chan.send("attach", local=local, pid=os.getpid())
         threading.Thread(target=self._read, name="tierswap-control", daemon=True).start()
@@ -88,6 +91,10 @@ class Control:
         with self._lock:
             return self.ended.setdefault(generation, threading.Event())
 
+    def watermark(self, generation: int) -> Watermark:
+        with self._lock:
+            return self.tier1.setdefault(generation, Watermark())
+
     def _read(self) -> None:
         try:
             while True:
@@ -95,9 +102,13 @@ class Control:
                 assert msg is not None
                 if msg["op"] == "assign":
                     self.event(int(msg["generation"]))
+                    self.watermark(int(msg["generation"])).advance(int(msg.get("settled", -1)))
                     self.assignments.put(msg)
+                elif msg["op"] == "settled":
+                    self.watermark(int(msg["generation"])).advance(int(msg["step"]))
                 elif msg["op"] == "abort":
                     self.event(int(msg["generation"])).set()
+                    self.watermark(int(msg["generation"])).close()
                     _abort_communicator()
                 elif msg["op"] == "exit":
                     os._exit(0)
@@ -151,6 +162,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             injections=tuple(Injection.parse(s) for s in a["inject"]),
             secret=secret,
             ended=control.event(generation),
+            tier1=control.watermark(generation),
+            max_redo=int(a.get("max_redo", 0)),
         )
         t0 = time.monotonic()
         if a["store"] not in stores:

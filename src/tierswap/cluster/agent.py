@@ -219,6 +219,9 @@ class Agent:
                     ring.abort(int(msg["step"]))
             else:
                 self.peers.abort(int(msg["step"]))
+        elif op == "settled":
+            if int(msg["generation"]) == self.generation:
+                self.workers.settled(self.generation, int(msg["step"]))
         elif op == "persist":
             self._persist(
                 int(msg["step"]),
@@ -264,11 +267,17 @@ class Agent:
         self.replicator.reset(restart, self.generation)
         cut = any(i.during == "replication" for i in self.injections)
         self.replicator.announce = self._announce_transfer if cut else None
+        self.replicator.delay = max(
+            (i.seconds for i in self.injections if i.action == "delay" and i.index == self.node),
+            default=0.0,
+        )
         assignment = {
             "world_size": int(msg["world_size"]),
             "store": str(msg["store"]),
             "inject": list(msg["inject"]),
             "backend": str(msg.get("backend", "gloo")),
+            "max_redo": int(msg.get("max_redo", 0)),
+            "settled": int(msg["committed"][1]),
         }
         self.workers.start(self.generation, ranks, assignment)
 
@@ -386,6 +395,9 @@ class Agent:
             else:
                 self.coord.send("agent_error", rank=rank, request=op, error=str(e))
 
+    def _w_lagging(self, chan: Channel, rank: int, msg: Message) -> None:
+        self.coord.send("lagging", rank=rank, step=msg["step"], seconds=msg["seconds"])
+
     def _w_alloc(self, chan: Channel, rank: int, msg: Message) -> None:
         ring = self.rings[rank]
         before = set(ring.held())
@@ -496,9 +508,7 @@ class Agent:
             ring = self.rings[msg["rank"]]
             self.replicator.done(msg["rank"], msg["step"], ring, msg["generation"])
         elif op == "replicate_failed":
-            self.coord.send(
-                "replicate_failed", rank=msg["rank"], node=msg["node"], error=msg["error"]
-            )
+            self.coord.send("replicate_failed", **{k: v for k, v in msg.items() if k != "op"})
         elif op == "exited":
             self._exited(int(msg["local"]), int(msg["pid"]), int(msg["code"]))
         elif op == "persisted":

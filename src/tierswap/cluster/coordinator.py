@@ -40,14 +40,19 @@ LOGGED: dict[str, tuple[str, tuple[str, ...]]] = {
     "replica_served": ("replica_served", ("rank", "step", "kind", "base_step")),
     "replica_base_lost": ("replica_base_lost", ("rank", "step", "kept")),
     "replica_rejected": ("replica_rejected", ("rank", "step", "why")),
-    "replicate_failed": ("replicate_failed", ("rank", "peer=node", "error")),
+    "replicate_failed": ("replicate_failed", ("rank", "step", "peer=node", "error")),
     "agent_error": ("agent_error", ("rank", "request", "error")),
     "skipped": ("snapshot_skipped", ("rank", "step")),
     "memory": ("memory", ("rank", "tier", "bytes=nbytes", "scope?")),
+    "lagging": ("tier1_wait_timeout", ("rank", "step", "seconds")),
 }
 """Agent messages that only go to the event log: op -> (event, fields). A field is kept as
 ``name``, renamed as ``name=field``, or kept when present as ``name?``; every event also
 names the node it came from."""
+
+NEVER_IN_TIER1 = frozenset({"skipped", "replicate_failed", "replica_rejected"})
+"""Logged messages that mean their step will never commit in tier 1 (a rank's snapshot
+skipped, a replica not sent or refused): trainers waiting for it (``--max-redo``) go on."""
 
 
 def _logged(msg: Message, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -111,6 +116,8 @@ class Coordinator:
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
         self.ever_committed = False
+        self.settled = -1
+        """The newest step tier 1 committed or gave up on in this generation."""
         self.last_step = -1
         self.last_loss: float | None = None
         self.deadline = time.monotonic() + cfg.startup_timeout
@@ -193,6 +200,8 @@ class Coordinator:
         if op in LOGGED:  # a fact for the event log, nothing to decide
             event, fields = LOGGED[op]
             self.log.emit(event, node=node, **_logged(msg, fields))
+            if op in NEVER_IN_TIER1 and msg.get("node", 0) >= 0:  # node -1: a base to tier 2
+                self._tier1_settled(int(msg["step"]))
             return
         handler = getattr(self, f"_on_{op}", None)
         if handler is None:
@@ -489,6 +498,7 @@ class Coordinator:
         memory = {r: set(s) for r, s in holdings.memory.items()}
         peers = {r: {n: set(s) for n, s in by.items()} for r, by in holdings.peer.items()}
         self.commits.reset(restart, memory, peers)
+        self.settled = self.commits.committed[1]
         self.persister.cancel(restart)
         # parts of later steps will be written anew by this timeline
         self.reports.restarted(restart)
@@ -509,6 +519,7 @@ class Coordinator:
                     inject=self.injections,
                     restart_step=restart,
                     committed=[self.commits.committed[0], self.commits.committed[1]],
+                    max_redo=self.cfg.max_redo if self.replicas else 0,
                     placement={str(r): list(self.targets[r]) for r in ranks},
                     protects=[r for r, t in self.targets.items() if node in t],
                     peers={str(n): a for n, a in self.hosts.peer_addresses.items()},
@@ -587,6 +598,13 @@ class Coordinator:
         self.commits.held_add(int(msg["rank"]), int(msg["step"]))
         self._propose(0)
 
+    def _tier1_settled(self, step: int) -> None:
+        """Tier 1 is done with ``step``, committed or never to be: agents tell their
+        trainers, whose ``optimizer.step()`` waits for it (``--max-redo``)."""
+        if step > self.settled:
+            self.settled = step
+            self._broadcast("settled", generation=self.generation, step=step)
+
     def _on_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.commits.dropped(int(msg["rank"]), [int(s) for s in msg["steps"]])
 
@@ -615,6 +633,8 @@ class Coordinator:
         assert node is not None
         tier, step = int(msg["tier"]), int(msg["step"])
         done = self.commits.vote(tier, node, step, bool(msg["ok"]))
+        if tier == 1 and (done is not None or not msg["ok"]):
+            self._tier1_settled(step)  # committed, or a holder no longer has it
         if done is not None:
             self.ever_committed = True
             self.log.emit("snapshot_committed", tier=tier, step=done)

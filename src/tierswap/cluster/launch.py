@@ -137,7 +137,7 @@ def node_faults_due(
     due = []
     for spec in specs:
         inj = Injection.parse(spec)
-        if inj.target != "node":
+        if inj.target != "node" or inj.action not in ("kill", "stop"):
             continue
         if inj.during == "replication":
             fire = transfer is not None and transfer[2] >= inj.step and inj.index in transfer[:2]

@@ -329,6 +329,8 @@ class Replicator:
         """Called as each transfer starts (fault injection cuts transfers in flight)."""
         self.sent: dict[int, int] = {}
         self.generation = -1
+        self.delay = 0.0
+        """Seconds each transfer is held before it goes (``--inject delay:...``, tests)."""
         self._chans: dict[tuple[int, int], tuple[Address, Channel]] = {}
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(
@@ -380,6 +382,7 @@ class Replicator:
         results: dict[int, bool] = {}
         stats: dict[str, Any] = {}
         try:
+            time.sleep(self.delay)
             if generation != self.generation:
                 return  # queued before a restore went back: maybe of an abandoned timeline
             try:
@@ -388,7 +391,7 @@ class Replicator:
                 stats.clear()
                 for node in self.targets.get(rank, ()):
                     results[node] = False
-                    self.post("replicate_failed", rank=rank, node=node, error=f"{e!r}")
+                    self.post("replicate_failed", rank=rank, step=step, node=node, error=f"{e!r}")
                 return
             for node in self.targets.get(rank, ()):
                 try:
@@ -399,9 +402,8 @@ class Replicator:
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
                     results[node] = False
-                    self.post(
-                        "replicate_failed", rank=rank, node=node, error=f"{type(e).__name__}: {e}"
-                    )
+                    error = f"{type(e).__name__}: {e}"
+                    self.post("replicate_failed", rank=rank, step=step, node=node, error=error)
             if base is not None and base.step == step and self.base_root is not None:
                 self._persist_base(rank, base)
         finally:  # always: the slot is unleased and the rank's next snapshot can go
@@ -471,7 +473,8 @@ class Replicator:
             while len(steps) > 2:  # peers may still hold steps on the previous one
                 durable.remove_part(self.base_root, steps.pop(0), rank)
         except Exception as e:  # reported; the peers still hold the base in memory
-            self.post("replicate_failed", rank=rank, node=-1, error=f"base to tier 2: {e!r}")
+            error = f"base to tier 2: {e!r}"
+            self.post("replicate_failed", rank=rank, step=base.step, node=-1, error=error)
 
     def _channel(self, rank: int, node: int) -> Channel:
         address = self.addresses[node]

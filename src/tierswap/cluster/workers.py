@@ -99,6 +99,16 @@ class Workers:
         fields = dict(self.assignment, generation=self.generation, rank=w.rank)
         send(w.ctl, "assign", local_rank=self.local_ranks[w.rank], **fields)
 
+    def settled(self, generation: int, step: int) -> None:
+        """Tier 1 is done with ``step`` (``--max-redo``): tell the assigned workers, and
+        the ones assigned later through their assignment."""
+        if step <= int(self.assignment.get("settled", -1)):
+            return
+        self.assignment["settled"] = step
+        for w in self.procs.values():
+            if w.state == "assigned" and w.generation == generation and w.ctl is not None:
+                send(w.ctl, "settled", generation=generation, step=step)
+
     def attach(self, chan: Channel, local: int, pid: int) -> bool:
         """A worker's control connection is up: it is parked. True when this was the
         last one the node waited for at its start."""

@@ -1,0 +1,119 @@
+"""The optimizer step waits for tier 1 (``--max-redo``): how far training may run ahead
+of replication, through torch's real optimizer pre-hook."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tierswap import snapshot
+from tierswap.snapshot import Snapshotter, Watermark
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Chan:
+    """What the Snapshotter sends its agent, kept."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, op: str, **fields: Any) -> None:
+        self.sent.append((op, fields))
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    return torch.optim.SGD([p], lr=0.1)
+
+
+@pytest.fixture
+def gated() -> Iterator[tuple[Snapshotter, Watermark, _Chan]]:
+    chan, mark = _Chan(), Watermark()
+    snap = Snapshotter(chan, rank=0, watermark=mark, max_redo=1)  # type: ignore[arg-type]
+    try:
+        yield snap, mark, chan
+    finally:
+        snap.close()
+
+
+def _step_in_thread(opt: torch.optim.Optimizer) -> threading.Thread:
+    t = threading.Thread(target=opt.step, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_step_waits_until_tier1_is_done_with_the_last_snapshot(gated) -> None:
+    snap, mark, _ = gated
+    opt = _optimizer()
+    opt.step()  # nothing snapshotted yet (a generation's first step): no wait
+    snap.last_taken = 5  # as take(5) does
+    mark.advance(4)
+    t = _step_in_thread(opt)
+    t.join(0.3)
+    assert t.is_alive(), "stepped while tier 1 had only step 4 of 5"
+    mark.advance(5)
+    t.join(5)
+    assert not t.is_alive()
+    assert snap.stats.tier1_waits[-1] >= 0.25
+    t0 = time.monotonic()
+    opt.step()  # a second optimizer in the same step: already through
+    assert time.monotonic() - t0 < 0.2
+
+
+def test_max_redo_2_lets_training_run_one_step_further_ahead() -> None:
+    mark = Watermark(3)
+    snap = Snapshotter(_Chan(), rank=0, watermark=mark, max_redo=2)  # type: ignore[arg-type]
+    try:
+        snap.last_taken = 4
+        t0 = time.monotonic()
+        _optimizer().step()
+        assert time.monotonic() - t0 < 0.2, "tier 1 holds step 3 = 4 - (2 - 1)"
+        snap.last_taken = 5
+        t = _step_in_thread(_optimizer())
+        t.join(0.3)
+        assert t.is_alive()
+        mark.advance(4)
+        t.join(5)
+        assert not t.is_alive()
+    finally:
+        snap.close()
+
+
+def test_an_ended_generation_releases_the_wait(gated) -> None:
+    snap, mark, chan = gated
+    snap.last_taken = 2
+    t = _step_in_thread(_optimizer())
+    t.join(0.2)
+    assert t.is_alive()
+    mark.close()
+    t.join(5)
+    assert not t.is_alive()
+    assert chan.sent == [], "an ended generation is not a late tier 1"
+
+
+def test_a_wait_nobody_ends_is_bounded_and_reported(gated, monkeypatch) -> None:
+    snap, _, chan = gated
+    monkeypatch.setattr(snapshot, "GATE_LIMIT_S", 0.2)
+    snap.last_taken = 7
+    _optimizer().step()
+    (op, fields), *_ = chan.sent
+    assert op == "lagging" and fields["step"] == 7 and fields["seconds"] >= 0.2
+
+
+def test_without_tier1_nothing_waits() -> None:
+    snap = Snapshotter(_Chan(), rank=0, watermark=Watermark(), max_redo=0)  # type: ignore[arg-type]
+    try:
+        snap.last_taken = 9
+        t0 = time.monotonic()
+        _optimizer().step()
+        assert time.monotonic() - t0 < 0.2
+        assert snap.stats.tier1_waits == []
+    finally:
+        snap.close()
