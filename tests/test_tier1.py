@@ -74,6 +74,26 @@ def test_two_nodes_node_lost_restores_from_peer_deltas(tmp_path: Path, baseline,
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_two_nodes_fsdp2_node_lost_restores_from_full_replica(tmp_path: Path, baseline) -> None:
+    """FSDP2 shards are unique to their rank: only node 0's replica of rank 1 can bring it
+    back, with no tier 2 given and the killed node revived empty."""
+    base = baseline(nodes=2, mode="fsdp")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "kill",
+        steps=12,
+        mode="fsdp",
+        train_args=SLOW,
+        extra=("--inject", "kill:node=1:step=8"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    assert _restored(run_dir) == {0: 0, 1: 1}
+    (served,) = events(run_dir, "replica_served")
+    assert served["rank"] == 1 and served["kind"] == "full"
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
     tmp_path: Path, baseline
 ) -> None:
