@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,31 @@ def test_non_serializable_value_names_its_path(tmp_path: Path) -> None:
     assert code == 1
     assert "NotSerializableError" in out and "'lock'" in out and "state_dict()" in out
     assert not events(run_dir, "failure_detected")
+
+
+CRASH_AT_EXIT = """
+import atexit, os, time, torch, tierswap
+
+def train(job):
+    state = {"model": torch.nn.Linear(4, 4)}
+    for step in job.steps(state, total=4):
+        pass
+    if job.rank == 1:
+        atexit.register(os.abort)  # after train(job) returned and the step is saved
+    else:
+        time.sleep(3)  # still finishing while rank 1 is gone
+
+if __name__ == "__main__":
+    tierswap.launch(train)
+"""
+
+
+def test_a_worker_crashing_after_it_finished_is_reported_not_recovered(tmp_path: Path) -> None:
+    script = tmp_path / "crash_at_exit.py"
+    script.write_text(CRASH_AT_EXIT)
+    code, run_dir, out = run_job(tmp_path, "crash", nodes=2, steps=4, script=script)
+    assert code == 0, out
+    (crash,) = events(run_dir, "worker_exited_after_finish")
+    assert crash["rank"] == 1 and crash["code"] == -signal.SIGABRT
+    assert not events(run_dir, "failure_detected")
+    assert events(run_dir, "job_finished")[0]["step"] == 3

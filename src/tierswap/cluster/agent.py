@@ -519,7 +519,9 @@ class Agent:
         w = self.workers.procs.get(local)
         if w is None or w.proc.pid != pid or self.exiting:
             return
-        if w.state == "finished" and code == 0:
+        if w.state == "finished":  # its state is saved; a crash at exit is only reported
+            if code != 0:
+                self.coord.send("exited_after_finish", rank=w.rank, code=code)
             return
         if w.state == "starting":  # it never attached: the script itself fails; no retry
             self.coord.send("start_failed", host=self.host, local=local, code=code)

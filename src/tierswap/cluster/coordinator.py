@@ -45,6 +45,7 @@ LOGGED: dict[str, tuple[str, tuple[str, ...]]] = {
     "skipped": ("snapshot_skipped", ("rank", "step")),
     "memory": ("memory", ("rank", "tier", "bytes=nbytes", "scope?")),
     "lagging": ("tier1_wait_timeout", ("rank", "step", "seconds")),
+    "exited_after_finish": ("worker_exited_after_finish", ("rank", "code")),
 }
 """Agent messages that only go to the event log: op -> (event, fields). A field is kept as
 ``name``, renamed as ``name=field``, or kept when present as ``name?``; every event also
