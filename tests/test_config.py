@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierswap.config import ENV_PREFIX, Config, Injection
+from tierswap.errors import UsageError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -183,3 +184,20 @@ def test_injection_parse_rejects_bad_specs(spec: str) -> None:
 def test_bad_injection_in_env_shows_the_forms() -> None:
     with pytest.raises(ValueError, match="expected kill:node=I:step=S, kill:node=I:gen=G"):
         Config.from_env({"TIERSWAP_INJECT": "kill:node=0:step=1,boom"})
+
+
+def test_advertised_address_must_be_one_others_can_reach() -> None:
+    from tierswap.cluster.address import check_advertised, interface_of, worker_env
+
+    assert check_advertised("127.0.0.1", "--bind") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert worker_env("127.0.0.1", {})["GLOO_SOCKET_IFNAME"] == "lo"
+    assert worker_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"})["GLOO_SOCKET_IFNAME"] == "eth9"
+    with pytest.raises(UsageError, match="wildcard"):
+        check_advertised("0.0.0.0", "--bind")
+    with pytest.raises(
+        UsageError, match=r"no interface of this host has it; it has \[.*127\.0\.0\.1"
+    ):
+        check_advertised("192.0.2.7", "--bind")  # TEST-NET-1: never assigned
+    with pytest.raises(UsageError, match="IPv4"):
+        check_advertised("node-a", "--bind")

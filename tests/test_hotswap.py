@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,12 +239,15 @@ def _wait_for(run_dir: Path, kind: str, timeout: float) -> dict[str, Any]:
     raise AssertionError(f"no {kind} event within {timeout} s")
 
 
-def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
-    base = baseline(nodes=2, mode="ddp")
+def _job_joined_after_a_loss(
+    tmp_path: Path, bind: tuple[str, ...] = (), joiner: tuple[str, ...] = ()
+) -> tuple[int, Path, str]:
+    """Kill node 1 with no spare and nobody revived (``wait``); once the job waits, a host
+    joins with ``tierswap run --join`` (its command prefixed by ``joiner``)."""
     run_dir = tmp_path / "wait"
     cmd = job_command(
         run_dir,
-        ["--nodes", "2", "--inject", "kill:node=1:step=6"],
+        ["--nodes", "2", "--inject", "kill:node=1:step=6", *bind],
         ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "wait-final"), *SLOW],
     )
     env = dict(os.environ, TIERSWAP_REVIVE="0")  # nobody comes back unless asked to
@@ -256,12 +261,12 @@ def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
             cwd=tmp_path,
             start_new_session=True,
         )
-        joiner = None
+        proc = None
         try:
             _wait_for(run_dir, "waiting_for_node", 120)
             address = json.loads((run_dir / "join.json").read_text())["address"]
-            joiner = subprocess.Popen(
-                [sys.executable, "-m", "tierswap.cli", "run", "--join", address],
+            proc = subprocess.Popen(
+                [*joiner, sys.executable, "-m", "tierswap.cli", "run", "--join", address],
                 env=dict(env, TIERSWAP_RUN_DIR=str(run_dir)),  # where join.json is
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -269,18 +274,76 @@ def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
                 cwd=tmp_path,
             )
             code = job.wait(180)
-            joiner.wait(30)
+            proc.wait(30)
         finally:
-            for proc in (job, joiner):
-                if proc is not None and proc.poll() is None:
-                    kill_job(proc.pid, run_dir)
-                    proc.wait()
-            if joiner is not None:
+            for p in (job, proc):
+                if p is not None and p.poll() is None:
+                    kill_job(p.pid, run_dir)
+                    p.wait()
+            if proc is not None:
                 try:
-                    os.killpg(joiner.pid, signal.SIGKILL)  # its workers, if any are left
+                    os.killpg(proc.pid, signal.SIGKILL)  # its workers, if any are left
                 except ProcessLookupError:
                     pass
-    assert code == 0, log.read_text()
+    return code, run_dir, log.read_text()
+
+
+def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = _job_joined_after_a_loss(tmp_path)
+    assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "wait"))
     (assigned,) = events(run_dir, "spare_assigned")
     assert assigned["node"] == 1 and assigned["host"] >= 2
+
+
+@pytest.fixture
+def other_host():
+    """A second host on its own network stack: a network namespace joined to this one by
+    a veth pair. Yields (namespace, this host's address, the other's)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+    ns, here, there = f"tsj{tag}", f"tsja{tag}", f"tsjb{tag}"
+    net = f"10.213.{random.randrange(1, 250)}"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", here, "type", "veth", "peer", "name", there, "netns", ns],
+        ["ip", "addr", "add", f"{net}.1/24", "dev", here],
+        ["ip", "link", "set", here, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{net}.2/24", "dev", there],
+        ["ip", "-n", ns, "link", "set", there, "up"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+    ]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a network namespace: {done.stderr.strip()}")
+        yield ns, f"{net}.1", f"{net}.2"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes the veth
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+
+
+def test_a_host_joins_from_another_network(tmp_path: Path, baseline, other_host) -> None:
+    """The job runs on one address; the host that takes the lost node's place lives in
+    another network namespace (its own interfaces, only a veth link to the job): its
+    agent listens on its own address, its workers meet the survivor over gloo on that
+    link, it pulls rank 1 from node 0's memory and replicates back."""
+    ns, here, there = other_host
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = _job_joined_after_a_loss(
+        tmp_path, bind=("--bind", here), joiner=("ip", "netns", "exec", ns)
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "wait"))
+    (assigned,) = events(run_dir, "spare_assigned")
+    assert assigned["node"] == 1
+    joined = [e for e in events(run_dir, "node_joined") if e["host"] == assigned["host"]]
+    assert joined and joined[0]["address"] == there, joined
+    assert {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()} == {0: 0, 1: 1}
+    restored_at = events(run_dir, "restored")[-1]["time"]
+    assert any(
+        e["tier"] == 1 and e["time"] > restored_at for e in events(run_dir, "snapshot_committed")
+    ), "replication goes both ways over the link"

@@ -31,6 +31,10 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
     env = dict(os.environ, TIERSWAP_COORD=args.join, TIERSWAP_SECRET=secret)
     env.pop("TIERSWAP_HOST", None)
+    if args.bind:
+        from tierswap.cluster.address import check_advertised
+
+        env["TIERSWAP_HOST_ADDRESS"] = check_advertised(args.bind, "tierswap run --join --bind")
     if run_dir:
         env["TIERSWAP_RUN_DIR"] = run_dir
     script = [args.script, *args.args] if args.script else []
@@ -71,6 +75,9 @@ def _run(args: argparse.Namespace) -> int:
         delta_threshold=args.delta_threshold,
         persist_deltas=args.persist_deltas or None,
     )
+    from tierswap.cluster.address import check_advertised
+
+    check_advertised(cfg.bind, "tierswap run --bind")
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -177,7 +184,13 @@ def parser() -> argparse.ArgumentParser:
         help="steps a node failure may cost: training waits for tier 1 past this (default "
         "1; 0 never waits)",
     )
-    run.add_argument("--bind", default=None, help="interface to listen on (replicas, coordinator)")
+    run.add_argument(
+        "--bind",
+        default=None,
+        help="this host's address, where the others reach it (coordinator, store, replicas; "
+        "with --join: the joining host's own; default 127.0.0.1, or for --join the address "
+        "its connection to the coordinator leaves from)",
+    )
     run.add_argument(
         "--spares", type=int, default=None, help="parked spare nodes that take failed ones"
     )

@@ -114,8 +114,9 @@ class Config:
     max_peer_memory: int = 0
     """Bytes of replicas one node may hold for others; 0 is no bound."""
     bind: str = "127.0.0.1"
-    """Interface the job listens on: replica servers, the coordinator and its store (an
-    address other hosts can reach when nodes join from elsewhere)."""
+    """Address the job's first host listens on and is reached at: the coordinator, its
+    store and the replica servers of the nodes it simulates. Hosts that join from other
+    machines listen on their own address."""
     max_restarts: int = 10
     """Failures the job recovers from before it gives up."""
     startup_timeout: float = 120.0

@@ -88,6 +88,11 @@ class Channel:
                 raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
             got += n
 
+    def local_address(self) -> tuple[str, int]:
+        """This end's address: the interface the connection leaves from."""
+        host, port = self._socket().getsockname()[:2]
+        return str(host), int(port)
+
     def _socket(self) -> socket.socket:
         if self._sock is None:
             self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.checksum import checksum_chunks
+from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.replication import PeerStore, Replicator
 from tierswap.cluster.workers import Workers, send
 from tierswap.cluster.writer import Bases, PartWriter, bases_of
@@ -51,8 +52,12 @@ class Agent:
         run_dir: Path,
         job_id: str,
         script: list[str],
+        address: str,
+        coord_host: str,
     ) -> None:
         self.host = host
+        self.coord_host = coord_host
+        """Where this host reaches the coordinator (and its store)."""
         self.node: int | None = None
         """The job's node this agent serves; None while it is a spare."""
         self.coord = coord
@@ -76,7 +81,7 @@ class Agent:
         self.last_skipped: dict[int, int] = {}
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret)
-        env = dict(os.environ, **cfg.to_env())
+        env = worker_env(address, dict(os.environ, **cfg.to_env()))
         env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_SECRET=secret.hex(), TIERSWAP_HOST=str(host))
         self.workers = Workers(script, env, self._post)
         self._stop_accepting = serve(self.listener, self._on_worker_channel, "tierswap-accept")
@@ -93,7 +98,7 @@ class Agent:
         self.replicator = Replicator(
             secret, host, self._post, cfg.nproc_per_node, keeper, base_root, cfg.world_size
         )
-        self.server = ReplicaServer(cfg.bind, secret, self._ask)
+        self.server = ReplicaServer(address, secret, self._ask)
         reader(coord, lambda m: self.events.put(("coord", None, m)), "tierswap-coord")
 
     # ---------------------------------------------------------------- plumbing
@@ -273,7 +278,7 @@ class Agent:
         )
         assignment = {
             "world_size": int(msg["world_size"]),
-            "store": str(msg["store"]),
+            "store": f"{self.coord_host}:{str(msg['store']).rsplit(':', 1)[1]}",
             "inject": list(msg["inject"]),
             "backend": str(msg.get("backend", "gloo")),
             "max_redo": int(msg.get("max_redo", 0)),
@@ -551,8 +556,11 @@ class Agent:
 def main() -> None:
     env = os.environ
     secret = bytes.fromhex(env["TIERSWAP_SECRET"])
-    address, port = env["TIERSWAP_COORD"].rsplit(":", 1)
-    coord = Channel.connect((address, int(port)), secret)
+    coord_host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
+    coord = Channel.connect((coord_host, int(port)), secret)
+    # this host listens where others reach it: its own --bind (a host that joins), else
+    # the address its connection to the coordinator leaves from
+    address = env.get("TIERSWAP_HOST_ADDRESS") or leaving_address(coord)
     # the coordinator names this host and hands out the job's config and script, so a node
     # that joins later (tierswap run --join) runs exactly what the others run
     coord.send("hello", host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid())
@@ -569,6 +577,8 @@ def main() -> None:
         run_dir=run_dir,
         job_id=str(welcome["job_id"]),
         script=sys.argv[1:] or list(welcome["script"]),
+        address=address,
+        coord_host=coord_host,
     )
     agent.run()
     if temp is not None:

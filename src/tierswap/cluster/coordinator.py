@@ -286,15 +286,12 @@ class Coordinator:
         assert host is not None
         pid, workers = self.hosts.pids[host], list(msg.get("workers", []))
         self.booting.discard(host)
+        seen = {"host": host, "pid": pid, "address": msg["replica"][0], "workers": workers}
         if self.hosts.ready(host, list(msg["replica"])):
             self.commits.live.add(host)
-            self.log.emit(
-                "node_joined", node=host, host=host, pid=pid, role="member", workers=workers
-            )
+            self.log.emit("node_joined", node=host, role="member", **seen)
         else:
-            self.log.emit(
-                "node_joined", node=None, host=host, pid=pid, role="spare", workers=workers
-            )
+            self.log.emit("node_joined", node=None, role="spare", **seen)
             self.progress.message(f"spare host {host} (pid {pid}) parked")
         self._maybe_start()
 

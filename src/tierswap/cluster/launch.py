@@ -38,6 +38,7 @@ class LocalNodes:
         if old is not None:
             self.retired.append(old)
         env = dict(os.environ)
+        env.pop("TIERSWAP_HOST_ADDRESS", None)  # simulated hosts listen on --bind
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
             TIERSWAP_SECRET=self.secret.hex(),
