@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(60)
         ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
         ({"spares": -1}, "spares must be >= 0, got -1"),
         ({"max_redo": -1}, "max_redo must be >= 0, got -1"),
+        ({"nodes": 2, "slots": 3}, "slots=3 with tier 1 on and max_redo=1: .* use 4 slots"),
         ({"on_no_spare": "retry"}, "on_no_spare must be 'wait' or 'fail', got 'retry'"),
         ({"heartbeat": 1.0, "lease": 1.5}, r"lease \(1.5 s\) must be at least 2 heartbeats"),
         ({"collective_timeout": float("nan")}, "collective_timeout must be > 0"),
@@ -76,7 +77,7 @@ def configs(draw: st.DrawFn) -> Config:
         persist_every=draw(st.integers(min_value=1, max_value=1000)),
         keep=draw(st.integers(min_value=1, max_value=9)),
         run_dir=draw(st.none() | text),
-        slots=draw(st.integers(min_value=3, max_value=8)),
+        slots=draw(st.integers(min_value=4 if nodes > 1 else 3, max_value=8)),
         inject=tuple(inject),
         max_restarts=draw(st.integers(min_value=0, max_value=50)),
         startup_timeout=draw(
@@ -152,6 +153,9 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("stop:rank=1:step=6", Injection("stop", "rank", 1, 6)),
         ("stop:node=0:step=3", Injection("stop", "node", 0, 3)),
         ("delay:node=1:seconds=0.25", Injection("delay", "node", 1, -1, seconds=0.25)),
+        ("delay:node=0:seconds=.5", Injection("delay", "node", 0, -1, seconds=0.5)),
+        ("delay:node=0:seconds=1e-05", Injection("delay", "node", 0, -1, seconds=1e-05)),
+        ("delay:node=0:seconds=2e+06", Injection("delay", "node", 0, -1, seconds=2e6)),
     ],
 )
 def test_injection_parse_and_str(spec: str, expected: Injection) -> None:

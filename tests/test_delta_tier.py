@@ -308,12 +308,16 @@ def test_a_replica_sent_in_an_ended_generation_is_refused(mode: str) -> None:
     try:
         assert store.slot(0, 5, r.layout, generation=1) is None
         assert reports[-1][0] == "replica_rejected" and "generation 1" in reports[-1][1]["why"]
+        # stamped with the transfer's generation: the coordinator, now in generation 2,
+        # must not count step 5 of the old timeline as settled in the new one
+        assert reports[-1][1]["generation"] == 1
         token, buf = store.slot(0, 5, r.layout, generation=2) or (None, None)
         assert buf is not None
         buf[: r.layout.nbytes] = r.view
         store.generation = 3  # a generation ended while it was in flight
         store.written(0, token, True, 5, r.layout, r.tree, r.checksum, generation=2)
         assert store.holdings().get("0", {}) == {}
+        assert reports[-1][0] == "replica_rejected" and reports[-1][1]["generation"] == 2
         assert store.base(0, 5, r.checksum, generation=2) is None
     finally:
         store.close()

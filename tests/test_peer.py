@@ -258,7 +258,7 @@ def test_replica_not_matching_its_checksum_is_rejected_and_not_served(server: _S
     with pytest.raises(CorruptPartError, match="rank 1 step 2"):
         peer.fetch(server.address, server.secret, rank=1, step=2)
     rejected = [f for op, f in server.agent.reports if op == "replica_rejected"]
-    assert rejected == [{"rank": 1, "step": 2, "why": "checksum mismatch"}]
+    assert rejected == [{"rank": 1, "step": 2, "why": "checksum mismatch", "generation": -1}]
     assert "replica_held" not in server.agent.ops()
 
 

@@ -55,7 +55,9 @@ class Injection:
         at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
         if at_gen is not None:
             return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
-        slow = re.fullmatch(r"delay:node=(\d+):seconds=(\d+(?:\.\d*)?)", spec.strip())
+        slow = re.fullmatch(
+            r"delay:node=(\d+):seconds=(\d*\.?\d+(?:[eE][-+]?\d+)?|\d+\.)", spec.strip()
+        )
         if slow is not None:
             return Injection("delay", "node", int(slow.group(1)), -1, seconds=float(slow.group(2)))
         bad = re.fullmatch(
@@ -72,7 +74,7 @@ class Injection:
 
     def __str__(self) -> str:
         if self.action == "delay":
-            return f"delay:node={self.index}:seconds={self.seconds:g}"
+            return f"delay:node={self.index}:seconds={self.seconds!r}"
         where = f":where={self.where}" if self.where else ""
         when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
         during = f":during={self.during}" if self.during else ""
@@ -97,8 +99,9 @@ class Config:
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
     slots: int = 4
     """Tier-0 slots per rank: the step committed in tier 0, the one committed in tier 1
-    (when replication lags), the newest, and one being written. 3 is the least; with 3
-    and tier 1 on, snapshots are skipped while replication catches up."""
+    (when replication lags), the newest, and one being written. 3 is the least, and only
+    with tier 1 off or ``max_redo=0``: snapshots are then skipped while replication
+    catches up."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo."""
     replicas: int = 1
@@ -181,6 +184,12 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.slots < 4 and self.max_redo > 0 and self.replicas > 0 and self.nodes > 1:
+            raise ValueError(
+                f"slots={self.slots} with tier 1 on and max_redo={self.max_redo}: tier 0 has "
+                "no room for a step while tier 1 sends another, so snapshots are skipped and "
+                "a failure may cost more than max_redo steps; use 4 slots, or max_redo=0"
+            )
         for name in ("spares", "spare_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -88,6 +88,13 @@ class Channel:
                 raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
             got += n
 
+    def give_up_after(self, seconds: float) -> None:
+        """A send to a host that vanished (no reset, no FIN: a dead machine, a cut link)
+        fails after ``seconds`` of unacknowledged data (``TCP_USER_TIMEOUT``), instead of
+        TCP's default of about 15 minutes of retransmissions."""
+        ms = int(seconds * 1000)
+        self._socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+
     def local_address(self) -> tuple[str, int]:
         """This end's address: the interface the connection leaves from."""
         host, port = self._socket().getsockname()[:2]

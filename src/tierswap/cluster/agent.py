@@ -240,7 +240,13 @@ class Agent:
 
     def _peer_holdings(self) -> dict[str, dict[str, str]]:
         for rank, step in self.peers.verify():
-            self.coord.send("replica_rejected", rank=rank, step=step, why="corrupt in memory")
+            self.coord.send(
+                "replica_rejected",
+                rank=rank,
+                step=step,
+                why="corrupt in memory",
+                generation=self.generation,
+            )
         return self.peers.holdings()
 
     def _holdings(self) -> dict[str, dict[str, str]]:
@@ -254,6 +260,7 @@ class Agent:
         self.node = int(msg["node"])
         self.plans = {int(r): p for r, p in msg["plans"].items()}
         self.injections = [Injection.parse(s) for s in msg["inject"]]
+        self.last_skipped.clear()  # a restore may replay a step skipped before: report it
         ranks = [int(r) for r in msg["ranks"]]
         for r in ranks:
             self.rings.setdefault(r, RankRing(self.job_id, r, self.cfg.slots))
@@ -429,7 +436,7 @@ class Agent:
             self.coord.send("dropped", rank=rank, steps=dropped)
         if slot is None and self.last_skipped.get(rank) != msg["step"]:
             self.last_skipped[rank] = msg["step"]
-            self.coord.send("skipped", rank=rank, step=msg["step"])
+            self.coord.send("skipped", rank=rank, step=msg["step"], generation=self.generation)
 
     def _w_held(self, chan: Channel, rank: int, msg: Message) -> None:
         ring = self.rings[rank]

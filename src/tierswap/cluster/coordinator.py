@@ -201,7 +201,9 @@ class Coordinator:
         if op in LOGGED:  # a fact for the event log, nothing to decide
             event, fields = LOGGED[op]
             self.log.emit(event, node=node, **_logged(msg, fields))
-            if op in NEVER_IN_TIER1 and msg.get("node", 0) >= 0:  # node -1: a base to tier 2
+            # node -1: a base to tier 2; another generation: a step of another timeline
+            current = msg.get("generation") == self.generation
+            if op in NEVER_IN_TIER1 and msg.get("node", 0) >= 0 and current:
                 self._tier1_settled(int(msg["step"]))
             return
         handler = getattr(self, f"_on_{op}", None)
@@ -630,8 +632,10 @@ class Coordinator:
     def _on_vote(self, chan: Channel, node: int | None, msg: Message) -> None:
         assert node is not None
         tier, step = int(msg["tier"]), int(msg["step"])
+        asked = self.commits.proposals[tier]
+        current = asked is not None and asked.step == step and node in asked.voters
         done = self.commits.vote(tier, node, step, bool(msg["ok"]))
-        if tier == 1 and (done is not None or not msg["ok"]):
+        if tier == 1 and (done is not None or (current and not msg["ok"])):
             self._tier1_settled(step)  # committed, or a holder no longer has it
         if done is not None:
             self.ever_committed = True

@@ -23,6 +23,10 @@ from tierswap.tiers.memory import RankRing, Slot, SlotState
 from tierswap.tiers.peer import Lease, push, push_delta
 from tierswap.wire import Address, Channel
 
+SEND_LIMIT_S = 30.0
+"""A replica send to a peer that stopped acknowledging fails after this long (a host gone
+without a reset): the transfer is reported failed and the rank's next one can go."""
+
 Report = Callable[..., None]
 """``report(op, **fields)``: tell the coordinator."""
 
@@ -82,7 +86,9 @@ class PeerStore:
     def _stale(self, rank: int, step: int, generation: int) -> bool:
         if generation >= self.generation:
             return False
-        self._rejected(rank, step, f"sent in generation {generation}, now {self.generation}")
+        self._rejected(
+            rank, step, f"sent in generation {generation}, now {self.generation}", generation
+        )
         return True
 
     def slot(
@@ -110,6 +116,7 @@ class PeerStore:
         if dropped:
             self.report("replica_dropped", rank=rank, steps=dropped)
         if index is None:
+            self._rejected(rank, step, "no free slot", generation)
             return None
         slot = ring.alloc.slots[index]
         return slot, slot.segment.buf
@@ -140,13 +147,14 @@ class PeerStore:
                 self._inject(rank, step, token, "base")
                 self._inject(rank, step, token, "memory")
             else:
-                self._rejected(rank, step, why or "checksum mismatch")
+                self._rejected(rank, step, why or "checksum mismatch", generation)
             return
         slot: Slot = token
         ring = self.rings[rank]
         if not ok or ring.alloc is None or slot not in ring.alloc.slots:
             slot.state, slot.step = SlotState.FREE, -1
-            self._rejected(rank, step, why or ("checksum mismatch" if not ok else "slot gone"))
+            why = why or ("checksum mismatch" if not ok else "slot gone")
+            self._rejected(rank, step, why, generation)
             return
         ring.written(slot.index, step, ring.alloc.id, tree or {})
         ring.checked(slot, checksum)
@@ -178,7 +186,7 @@ class PeerStore:
         if ok and generation < self.generation:
             ok, why = False, f"sent in generation {generation}, now {self.generation}"
         if not ok:
-            self._rejected(rank, step, why)
+            self._rejected(rank, step, why, generation)
             return
         if base_durable and base.durable is None:
             base.durable = base_durable
@@ -196,15 +204,18 @@ class PeerStore:
         held = self.nbytes()
         if self.max_bytes and held > self.max_bytes:  # bases pinned by old steps, say
             del dring.entries[entry.step]
-            self._rejected(rank, entry.step, f"--max-peer-memory {self.max_bytes:,} reached")
+            why = f"--max-peer-memory {self.max_bytes:,} reached"
+            self._rejected(rank, entry.step, why, self.generation)
             return
         if held > self.peak:  # the peak is what a node must have room for
             self.peak = held
             self.report("memory", rank=rank, tier=1, nbytes=held, scope="node")
         self.report("replica_held", rank=rank, step=entry.step)
 
-    def _rejected(self, rank: int, step: int, why: str) -> None:
-        self.report("replica_rejected", rank=rank, step=step, why=why)
+    def _rejected(self, rank: int, step: int, why: str, generation: int) -> None:
+        """A replica of ``step`` sent in ``generation`` is not held here: the coordinator
+        logs it and, in that generation, stops waiting for the step in tier 1."""
+        self.report("replica_rejected", rank=rank, step=step, why=why, generation=generation)
 
     def _inject(self, rank: int, step: int, buf: memoryview, where: str) -> None:
         for inj in self.corrupt:
@@ -341,6 +352,11 @@ class Replicator:
         self, targets: dict[int, tuple[int, ...]], addresses: Mapping[int, Address]
     ) -> None:
         self.targets, self.addresses = targets, dict(addresses)
+        with self._lock:  # a node replaced or gone: a transfer stuck on it fails now
+            gone = [k for k, (a, _) in self._chans.items() if self.addresses.get(k[1]) != a]
+            stale = [self._chans.pop(k)[1] for k in gone]
+        for chan in stale:
+            chan.close()
 
     def offer(self, rank: int, ring: RankRing) -> None:
         """A new snapshot of ``rank`` is held: send the newest one when the line is free."""
@@ -391,7 +407,14 @@ class Replicator:
                 stats.clear()
                 for node in self.targets.get(rank, ()):
                     results[node] = False
-                    self.post("replicate_failed", rank=rank, step=step, node=node, error=f"{e!r}")
+                    self.post(
+                        "replicate_failed",
+                        rank=rank,
+                        step=step,
+                        node=node,
+                        error=f"{e!r}",
+                        generation=generation,
+                    )
                 return
             for node in self.targets.get(rank, ()):
                 try:
@@ -403,7 +426,14 @@ class Replicator:
                     self._drop(rank, node)
                     results[node] = False
                     error = f"{type(e).__name__}: {e}"
-                    self.post("replicate_failed", rank=rank, step=step, node=node, error=error)
+                    self.post(
+                        "replicate_failed",
+                        rank=rank,
+                        step=step,
+                        node=node,
+                        error=error,
+                        generation=generation,
+                    )
             if base is not None and base.step == step and self.base_root is not None:
                 self._persist_base(rank, base)
         finally:  # always: the slot is unleased and the rank's next snapshot can go
@@ -485,6 +515,7 @@ class Replicator:
         if cached is not None:
             cached[1].close()
         chan = Channel.connect(address, self.secret)
+        chan.give_up_after(SEND_LIMIT_S)
         with self._lock:
             self._chans[(rank, node)] = (address, chan)
         return chan
