@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tierswap.demo import EXAMPLE, differing, job_command, load_final
+from tierswap.shm import remove_job_segments
 
 TRAIN = EXAMPLE
 
@@ -60,6 +61,9 @@ def kill_job(launcher_pid: int, run_dir: Path) -> None:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # a killed job leaves its tier-0 memory (no agent survived to unlink it)
+    for started in events(run_dir, "job_started") if (run_dir / "events.jsonl").exists() else []:
+        remove_job_segments(started["job_id"])
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -147,3 +147,48 @@ def test_a_worker_crashing_after_it_finished_is_reported_not_recovered(tmp_path:
     assert crash["rank"] == 1 and crash["code"] == -signal.SIGABRT
     assert not events(run_dir, "failure_detected")
     assert events(run_dir, "job_finished")[0]["step"] == 3
+
+
+CRASH_BEFORE_FINISH = """
+import os, sys, time, torch, tierswap
+
+def train(job):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt}
+    for step in job.steps(state, total=4):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+    out = sys.argv[sys.argv.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    torch.save(model.state_dict(), f"{out}/rank{job.rank}-gen{job.generation}.pt")
+    if job.rank == 1 and job.generation == 0:
+        time.sleep(1)  # rank 0 has finished and exited by now
+        os._exit(3)  # a crash in the user's own code after the steps, before finishing
+
+if __name__ == "__main__":
+    tierswap.launch(train)
+"""
+
+
+def test_a_rank_failing_after_another_finished_gets_that_rank_a_new_worker(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 finishes and exits; rank 1 then fails: the new generation needs a worker for
+    rank 0 again, and it restores the state rank 0 finished with."""
+    import torch
+
+    script = tmp_path / "crash_before_finish.py"
+    script.write_text(CRASH_BEFORE_FINISH)
+    code, run_dir, out = run_job(tmp_path, "late", nodes=2, steps=4, script=script, timeout=90)
+    assert code == 0, out
+    (failure,) = events(run_dir, "failure_detected")
+    assert failure["ranks"] == [1]
+    assert events(run_dir, "job_finished")[0]["step"] == 3
+    final = tmp_path / "late-final"
+    for rank in (0, 1):
+        before = torch.load(final / f"rank{rank}-gen0.pt")
+        after = torch.load(final / f"rank{rank}-gen1.pt")
+        assert all(torch.equal(before[k], after[k]) for k in before)

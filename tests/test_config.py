@@ -203,5 +203,9 @@ def test_advertised_address_must_be_one_others_can_reach() -> None:
         UsageError, match=r"no interface of this host has it; it has \[.*127\.0\.0\.1"
     ):
         check_advertised("192.0.2.7", "--bind")  # TEST-NET-1: never assigned
-    with pytest.raises(UsageError, match="IPv4"):
-        check_advertised("node-a", "--bind")
+    with pytest.raises(UsageError, match="no IPv4 address is known for that name"):
+        check_advertised("no-such-host.invalid", "--bind")
+    # Names resolve, and all of 127.0.0.0/8 is this host's loopback.
+    assert check_advertised("localhost", "--bind") == "127.0.0.1"
+    assert check_advertised("127.0.0.2", "--bind") == "127.0.0.2"
+    assert interface_of("127.0.0.2") == "lo"

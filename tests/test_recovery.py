@@ -114,7 +114,6 @@ def test_whole_job_killed_resumes_from_durable_bit_exact(tmp_path: Path, baselin
     finally:
         kill_job(proc.pid, run_dir)
         proc.wait()
-    _remove_segments_of(run_dir)
     code, run_dir2, out = run_job(
         tmp_path, "second", steps=12, extra=("--persist", str(persist), "--persist-every", "2")
     )
@@ -175,11 +174,3 @@ def _wait_for(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting for the job"
         time.sleep(0.2)
-
-
-def _remove_segments_of(run_dir: Path) -> None:
-    """A killed job leaves its tier-0 memory (no agent survived to unlink it)."""
-    from tierswap.shm import remove_job_segments
-
-    (started,) = events(run_dir, "job_started")
-    remove_job_segments(started["job_id"])

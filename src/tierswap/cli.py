@@ -31,6 +31,7 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
     env = dict(os.environ, TIERSWAP_COORD=args.join, TIERSWAP_SECRET=secret)
     env.pop("TIERSWAP_HOST", None)
+    env.pop("TIERSWAP_HOST_ADDRESS", None)  # a stale one from the environment is not ours
     if args.bind:
         from tierswap.cluster.address import check_advertised
 

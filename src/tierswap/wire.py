@@ -6,6 +6,7 @@ so a process outside the job cannot connect. Payloads are JSON, never pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -91,9 +92,13 @@ class Channel:
     def give_up_after(self, seconds: float) -> None:
         """A send to a host that vanished (no reset, no FIN: a dead machine, a cut link)
         fails after ``seconds`` of unacknowledged data (``TCP_USER_TIMEOUT``), instead of
-        TCP's default of about 15 minutes of retransmissions."""
-        ms = int(seconds * 1000)
-        self._socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+        TCP's default of about 15 minutes of retransmissions. Best effort: where the
+        platform has no such option the channel keeps TCP's default."""
+        option = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if option is None:
+            return
+        with contextlib.suppress(OSError):
+            self._socket().setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
 
     def local_address(self) -> tuple[str, int]:
         """This end's address: the interface the connection leaves from."""

@@ -23,34 +23,50 @@ def leaving_address(chan: Channel) -> str:
     return str(chan.local_address()[0])
 
 
+def _ipv4_addresses() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) for every address this host holds."""
+    return [
+        (name, a.address)
+        for name, addrs in psutil.net_if_addrs().items()
+        for a in addrs
+        if a.family == socket.AF_INET
+    ]
+
+
 def interface_of(address: str) -> str | None:
-    """The name of the interface that holds ``address`` on this host, or None."""
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+    """The name of the interface that holds ``address`` on this host, or None. Every
+    address of 127.0.0.0/8 is this host's, on the loopback interface."""
+    held = _ipv4_addresses()
+    for name, addr in held:
+        if addr == address:
             return name
+    if ipaddress.IPv4Address(address).is_loopback:
+        for name, addr in held:
+            if ipaddress.IPv4Address(addr).is_loopback:
+                return name
     return None
 
 
 def check_advertised(address: str, flag: str) -> str:
-    """``address`` must be a concrete IPv4 address of this host: others connect to it."""
+    """``address`` (an IPv4 address or a name that resolves to one) must be an address of
+    this host that is not a wildcard: others connect to it. Returns it as an address."""
     try:
-        ip = ipaddress.IPv4Address(address)
-    except ValueError:
-        raise UsageError(f"{flag} {address!r}: expected an IPv4 address of this host") from None
+        ip = ipaddress.IPv4Address(socket.gethostbyname(address))
+    except (OSError, UnicodeError, ValueError):
+        raise UsageError(
+            f"{flag} {address!r}: not an IPv4 address and no IPv4 address is known for that "
+            "name; give an address of this host (for one machine, 127.0.0.1)"
+        ) from None
     if ip.is_unspecified:
         raise UsageError(
             f"{flag} {address}: other hosts cannot connect to a wildcard; give the address "
             "they reach this host at (for one machine, 127.0.0.1)"
         )
-    if interface_of(address) is None:
-        mine = sorted(
-            a.address
-            for addrs in psutil.net_if_addrs().values()
-            for a in addrs
-            if a.family == socket.AF_INET
-        )
-        raise UsageError(f"{flag} {address}: no interface of this host has it; it has {mine}")
-    return address
+    if interface_of(str(ip)) is None:
+        mine = sorted(addr for _, addr in _ipv4_addresses())
+        named = address if address == str(ip) else f"{address} ({ip})"
+        raise UsageError(f"{flag} {named}: no interface of this host has it; it has {mine}")
+    return str(ip)
 
 
 def worker_env(address: str, env: dict[str, str]) -> dict[str, str]:

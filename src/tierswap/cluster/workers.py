@@ -75,7 +75,13 @@ class Workers:
         self.generation, self.assignment, self.stopping = generation, assignment, False
         self.spent.clear()
         self.by_rank.clear()
-        alive = [w for w in self.procs.values() if w.state != "finished"]
+        for w in [w for w in self.procs.values() if w.state == "finished"]:
+            # It finished an earlier generation and exits (or has); another rank failed
+            # before the job ended, so this generation needs a worker for its rank again.
+            if w.proc.poll() is None:
+                w.proc.kill()  # the watcher's report names the old pid and is ignored
+            self.spawn(w.local)
+        alive = list(self.procs.values())
         for w in alive:
             if w.rank in ranks and w.state == "parked":
                 self.by_rank[w.rank] = w
