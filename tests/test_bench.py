@@ -42,13 +42,16 @@ def test_bench_snapshot_writes_every_section_and_cleans_up(tmp_path: Path) -> No
     timed += [blocking["tierswap"]["copy"], blocking["dcp_async_save"]["total"]]
     timed += [res["copy"][m]["bps"] for m in ("snapshot", "copy_")]
     timed += [res["write"][m]["bps"] for m in ("write_part", "sequential")]
+    stepped = []
     for key in ("threads_1", "threads_all"):
         step = res["step"][key]
-        timed += [step["with_snapshot"]["step_s"], step["with_snapshot"]["stall_s"]]
-        timed += [step["without"]["step_s"]]
+        stepped += [step["with_snapshot"]["step_s"], step["with_snapshot"]["stall_s"]]
+        stepped += [step["without"]["step_s"]]
         assert math.isfinite(step["overhead"]["median"])
-    for stats in timed:
-        assert len(stats["samples"]) == 2
+    assert res["step"]["pairs"] == 4 * 2  # section 4 runs 4 A/B pairs per repeat
+    for stats in timed + stepped:
+        assert len(stats["samples"]) == (8 if any(stats is x for x in stepped) else 2)
+        assert stats["q1"] <= stats["median"] <= stats["q3"], stats
         assert stats["min"] > 0 and stats["median"] > 0, stats
     assert blocking["tierswap"]["fence"]["min"] >= 0
     ratios = res["ratios"]

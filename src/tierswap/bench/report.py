@@ -78,6 +78,12 @@ def report(res: Mapping[str, Any]) -> None:
         ratios.add_row(name, f"{100 * value:.2f} %", f"{op} {100 * goal:g} %" if op else "",
                        ("yes" if met else "NO") if op else "")  # fmt: skip
     Console().print(table, ratios)
+    for key in ("threads_1", "threads_all"):
+        step = res["step"][key]
+        o = step["overhead"]
+        print(f"step overhead, {step['threads']} thread(s): median {100 * o['median']:+.1f} %, "
+              f"quartiles {100 * o['q1']:+.1f} – {100 * o['q3']:+.1f} % over "
+              f"{len(o['samples'])} interleaved pairs")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,6 +20,10 @@ LOOP_MAX_MIB, LOOP_DEPTH, LOOP_BATCH = 64, 4, 512
 """The MLP: at most 64 MiB of state, 4 layers, 512 rows a step (6 x 512 FLOP per
 parameter, a tiny fraction of a language model's step: little compute hides the copy)."""
 LOOP_BLOCK = 5  # timed steps per block, after an untimed one that enters the block
+STEP_PAIRS_PER_REPEAT = 4
+"""Section 4 runs 4 A/B pairs per ``--repeats``: its blocks last about a second, and on a
+shared VM their step time moves by +-15 % from one block to the next, so a median of a
+5 % effect needs tens of pairs (20 by default)."""
 
 
 @dataclass(slots=True)
@@ -68,7 +72,8 @@ def bench_steps(rig: Rig, size_mib: int, repeats: int) -> dict[str, Any]:
     """Section 4 on one torch thread, then on all; the caller restores the thread count."""
     loop = _Loop.make(size_mib)
     params = sum(p.numel() for p in loop.model.parameters())
-    out: dict[str, Any] = {"params": params, "batch": LOOP_BATCH, "state_bytes": 12 * params}
+    out: dict[str, Any] = {"params": params, "batch": LOOP_BATCH, "state_bytes": 12 * params,
+                           "pairs": STEP_PAIRS_PER_REPEAT * repeats}  # fmt: skip
     skipped = rig.snapshotter.stats.skipped
     for key, threads in (("threads_1", 1), ("threads_all", os.cpu_count() or 1)):
         torch.set_num_threads(threads)
@@ -76,7 +81,7 @@ def bench_steps(rig: Rig, size_mib: int, repeats: int) -> dict[str, Any]:
             "with_snapshot": lambda: _block(loop, rig, True),
             "without": lambda: _block(loop, rig, False),
         }
-        ab = interleave(methods, repeats, rig.sync, alternate=True)
+        ab = interleave(methods, STEP_PAIRS_PER_REPEAT * repeats, rig.sync, alternate=True)
         w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
         pairs = zip(w, wo, strict=True)
         out[key] = {"threads": threads, **ab, "overhead": stats([a / b - 1 for a, b in pairs])}
