@@ -1,28 +1,58 @@
-"""Section 4 of `tierswap bench snapshot`, its 1-thread half only, for long runs:
-`python bench/step_overhead_1thread.py PAIRS OUT.json` (run 2026-12-01 with 100 pairs,
-declared before it ran; blocks of 5 steps)."""
-import json, sys, statistics
+"""Section 4 of ``tierswap bench snapshot``, its 1-thread half only, for long runs.
+
+    python bench/step_overhead_1thread.py PAIRS OUT.json
+
+Run on 2026-12-01 with 100 pairs (the count chosen before it ran); blocks of 5 steps as in
+the bench. Sections 1 to 3 are replaced by no-ops: the rig (agent process, ring, copy
+thread) is the bench's own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
 import torch
+
 from tierswap.bench import measure, steps
 from tierswap.bench.common import interleave, stats
+from tierswap.bench.rig import Rig
 
-def only_threads_1(rig, size_mib, repeats):
+
+def only_one_thread(rig: Rig, size_mib: int, pairs: int) -> dict[str, Any]:
     loop = steps._Loop.make(size_mib)
     torch.set_num_threads(1)
-    methods = {"with_snapshot": lambda: steps._block(loop, rig, True),
-               "without": lambda: steps._block(loop, rig, False)}
-    ab = interleave(methods, repeats, rig.sync, alternate=True)
+    methods = {
+        "with_snapshot": lambda: steps._block(loop, rig, True),
+        "without": lambda: steps._block(loop, rig, False),
+    }
+    ab = interleave(methods, pairs, rig.sync, alternate=True)
     w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
-    return {"threads_1": {**ab, "overhead": stats([a / b - 1 for a, b in zip(w, wo)])}}
+    overhead = stats([a / b - 1 for a, b in zip(w, wo, strict=True)])
+    return {"threads_1": {**ab, "overhead": overhead}}
 
-measure._bench_throughput = lambda rig, state, tmp, repeats: {"compute_s": 0.0}
-measure._bench_blocking = lambda *a: {}
-measure.make_state = lambda size: {}
-measure.ratios = lambda res: {}
-measure.bench_steps = only_threads_1
-res = measure.run(1024, int(sys.argv[1]))
-json.dump(res, open(sys.argv[2], "w"), indent=1)
-t = res["step"]["threads_1"]; o = t["overhead"]
-print(f"pairs {len(o['samples'])}: median {100*o['median']:+.2f} % q1 {100*o['q1']:+.2f} q3 {100*o['q3']:+.2f}; "
-      f"step medians {1e3*t['with_snapshot']['step_s']['median']:.1f} / {1e3*t['without']['step_s']['median']:.1f} ms; "
-      f"stall {1e3*t['with_snapshot']['stall_s']['median']:.2f} ms")
+
+def main() -> None:
+    pairs, out = int(sys.argv[1]), sys.argv[2]
+    measure._bench_throughput = lambda *a: {"compute_s": 0.0}  # type: ignore[assignment]
+    measure._bench_blocking = lambda *a: {}  # type: ignore[assignment]
+    measure.make_state = lambda size: {}  # type: ignore[assignment]
+    measure.ratios = lambda res: {}  # type: ignore[assignment]
+    measure.bench_steps = only_one_thread
+    res = measure.run(1024, pairs)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    t = res["step"]["threads_1"]
+    o = t["overhead"]
+    print(
+        f"pairs {len(o['samples'])}: median {100 * o['median']:+.2f} %, "
+        f"quartiles {100 * o['q1']:+.2f} - {100 * o['q3']:+.2f} %; step medians "
+        f"{1e3 * t['with_snapshot']['step_s']['median']:.1f} / "
+        f"{1e3 * t['without']['step_s']['median']:.1f} ms; "
+        f"stall {1e3 * t['with_snapshot']['stall_s']['median']:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
