@@ -164,29 +164,59 @@ def train(job):
     out = sys.argv[sys.argv.index("--out") + 1]
     os.makedirs(out, exist_ok=True)
     torch.save(model.state_dict(), f"{out}/rank{job.rank}-gen{job.generation}.pt")
-    if job.rank == 1 and job.generation == 0:
-        time.sleep(1)  # rank 0 has finished and exited by now
+    if job.generation > 0:
+        return
+    with open(f"{out}/rank{job.rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(f"{out}/rank{job.rank}.tmp", f"{out}/rank{job.rank}.pid")
+    if "--stop-first" in sys.argv:  # rank 0 returns only once the job is stopping
+        if job.rank == 0:
+            gone(f"{out}/rank1.pid")
+            time.sleep(2)  # its agent is told to stop meanwhile
+        else:
+            os._exit(3)
+    if job.rank == 1:
+        gone(f"{out}/rank0.pid")  # rank 0 has finished and exited
         os._exit(3)  # a crash in the user's own code after the steps, before finishing
+
+def gone(pid_file):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(pid_file):
+            try:
+                os.kill(int(open(pid_file).read()), 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
 
 if __name__ == "__main__":
     tierswap.launch(train)
 """
 
 
+@pytest.mark.parametrize("order", ["finish-first", "stop-first"])
 def test_a_rank_failing_after_another_finished_gets_that_rank_a_new_worker(
-    tmp_path: Path,
+    tmp_path: Path, order: str
 ) -> None:
-    """Rank 0 finishes and exits; rank 1 then fails: the new generation needs a worker for
-    rank 0 again, and it restores the state rank 0 finished with."""
+    """Rank 1 fails after its steps, before it finishes, while rank 0 finishes: either
+    before (it has exited) or after its agent was told to stop (its "finished" arrives
+    while it is leaving). The next generation needs a worker for rank 0 again, and it
+    restores the state rank 0 finished with."""
     import torch
 
     script = tmp_path / "crash_before_finish.py"
     script.write_text(CRASH_BEFORE_FINISH)
-    code, run_dir, out = run_job(tmp_path, "late", nodes=2, steps=4, script=script, timeout=90)
+    code, run_dir, out = run_job(
+        tmp_path, "late", nodes=2, steps=4, script=script, timeout=90, train_args=(f"--{order}",)
+    )
     assert code == 0, out
     (failure,) = events(run_dir, "failure_detected")
     assert failure["ranks"] == [1]
     assert events(run_dir, "job_finished")[0]["step"] == 3
+    # rank 0 ran in a fresh worker; no host was counted twice (none turned spare)
+    first, second = (e["pids"]["0"] for e in events(run_dir, "rebuilt"))
+    assert first != second
+    assert [e["role"] for e in events(run_dir, "node_joined")] == ["member", "member"]
     final = tmp_path / "late-final"
     for rank in (0, 1):
         before = torch.load(final / f"rank{rank}-gen0.pt")

@@ -209,3 +209,20 @@ def test_advertised_address_must_be_one_others_can_reach() -> None:
     assert check_advertised("localhost", "--bind") == "127.0.0.1"
     assert check_advertised("127.0.0.2", "--bind") == "127.0.0.2"
     assert interface_of("127.0.0.2") == "lo"
+
+
+def test_a_name_that_resolves_to_loopback_is_taken_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from tierswap.cluster.address import check_advertised
+
+    real = socket.gethostbyname
+    # as /etc/hosts has it on Debian-like hosts: the host's own name on 127.0.1.1
+    fake = {"node-a": "127.0.1.1"}
+    monkeypatch.setattr(socket, "gethostbyname", lambda n: fake.get(n) or real(n))
+    assert check_advertised("node-a", "--bind") == "127.0.1.1"
+    assert "--bind node-a is 127.0.1.1, a loopback address" in capsys.readouterr().err
+    assert check_advertised("localhost", "--bind") == "127.0.0.1"
+    assert capsys.readouterr().err == ""

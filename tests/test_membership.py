@@ -9,6 +9,7 @@ from typing import Any, cast
 from tierswap.cluster.hosts import Hosts
 from tierswap.cluster.launch import node_faults_due
 from tierswap.cluster.recovery import RecoveryClock
+from tierswap.cluster.workers import Workers
 from tierswap.wire import Channel
 
 
@@ -24,6 +25,9 @@ def test_first_hosts_serve_their_nodes_and_later_ones_are_spares() -> None:
     assert [hosts.ready(h, ["127.0.0.1", 1000 + h]) for h in ids] == [True, True, False]
     assert hosts.members == {0: 0, 1: 1} and hosts.spares == [2] and not hosts.waiting
     assert hosts.peer_addresses == {0: ["127.0.0.1", 1000], 1: ["127.0.0.1", 1001]}
+    # a second "ready" (a replaced worker attached) changes nothing: no member turns spare
+    assert [hosts.ready(h, ["127.0.0.1", 1000 + h]) for h in ids] == [None, None, None]
+    assert hosts.members == {0: 0, 1: 1} and hosts.spares == [2]
     # a host that joins from outside, or reuses an id, gets a fresh one
     assert hosts.connected(-1, 200, _chan()) == 3
     assert hosts.connected(1, 201, _chan()) == 4
@@ -93,3 +97,22 @@ def test_recovery_clock_splits_phases_and_names_kept_ranks() -> None:
     assert set(resumed["phases"]) == {"detect", "decide", "rebuild", "restore", "resume"}
     assert all(v >= 0 for v in resumed["phases"].values())
     assert resumed["seconds"] >= sum(resumed["phases"].values()) - 1e-9
+
+
+def test_a_node_is_ready_once_not_again_when_a_worker_is_replaced() -> None:
+    workers = Workers(["-c", "import time; time.sleep(60)"], {}, lambda *a, **k: None)
+    procs = []
+    try:
+        for local in (0, 1):
+            workers.spawn(local)
+            procs.append(workers.procs[local].proc)
+        assert workers.attach(_chan(), 0, procs[0].pid) is False  # worker 1 still starting
+        assert workers.attach(_chan(), 1, procs[1].pid) is True  # the node is ready
+        procs[1].kill()
+        workers.spawn(1)  # its replacement
+        procs.append(workers.procs[1].proc)
+        assert workers.attach(_chan(), 1, procs[2].pid) is False
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -76,9 +76,12 @@ def _run(args: argparse.Namespace) -> int:
         delta_threshold=args.delta_threshold,
         persist_deltas=args.persist_deltas or None,
     )
+    import dataclasses
+
     from tierswap.cluster.address import check_advertised
 
-    check_advertised(cfg.bind, "tierswap run --bind")
+    # the address checked is the one used (a name is resolved once, here)
+    cfg = dataclasses.replace(cfg, bind=check_advertised(cfg.bind, "tierswap run --bind"))
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

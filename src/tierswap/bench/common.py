@@ -16,7 +16,7 @@ Stats = dict[str, Any]
 
 def stats(xs: Sequence[float]) -> Stats:
     """Median, quartiles (q1, q3), min, max and the samples themselves."""
-    q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
     return {"median": statistics.median(xs), "q1": q1, "q3": q3, "min": min(xs),
             "max": max(xs), "samples": list(xs)}  # fmt: skip
 

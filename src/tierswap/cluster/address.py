@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 
 import psutil
 
@@ -66,6 +67,12 @@ def check_advertised(address: str, flag: str) -> str:
         mine = sorted(addr for _, addr in _ipv4_addresses())
         named = address if address == str(ip) else f"{address} ({ip})"
         raise UsageError(f"{flag} {named}: no interface of this host has it; it has {mine}")
+    if ip.is_loopback and address not in (str(ip), "localhost"):
+        print(
+            f"tierswap: warning: {flag} {address} is {ip}, a loopback address: hosts on other "
+            "machines cannot reach it (give the address they reach this host at)",
+            file=sys.stderr,
+        )
     return str(ip)
 
 

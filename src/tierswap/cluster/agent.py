@@ -483,6 +483,7 @@ class Agent:
         self.workers.by_rank[rank].state = "finished"
         self.coord.send("finished", rank=rank, step=msg.get("step", -1))
         send(chan, "ok")
+        self._maybe_stopped()  # a stop that came first counted on it to leave
 
     def _w_joined(self, chan: Channel, rank: int, msg: Message) -> None:
         self.coord.send("joined", rank=rank, pid=msg["pid"], seconds=msg["seconds"])

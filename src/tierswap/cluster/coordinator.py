@@ -289,7 +289,10 @@ class Coordinator:
         pid, workers = self.hosts.pids[host], list(msg.get("workers", []))
         self.booting.discard(host)
         seen = {"host": host, "pid": pid, "address": msg["replica"][0], "workers": workers}
-        if self.hosts.ready(host, list(msg["replica"])):
+        role = self.hosts.ready(host, list(msg["replica"]))
+        if role is None:
+            return
+        if role:
             self.commits.live.add(host)
             self.log.emit("node_joined", node=host, role="member", **seen)
         else:

@@ -64,9 +64,12 @@ class Hosts:
     def node_of(self, host: int | None) -> int | None:
         return next((n for n, h in self.members.items() if h == host), None)
 
-    def ready(self, host: int, replica: list[Any]) -> bool:
+    def ready(self, host: int, replica: list[Any]) -> bool | None:
         """Its agent and workers are ready: True for a member of the first generation
-        (it serves the node of its id), False for a spare."""
+        (it serves the node of its id), False for a spare, None for a host already
+        counted as either (a second "ready" changes nothing)."""
+        if host in self.spares or host in self.members.values():
+            return None
         self.replica_address[host] = replica
         if host in self.waiting:
             self.waiting.discard(host)

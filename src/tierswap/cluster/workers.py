@@ -55,6 +55,8 @@ class Workers:
         self.assignment: dict[str, Any] = {}
         self.local_ranks: dict[int, int] = {}
         self.stopping = False
+        self.all_attached = False
+        """Every worker of the node's start attached once (replacements do not count)."""
 
     def spawn(self, local: int) -> None:
         """Start a parked worker: it imports the script and waits for a rank."""
@@ -117,14 +119,17 @@ class Workers:
 
     def attach(self, chan: Channel, local: int, pid: int) -> bool:
         """A worker's control connection is up: it is parked. True when this was the
-        last one the node waited for at its start."""
+        last one the node waited for at its start (once: a replacement that attaches
+        later does not make the node ready again)."""
         w = self.procs.get(local)
         if w is None or w.proc.pid != pid:
             return False
-        first = any(x.ctl is None for x in self.procs.values())
         w.ctl, w.state, w.seen = chan, "parked", time.monotonic()
         self.assign(w)
-        return first and all(x.ctl is not None for x in self.procs.values())
+        if self.all_attached or any(x.ctl is None for x in self.procs.values()):
+            return False
+        self.all_attached = True
+        return True
 
     def of(self, chan: Channel) -> Worker | None:
         return next((w for w in self.procs.values() if w.ctl is chan), None)
