@@ -138,6 +138,28 @@ def test_exact_ddp_three_ranks_worker_killed_bit_exact(tmp_path: Path, baseline)
     assert_same_bits(base, final_state(tmp_path, "kill"))
 
 
+def test_a_replacement_worker_attaching_during_a_stop_waits_for_the_next_generation(
+    tmp_path: Path, baseline
+) -> None:
+    """Rank 1's worker crashes; its replacement is still importing when generation 1
+    starts and node 2 is lost at once. The replacement must not be handed the generation
+    that ended (it used to, and then generation 2 had no worker for rank 1 until the
+    rendezvous timed out, a third failure)."""
+    base = baseline(nodes=3, mode="ddp-exact")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "late",
+        nodes=3,
+        steps=12,
+        mode="ddp-exact",
+        extra=("--inject", "kill:rank=1:step=4", "--inject", "kill:node=2:gen=1"),
+        timeout=150,
+    )
+    assert code == 0, out
+    assert [e["what"] for e in events(run_dir, "failure_detected")] == ["worker", "node"]
+    assert_same_bits(base, final_state(tmp_path, "late"))
+
+
 def test_node_lost_without_persist_stops_with_a_clear_message(tmp_path: Path) -> None:
     code, run_dir, out = run_job(
         tmp_path, "lost", steps=40, extra=("--replicas", "0", "--inject", "kill:node=1:step=5")

@@ -70,6 +70,8 @@ class Agent:
         self.deferred: list[Item] = []
         self.rings: dict[int, RankRing] = {}
         self.exiting = False
+        self.stop_reported = False
+        """This generation's ``stopped`` was sent (it is sent once per stop)."""
         self.plans: dict[int, dict[str, Any]] = {}
         self.restore_leases: dict[int, Slot] = {}
         self.generation = -1
@@ -303,14 +305,17 @@ class Agent:
     def _stop(self) -> None:
         """End this generation: every assigned worker leaves ``train(job)`` and parks; the
         holdings are reported once all have parked (or died)."""
+        self.stop_reported = False
         self.workers.abort(time.monotonic() + self.cfg.collective_timeout)
         self._maybe_stopped()
 
     def _maybe_stopped(self) -> None:
-        if not self.workers.stopping or self.workers.leaving():
+        # ``workers.stopping`` stays set until the next start: a worker that attaches late
+        # must not be handed the generation that ended
+        if not self.workers.stopping or self.stop_reported or self.workers.leaving():
             return
         self._settle()
-        self.workers.stopping = False  # reported once
+        self.stop_reported = True
         self.coord.send(
             "stopped",
             node=self.node,

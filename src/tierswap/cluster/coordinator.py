@@ -321,6 +321,8 @@ class Coordinator:
             self.progress.message(f"spare host {host} lost: {why}")
         elif node is not None:
             self._node_lost(node, host, why)
+        else:  # a host still booting: one waited for may need starting again
+            self._maybe_start()
 
     def _revive(self, needed: int) -> None:
         """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""
@@ -700,6 +702,8 @@ class Coordinator:
         return {k: v for k, v in named.items() if v >= 0}
 
     def _on_finished(self, chan: Channel, node: int | None, msg: Message) -> None:
+        if self.phase != "running":  # a generation being torn down: the next one reruns it
+            return
         self.finished.add(int(msg["rank"]))
         self.last_step = max(self.last_step, int(msg["step"]))
         if len(self.finished) == self.cfg.world_size:
