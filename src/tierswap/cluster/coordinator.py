@@ -1,4 +1,5 @@
-"""The coordinator: membership, generations, commit records and recovery decisions.
+"""The coordinator: membership, generations and recovery decisions (the commit records
+are its ledger's, ``ledger.py``).
 
 It runs in the launcher. One event loop handles what agents send, in order; the state it
 keeps is what tiers hold, which step is committed where, and which generation is running.
@@ -25,6 +26,7 @@ from torch._C._distributed_c10d import TCPStore
 from tierswap.cluster.commits import Commits
 from tierswap.cluster.hosts import Hosts
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id, node_faults_due
+from tierswap.cluster.ledger import Ledger
 from tierswap.cluster.persistence import Persistence
 from tierswap.cluster.recovery import RecoveryClock
 from tierswap.cluster.restore import Reports, committed_steps, lost_message, memory_lost
@@ -50,10 +52,6 @@ LOGGED: dict[str, tuple[str, tuple[str, ...]]] = {
 """Agent messages that only go to the event log: op -> (event, fields). A field is kept as
 ``name``, renamed as ``name=field``, or kept when present as ``name?``; every event also
 names the node it came from."""
-
-NEVER_IN_TIER1 = frozenset({"skipped", "replicate_failed", "replica_rejected"})
-"""Logged messages that mean their step will never commit in tier 1 (a rank's snapshot
-skipped, a replica not sent or refused): trainers waiting for it (``--max-redo``) go on."""
 
 
 def _logged(msg: Message, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -116,9 +114,15 @@ class Coordinator:
         self.traffic = Traffic()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
         self.persister = Persistence(cfg, self.log, self.progress, self._broadcast)
-        self.ever_committed = False
-        self.settled = -1
-        """The newest step tier 1 committed or gave up on in this generation."""
+        self.ledger = Ledger(
+            self.commits,
+            self.persister,
+            self.reports,
+            self.log,
+            self._broadcast,
+            proposing=lambda: self.phase in ("running", "finishing"),
+            changed=self._maybe_done,
+        )
         self.last_step = -1
         self.last_loss: float | None = None
         self.deadline = time.monotonic() + cfg.startup_timeout
@@ -201,15 +205,14 @@ class Coordinator:
         if op in LOGGED:  # a fact for the event log, nothing to decide
             event, fields = LOGGED[op]
             self.log.emit(event, node=node, **_logged(msg, fields))
-            # node -1: a base to tier 2; another generation: a step of another timeline
-            current = msg.get("generation") == self.generation
-            if op in NEVER_IN_TIER1 and msg.get("node", 0) >= 0 and current:
-                self._tier1_settled(int(msg["step"]))
+            self.ledger.logged(op, msg)
             return
-        handler = getattr(self, f"_on_{op}", None)
-        if handler is None:
+        if (handler := getattr(self, f"_on_{op}", None)) is not None:
+            handler(chan, node, msg)
+        elif (entry := getattr(self.ledger, f"on_{op}", None)) is not None:
+            entry(node, msg)  # what tiers hold, and commits
+        else:
             raise JobStopped(f"unknown message {op!r} from host {host}")
-        handler(chan, node, msg)
 
     def _announce_placement(self) -> None:
         if not self.replicas:
@@ -252,7 +255,7 @@ class Coordinator:
             return f"waiting for step {step} to be written to {self.cfg.persist}"
         return (
             f"in phase {self.phase!r} waiting for step {self.last_step} to be committed "
-            f"in memory (committed: {self._tiers()})"
+            f"in memory (committed: {self.ledger.tiers()})"
         )
 
     def shutdown(self) -> None:
@@ -350,7 +353,8 @@ class Coordinator:
         if self.phase == "finishing":
             self.persister.cancel()
             self.persister.ok = False  # finish with what is committed; say what is not
-            self.progress.message(f"finishing with the steps already committed: {self._tiers()}")
+            kept = self.ledger.tiers()
+            self.progress.message(f"finishing with the steps already committed: {kept}")
             self.last_step = min(self.last_step, self.commits.committed[0])
             self._maybe_done()
             return
@@ -450,7 +454,7 @@ class Coordinator:
     def _no_spare(self) -> None:
         nodes = sorted(self.hosts.vacant)
         if self.cfg.on_no_spare == "fail":
-            keep = self._tiers()
+            keep = self.ledger.tiers()
             hint = (
                 f" Tier 2 at {self.cfg.persist} keeps step {self.persister.committed}: run the "
                 "job again with the same --persist to resume."
@@ -491,7 +495,7 @@ class Coordinator:
         )
         for step, why in plan.skipped:
             self.log.emit("restore_skipped", step=step, reason=why)
-        if plan.step is None and (self.ever_committed or holdings.durable):
+        if plan.step is None and (self.ledger.ever_committed or holdings.durable):
             raise JobStopped(lost_message(plan, self.cfg.persist))
         self._say_fallback(holdings, plan)
         self.plan = plan
@@ -503,7 +507,7 @@ class Coordinator:
         memory = {r: set(s) for r, s in holdings.memory.items()}
         peers = {r: {n: set(s) for n, s in by.items()} for r, by in holdings.peer.items()}
         self.commits.reset(restart, memory, peers)
-        self.settled = self.commits.committed[1]
+        self.ledger.restart(self.generation)
         self.persister.cancel(restart)
         # parts of later steps will be written anew by this timeline
         self.reports.restarted(restart)
@@ -541,7 +545,8 @@ class Coordinator:
         self._inject_nodes(node_faults_due(self.injections, generation=self.generation))
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
-        gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
+        ever = self.ledger.ever_committed
+        gone = memory_lost(holdings, plan) if plan.step is not None and ever else []
         if gone:
             why = "no live node holds their snapshots in memory (own node and replicas lost)"
             self.log.emit("restore_fallback", step=plan.step, ranks=gone, tier=2, reason=why)
@@ -597,30 +602,7 @@ class Coordinator:
             self.injections.remove(msg["spec"])
         self.log.emit("fault_injected", spec=msg["spec"])
 
-    # ---------------------------------------------------------------- commits
-
-    def _on_held(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.commits.held_add(int(msg["rank"]), int(msg["step"]))
-        self._propose(0)
-
-    def _tier1_settled(self, step: int) -> None:
-        """Tier 1 is done with ``step``, committed or never to be: agents tell their
-        trainers, whose ``optimizer.step()`` waits for it (``--max-redo``)."""
-        if step > self.settled:
-            self.settled = step
-            self._broadcast("settled", generation=self.generation, step=step)
-
-    def _on_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
-        self.commits.dropped(int(msg["rank"]), [int(s) for s in msg["steps"]])
-
-    def _on_replica_held(self, chan: Channel, node: int | None, msg: Message) -> None:
-        assert node is not None
-        self.commits.replica_add(int(msg["rank"]), node, int(msg["step"]))
-        self._propose(1)
-
-    def _on_replica_dropped(self, chan: Channel, node: int | None, msg: Message) -> None:
-        assert node is not None
-        self.commits.replica_dropped(int(msg["rank"]), node, [int(s) for s in msg["steps"]])
+    # ---------------------------------------------------------------- memory limits
 
     def _on_peer_memory_exceeded(self, chan: Channel, node: int | None, msg: Message) -> None:
         raise JobStopped(
@@ -630,33 +612,6 @@ class Coordinator:
             "lower --replicas."
         )
 
-    def _propose(self, tier: int) -> None:
-        if self.phase in ("running", "finishing"):
-            self.commits.maybe_propose(tier)
-
-    def _on_vote(self, chan: Channel, node: int | None, msg: Message) -> None:
-        assert node is not None
-        tier, step = int(msg["tier"]), int(msg["step"])
-        asked = self.commits.proposals[tier]
-        current = asked is not None and asked.step == step and node in asked.voters
-        done = self.commits.vote(tier, node, step, bool(msg["ok"]))
-        if tier == 1 and (done is not None or (current and not msg["ok"])):
-            self._tier1_settled(step)  # committed, or a holder no longer has it
-        if done is not None:
-            self.ever_committed = True
-            self.log.emit("snapshot_committed", tier=tier, step=done)
-            if tier == 0:
-                self.persister.maybe_persist(done)
-        self._propose(tier)
-        self._maybe_done()
-
-    def _on_part(self, chan: Channel, node: int | None, msg: Message) -> None:
-        step = self.persister.on_part(msg)
-        if step is not None:
-            self.ever_committed = True
-            self.reports.durable_good(step)
-        self._maybe_done()
-
     # ---------------------------------------------------------------- progress and the end
 
     def _on_progress(self, chan: Channel, node: int | None, msg: Message) -> None:
@@ -664,7 +619,7 @@ class Coordinator:
         self._inject_nodes(node_faults_due(self.injections, step=step))
         self.last_step = max(self.last_step, step)
         if int(msg["rank"]) == 0:
-            self.progress.update(step, self.last_loss, float(msg["stall"]), self._tiers())
+            self.progress.update(step, self.last_loss, float(msg["stall"]), self.ledger.tiers())
 
     def _on_replicating(self, chan: Channel, node: int | None, msg: Message) -> None:
         """A replica transfer starts (reported only when an injection waits for one)."""
@@ -696,11 +651,6 @@ class Coordinator:
     def _on_replica_sent(self, chan: Channel, node: int | None, msg: Message) -> None:
         self.traffic.add(msg["kind"], int(msg["nbytes"]), int(msg["full"]), msg["encode_s"])
 
-    def _tiers(self) -> dict[str, int]:
-        c = self.commits.committed
-        named = {"memory": c[0], "peer": c[1], "durable": self.persister.committed}
-        return {k: v for k, v in named.items() if v >= 0}
-
     def _on_finished(self, chan: Channel, node: int | None, msg: Message) -> None:
         if self.phase != "running":  # a generation being torn down: the next one reruns it
             return
@@ -730,5 +680,5 @@ class Coordinator:
         )
         self.progress.message(
             f"finished step {self.last_step + 1} "
-            f"after {self.restarts} recoveries; committed {self._tiers()}"
+            f"after {self.restarts} recoveries; committed {self.ledger.tiers()}"
         )
