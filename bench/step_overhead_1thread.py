@@ -16,21 +16,13 @@ from typing import Any
 import torch
 
 from tierswap.bench import measure, steps
-from tierswap.bench.common import interleave, stats
 from tierswap.bench.rig import Rig
 
 
 def only_one_thread(rig: Rig, size_mib: int, pairs: int) -> dict[str, Any]:
-    loop = steps._Loop.make(size_mib)
     torch.set_num_threads(1)
-    methods = {
-        "with_snapshot": lambda: steps._block(loop, rig, True),
-        "without": lambda: steps._block(loop, rig, False),
-    }
-    ab = interleave(methods, pairs, rig.sync, alternate=True)
-    w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
-    overhead = stats([a / b - 1 for a, b in zip(w, wo, strict=True)])
-    return {"threads_1": {**ab, "overhead": overhead}}
+    loop = steps._Loop.make(size_mib)
+    return {"threads_1": {"threads": 1, **steps.step_overhead(loop, rig, pairs)}}
 
 
 def main() -> None:

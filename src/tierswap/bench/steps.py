@@ -68,6 +68,18 @@ def _block(loop: _Loop, rig: Rig, snapshot: bool) -> Sample:
     return {"step_s": seconds, "stall_s": stall / LOOP_BLOCK, "copy_s": copy / LOOP_BLOCK}
 
 
+def step_overhead(loop: _Loop, rig: Rig, pairs: int) -> dict[str, Any]:
+    """``pairs`` A/B blocks (with a snapshot every step, without), order alternating: the
+    stats of each, and of the overhead of each pair."""
+    methods: dict[str, Callable[[], Sample]] = {
+        "with_snapshot": lambda: _block(loop, rig, True),
+        "without": lambda: _block(loop, rig, False),
+    }
+    ab = interleave(methods, pairs, rig.sync, alternate=True)
+    w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
+    return {**ab, "overhead": stats([a / b - 1 for a, b in zip(w, wo, strict=True)])}
+
+
 def bench_steps(rig: Rig, size_mib: int, repeats: int) -> dict[str, Any]:
     """Section 4 on one torch thread, then on all; the caller restores the thread count."""
     loop = _Loop.make(size_mib)
@@ -77,13 +89,7 @@ def bench_steps(rig: Rig, size_mib: int, repeats: int) -> dict[str, Any]:
     skipped = rig.snapshotter.stats.skipped
     for key, threads in (("threads_1", 1), ("threads_all", os.cpu_count() or 1)):
         torch.set_num_threads(threads)
-        methods: dict[str, Callable[[], Sample]] = {
-            "with_snapshot": lambda: _block(loop, rig, True),
-            "without": lambda: _block(loop, rig, False),
-        }
-        ab = interleave(methods, STEP_PAIRS_PER_REPEAT * repeats, rig.sync, alternate=True)
-        w, wo = (ab[k]["step_s"]["samples"] for k in ("with_snapshot", "without"))
-        pairs = zip(w, wo, strict=True)
-        out[key] = {"threads": threads, **ab, "overhead": stats([a / b - 1 for a, b in pairs])}
+        pairs = STEP_PAIRS_PER_REPEAT * repeats
+        out[key] = {"threads": threads, **step_overhead(loop, rig, pairs)}
     out["skipped"] = rig.snapshotter.stats.skipped - skipped
     return out
