@@ -320,3 +320,33 @@ def test_random_schedules_keep_the_invariants(nslots: int, ops: list[tuple[str, 
     finally:
         ring.close()
     assert _segments(ring.job_id) == []
+
+
+def test_a_node_commits_a_step_only_when_every_rank_holds_it() -> None:
+    """``NodeRings``: a step missing from one rank's ring is aborted in all; a restore's
+    lease is returned when the rank restored or when the workers let go."""
+    from tierswap.tiers.memory import NodeRings
+
+    job_id = uuid.uuid4().hex[:12]
+    node = NodeRings(job_id, nslots=3)
+    try:
+        node.serve([0, 1], restart=-1, committed=-1, peer_committed=-1)
+        for rank in (0, 1):
+            node[rank].allocate(_layout())
+            _write(node[rank], 1)
+        _write(node[0], 2)  # rank 1 never got step 2
+        assert node.propose(1) and not node.propose(2)
+        node.commit(1)
+        assert node.holdings() == {"0": {"1": "cs1", "2": "cs2"}, "1": {"1": "cs1"}}
+        slot = node.lease_for_restore(1, 1)
+        assert slot is not None and slot.leases == 1
+        node.restored(1)
+        assert slot.leases == 0 and not node.restore_leases
+        slot = node.lease_for_restore(0, 1)
+        assert slot is not None
+        node.let_go()
+        assert slot.leases == 0 and not node.restore_leases
+        assert node.lease_for_restore(1, 2) is None
+    finally:
+        node.close()
+    assert _segments(job_id) == []

@@ -35,7 +35,7 @@ from tierswap.errors import UsageError
 from tierswap.shm import SHM_DIR
 from tierswap.state import Layout
 from tierswap.tiers.deltas import MEMORY_BASES, BaseKeeper, Part
-from tierswap.tiers.memory import RankRing, Slot
+from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.wire import Channel, Message, reader, serve
 
@@ -68,12 +68,11 @@ class Agent:
         self.script = script
         self.events: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.deferred: list[Item] = []
-        self.rings: dict[int, RankRing] = {}
+        self.rings = NodeRings(job_id, cfg.slots)
         self.exiting = False
         self.stop_reported = False
         """This generation's ``stopped`` was sent (it is sent once per stop)."""
         self.plans: dict[int, dict[str, Any]] = {}
-        self.restore_leases: dict[int, Slot] = {}
         self.generation = -1
         self.injections: list[Injection] = []
         self.checks: list[Future[None]] = []
@@ -164,8 +163,7 @@ class Agent:
         self.peers.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.writer.close()
-        for ring in self.rings.values():
-            ring.close()
+        self.rings.close()
         Path(self.sock).unlink(missing_ok=True)
 
     def _post(self, op: str, **fields: Any) -> None:
@@ -205,25 +203,19 @@ class Agent:
         elif op == "propose":
             step = int(msg["step"])
             if int(msg["tier"]) == 0:
-                ok = all(ring.propose(step) for ring in self.rings.values())
-                if not ok:
-                    for ring in self.rings.values():
-                        ring.abort(step)
+                ok = self.rings.propose(step)
             else:
                 ok = self.peers.propose(step, [int(r) for r in msg["ranks"]])
             self.coord.send("vote", node=self.node, tier=msg["tier"], step=step, ok=ok)
         elif op == "committed":
             if int(msg["tier"]) == 0:
-                for ring in self.rings.values():
-                    ring.set_committed(int(msg["step"]))
+                self.rings.commit(int(msg["step"]))
             else:
                 self.peers.committed(int(msg["step"]))
-                for ring in self.rings.values():
-                    ring.peer_committed = int(msg["step"])
+                self.rings.peer_committed(int(msg["step"]))
         elif op == "abort":
             if int(msg["tier"]) == 0:
-                for ring in self.rings.values():
-                    ring.abort(int(msg["step"]))
+                self.rings.abort(int(msg["step"]))
             else:
                 self.peers.abort(int(msg["step"]))
         elif op == "settled":
@@ -251,12 +243,6 @@ class Agent:
             )
         return self.peers.holdings()
 
-    def _holdings(self) -> dict[str, dict[str, str]]:
-        return {
-            str(r): {str(step): s.checksum for step, s in ring.held().items()}
-            for r, ring in self.rings.items()
-        }
-
     def _start(self, msg: Message) -> None:
         self.generation = int(msg["generation"])
         self.node = int(msg["node"])
@@ -264,13 +250,8 @@ class Agent:
         self.injections = [Injection.parse(s) for s in msg["inject"]]
         self.last_skipped.clear()  # a restore may replay a step skipped before: report it
         ranks = [int(r) for r in msg["ranks"]]
-        for r in ranks:
-            self.rings.setdefault(r, RankRing(self.job_id, r, self.cfg.slots))
         restart = int(msg["restart_step"])
-        for ring in self.rings.values():
-            ring.discard_after(restart)
-            ring.protect(int(msg["committed"][0]))
-            ring.peer_committed = int(msg["committed"][1])
+        self.rings.serve(ranks, restart, int(msg["committed"][0]), int(msg["committed"][1]))
         self.peers.generation = self.generation
         self.peers.discard_after(restart, int(msg["committed"][1]))
         self.peers.protects = [int(r) for r in msg["protects"]]
@@ -319,7 +300,7 @@ class Agent:
         self.coord.send(
             "stopped",
             node=self.node,
-            holdings=self._holdings(),
+            holdings=self.rings.holdings(),
             peer=self._peer_holdings(),
             peer_deltas=self.peers.kinds(),
         )
@@ -343,21 +324,7 @@ class Agent:
                 self._on_local(item[2])
             else:
                 self.deferred.append(item)
-        for slot in self.restore_leases.values():
-            self._unlease(slot)
-        self.restore_leases.clear()
-        for ring in self.rings.values():
-            ring.abandon_writes()
-
-    def _unlease(self, slot: Slot) -> None:
-        for ring in self.rings.values():
-            if ring.alloc is not None and slot in ring.alloc.slots:
-                ring.unlease(slot)
-                return
-            for a in ring.retired:
-                if slot in a.slots:
-                    ring.unlease(slot)
-                    return
+        self.rings.let_go()
 
     # ---------------------------------------------------------------- workers
 
@@ -461,10 +428,9 @@ class Agent:
         plan = dict(self.plans.get(rank, {"step": None}))
         if plan.get("step") is not None and plan["source"]["tier"] == 0:
             ring = self.rings[rank]
-            slot = ring.lease(int(plan["step"]))
+            slot = self.rings.lease_for_restore(rank, int(plan["step"]))
             if slot is None:
                 raise ValueError(f"rank {rank}: tier 0 no longer holds step {plan['step']}")
-            self.restore_leases[rank] = slot
             plan["source"] = dict(
                 tier=0,
                 step=plan["step"],
@@ -476,9 +442,7 @@ class Agent:
         send(chan, "ok", **plan)
 
     def _w_restored(self, chan: Channel, rank: int, msg: Message) -> None:
-        slot = self.restore_leases.pop(rank, None)
-        if slot is not None:
-            self._unlease(slot)
+        self.rings.restored(rank)
         self.coord.send("restored", **{k: v for k, v in msg.items() if k != "op"})
 
     def _w_report(self, chan: Channel, rank: int, msg: Message) -> None:
@@ -519,7 +483,7 @@ class Agent:
             self.coord.send("held", rank=msg["rank"], step=msg["step"], checksum=msg["checksum"])
             self.replicator.offer(msg["rank"], ring)
         elif op == "replicated":
-            self._unlease(msg["slot"])
+            self.rings.unlease(msg["slot"])
             if "nbytes" in msg:  # delta mode: what was sent, against what a full one costs
                 stats = {k: msg[k] for k in ("rank", "step", "kind", "nbytes", "full")}
                 self.coord.send("replica_sent", encode_s=msg.get("encode_s", 0.0), **stats)
@@ -530,7 +494,7 @@ class Agent:
         elif op == "exited":
             self._exited(int(msg["local"]), int(msg["pid"]), int(msg["code"]))
         elif op == "persisted":
-            self._unlease(msg["slot"])
+            self.rings.unlease(msg["slot"])
             self.coord.send("part", **{k: v for k, v in msg.items() if k not in ("op", "slot")})
 
     def _exited(self, local: int, pid: int, code: int) -> None:

@@ -228,3 +228,86 @@ class RankRing(CommitVotes):
 
     def nbytes(self) -> int:
         return 0 if self.alloc is None else self.alloc.layout.nbytes * self.nslots
+
+
+class NodeRings:
+    """Tier 0 of one node: a ring per rank it serves (kept for the ranks it served before,
+    so a rank that comes back finds its snapshots), and the slots leased to restores."""
+
+    def __init__(self, job_id: str, nslots: int) -> None:
+        self.job_id, self.nslots = job_id, nslots
+        self.by_rank: dict[int, RankRing] = {}
+        self.restore_leases: dict[int, Slot] = {}
+
+    def __getitem__(self, rank: int) -> RankRing:
+        return self.by_rank[rank]
+
+    def items(self) -> list[tuple[int, RankRing]]:
+        return list(self.by_rank.items())
+
+    def serve(self, ranks: list[int], restart: int, committed: int, peer_committed: int) -> None:
+        """A generation starts from ``restart``; ``committed`` is tier 0's newest commit and
+        ``peer_committed`` tier 1's."""
+        for r in ranks:
+            self.by_rank.setdefault(r, RankRing(self.job_id, r, self.nslots))
+        for ring in self.by_rank.values():
+            ring.discard_after(restart)
+            ring.protect(committed)
+            ring.peer_committed = peer_committed
+
+    def propose(self, step: int) -> bool:
+        """Every ring holds ``step`` (and keeps it); if one does not, none keeps it."""
+        ok = all(ring.propose(step) for ring in self.by_rank.values())
+        if not ok:
+            self.abort(step)
+        return ok
+
+    def commit(self, step: int) -> None:
+        for ring in self.by_rank.values():
+            ring.set_committed(step)
+
+    def abort(self, step: int) -> None:
+        for ring in self.by_rank.values():
+            ring.abort(step)
+
+    def peer_committed(self, step: int) -> None:
+        for ring in self.by_rank.values():
+            ring.peer_committed = step
+
+    def holdings(self) -> dict[str, dict[str, str]]:
+        """Rank -> step -> checksum of every held snapshot, as the coordinator reads it."""
+        return {
+            str(r): {str(step): s.checksum for step, s in ring.held().items()}
+            for r, ring in self.by_rank.items()
+        }
+
+    def unlease(self, slot: Slot) -> None:
+        """Return a lease on ``slot``, whichever ring (or retired allocation) it is of."""
+        for ring in self.by_rank.values():
+            allocs = [ring.alloc, *ring.retired] if ring.alloc is not None else ring.retired
+            if any(slot in a.slots for a in allocs):
+                ring.unlease(slot)
+                return
+
+    def lease_for_restore(self, rank: int, step: int) -> Slot | None:
+        slot = self.by_rank[rank].lease(step)
+        if slot is not None:
+            self.restore_leases[rank] = slot
+        return slot
+
+    def restored(self, rank: int) -> None:
+        slot = self.restore_leases.pop(rank, None)
+        if slot is not None:
+            self.unlease(slot)
+
+    def let_go(self) -> None:
+        """The workers left: restore leases are returned and slots being written abandoned."""
+        for slot in self.restore_leases.values():
+            self.unlease(slot)
+        self.restore_leases.clear()
+        for ring in self.by_rank.values():
+            ring.abandon_writes()
+
+    def close(self) -> None:
+        for ring in self.by_rank.values():
+            ring.close()
