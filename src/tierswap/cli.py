@@ -8,8 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
-from tierswap.config import Config, Injection
+from tierswap.config import Config
 from tierswap.errors import TierswapError
+from tierswap.faults import Injection
 
 
 def _join(args: argparse.Namespace) -> int:

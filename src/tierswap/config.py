@@ -4,81 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierswap.faults import Injection
+
 ENV_PREFIX = "TIERSWAP_"
-
-
-@dataclass(frozen=True, slots=True)
-class Injection:
-    """A fault to inject, for tests and demos.
-
-    ``kill:node=I:step=S`` kills node I (agent and workers) when the job reaches step S;
-    ``kill:node=I:gen=G`` kills node I as soon as generation G starts (a spare taking
-    over, say); ``kill:node=I:step=S:during=replication`` kills it while a replica of
-    step S or later is in flight to or from it; ``kill:rank=R:step=S`` kills one worker;
-    ``stop:rank=R:step=S`` and ``stop:node=I:step=S`` freeze a worker or a whole node
-    with SIGSTOP (a hang);
-    ``corrupt:rank=R:step=S:where=flight|memory`` flips a byte of every tier-1 replica of
-    rank R from step S on, as it arrives (before its checksum is checked) or once stored;
-    ``where=base`` (``--memory-tiers delta``) flips a byte of the base that rank R's deltas
-    from step S on are made against, as the peer stores it;
-    ``delay:node=I:seconds=F`` holds every tier-1 transfer from node I for F seconds
-    before it is sent (a slow network).
-    """
-
-    action: str
-    target: str
-    index: int
-    step: int
-    where: str = ""
-    gen: int = -1
-    """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
-    during: str = ""
-    """For ``kill:node=I:step=S:during=replication``: fire only as a replica of step S or
-    later is being sent to or from node I, so the kill cuts a transfer in flight."""
-    seconds: float = 0.0
-    """For ``delay:node=I:seconds=F``: how long each transfer is held."""
-
-    @staticmethod
-    def parse(spec: str) -> Injection:
-        kill = re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", spec.strip())
-        if kill is not None:
-            return Injection(kill.group(1), kill.group(2), int(kill.group(3)), int(kill.group(4)))
-        cut = re.fullmatch(r"kill:node=(\d+):step=(\d+):during=replication", spec.strip())
-        if cut is not None:
-            node, step = int(cut.group(1)), int(cut.group(2))
-            return Injection("kill", "node", node, step, during="replication")
-        at_gen = re.fullmatch(r"kill:node=(\d+):gen=(\d+)", spec.strip())
-        if at_gen is not None:
-            return Injection("kill", "node", int(at_gen.group(1)), -1, gen=int(at_gen.group(2)))
-        slow = re.fullmatch(
-            r"delay:node=(\d+):seconds=(\d*\.?\d+(?:[eE][-+]?\d+)?|\d+\.)", spec.strip()
-        )
-        if slow is not None:
-            return Injection("delay", "node", int(slow.group(1)), -1, seconds=float(slow.group(2)))
-        bad = re.fullmatch(
-            r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", spec.strip()
-        )
-        if bad is not None:
-            return Injection("corrupt", "rank", int(bad.group(1)), int(bad.group(2)), bad.group(3))
-        raise ValueError(
-            f"--inject {spec!r}: expected kill:node=I:step=S, kill:node=I:gen=G, "
-            "kill:node=I:step=S:during=replication, "
-            "kill:rank=R:step=S, stop:node=I:step=S, stop:rank=R:step=S or "
-            "corrupt:rank=R:step=S:where=flight|memory|base or delay:node=I:seconds=F"
-        )
-
-    def __str__(self) -> str:
-        if self.action == "delay":
-            return f"delay:node={self.index}:seconds={self.seconds!r}"
-        where = f":where={self.where}" if self.where else ""
-        when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
-        during = f":during={self.during}" if self.during else ""
-        return f"{self.action}:{self.target}={self.index}:{when}{where}{during}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,7 +35,7 @@ class Config:
     with tier 1 off or ``max_redo=0``: snapshots are then skipped while replication
     catches up."""
     inject: tuple[Injection, ...] = ()
-    """Faults to inject, for tests and the demo."""
+    """Faults to inject, for tests and the demo (``tierswap.faults`` lists the forms)."""
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
     a job with fewer nodes uses what it has)."""

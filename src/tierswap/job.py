@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from tierswap import snapshot
 from tierswap.checksum import checksum_chunks
-from tierswap.config import Injection
+from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded
+from tierswap.faults import Injection
 from tierswap.shm import Segment
-from tierswap.state import Layout, load, tensor_view
+from tierswap.state import load, tensor_view
 from tierswap.tiers import durable, peer
 from tierswap.wire import Channel
 
@@ -32,7 +33,7 @@ class Job:
         local_rank: int = 0,
         generation: int = 0,
         chan: Channel | None = None,
-        injections: tuple[Injection, ...] = (),
+        faults: list[Injection] | None = None,
         secret: bytes = b"",
         ended: threading.Event | None = None,
         tier1: snapshot.Watermark | None = None,
@@ -44,11 +45,8 @@ class Job:
         self.generation = generation
         self._chan = chan
         self._secret = secret
-        self._injections = tuple(
-            i
-            for i in injections
-            if i.action in ("kill", "stop") and i.target == "rank" and i.index == rank
-        )
+        self._faults = list(faults or ())
+        """This rank's injected kills and freezes (``FaultPlan.of_rank``)."""
         self._ended = ended if ended is not None else threading.Event()
         self._snap: snapshot.Snapshotter | None = None
         self._tier1 = tier1
@@ -68,7 +66,7 @@ class Job:
         self._check()
         start = self._restore(state)
         if self._chan is not None:
-            self._chan.send("report", rank=self.rank, step=start - 1, metrics={}, total=total)
+            self._chan.send(p.Report(rank=self.rank, step=start - 1, total=total))
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # nobody trains until every rank holds the same step
         if self._chan is not None and self._snap is None:
@@ -80,7 +78,7 @@ class Job:
             if self._snap is not None:
                 self._snap.take(step, state, wait=60.0 if step == total - 1 else 0.0)
             if step == start and self._chan is not None:
-                self._chan.send("stepped", rank=self.rank, step=step)
+                self._chan.send(p.Stepped(rank=self.rank, step=step))
             self._maybe_inject(step)
         self.fence()
 
@@ -105,7 +103,7 @@ class Job:
         clean = {k: float(v) for k, v in metrics.items()}
         if self._chan is not None:
             stall = self._snap.stats.last_stall() if self._snap is not None else 0.0
-            self._chan.send("report", rank=self.rank, step=step, metrics=clean, stall=stall)
+            self._chan.send(p.Report(rank=self.rank, step=step, metrics=clean, stall=stall))
 
     def close(self) -> None:
         if self._snap is not None:
@@ -118,55 +116,55 @@ class Job:
         if self._chan is None:
             return 0
         t0 = time.monotonic()
-        plan = self._chan.call("plan", rank=self.rank)
-        step = plan.get("step")
-        if step is None:
+        plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
+        step, source = plan.step, plan.source
+        if step is None or source is None:
             return 0
-        source = plan["source"]
-        self.plan_step, self.plan_tier = int(step), int(source["tier"])
-        if source["tier"] == 0:
-            self._load_memory(state, source)
-        elif source["tier"] == 1:
-            self._load_peer(state, source, step)
-        else:
-            self._load_durable(state, source, step)
+        self.plan_step, self.plan_tier = step, plan.tier
+        match source:
+            case p.FromSlot():
+                self._load_memory(state, source, step)
+            case p.FromPeer():
+                self._load_peer(state, source, step)
+            case p.FromDurable():
+                self._load_durable(state, source, step)
         seconds = time.monotonic() - t0
-        self.restored_step = int(step)
-        self._chan.send("restored", rank=self.rank, step=step, tier=source["tier"], seconds=seconds)
-        return int(step) + 1
+        self.restored_step = step
+        tier = plan.tier
+        assert tier is not None
+        self._chan.send(p.Restored(rank=self.rank, step=step, tier=tier, seconds=seconds))
+        return step + 1
 
-    def _load_memory(self, state: MutableMapping[str, Any], source: dict[str, Any]) -> None:
-        layout = Layout.from_json(source["layout"])
-        seg = Segment.attach(source["segment"], layout.nbytes)
+    def _load_memory(self, state: MutableMapping[str, Any], source: p.FromSlot, step: int) -> None:
+        layout = source.layout
+        layout.check()
+        seg = Segment.attach(source.segment, layout.nbytes)
         try:
             got = checksum_chunks(layout.chunks(seg.buf))
-            if got != source["checksum"]:
+            if got != source.checksum:
                 raise CorruptPartError(str(seg.path), "checksum mismatch in tier-0 memory")
             views = [tensor_view(seg.buf, e) for e in layout.entries]
-            load(state, source["tree"], views, layout, what=f"tier-0 step {source['step']}")
+            load(state, source.tree, views, layout, what=f"tier-0 step {step}")
             del views
         finally:
             seg.close()
 
-    def _load_peer(
-        self, state: MutableMapping[str, Any], source: dict[str, Any], step: int
-    ) -> None:
-        host, port = source["address"]
-        layout, tree, buf = peer.fetch((str(host), int(port)), self._secret, self.rank, step)
+    def _load_peer(self, state: MutableMapping[str, Any], source: p.FromPeer, step: int) -> None:
+        layout, tree, buf = peer.fetch(source.address, self._secret, self.rank, step)
         views = [tensor_view(memoryview(buf), e) for e in layout.entries]
-        load(state, tree, views, layout, what=f"node {source['node']}'s replica of step {step}")
+        load(state, tree, views, layout, what=f"node {source.node}'s replica of step {step}")
 
     def _load_durable(
-        self, state: MutableMapping[str, Any], source: dict[str, Any], step: int
+        self, state: MutableMapping[str, Any], source: p.FromDurable, step: int
     ) -> None:
-        expected = durable.PartInfo.from_json(self.rank, source["part"])
-        layout, tree, buf = durable.read_part(source["root"], step, self.rank, expected)
+        layout, tree, buf = durable.read_part(source.root, step, self.rank, source.part)
         views = [tensor_view(memoryview(buf), e) for e in layout.entries]
-        load(state, tree, views, layout, what=f"{source['root']} step {step}")
+        load(state, tree, views, layout, what=f"{source.root} step {step}")
 
     def _maybe_inject(self, step: int) -> None:
-        for inj in self._injections:
-            if inj.step == step and self._chan is not None:
+        for fault in self._faults:
+            if fault.step == step and self._chan is not None:
                 self.fence()
-                self._chan.call("inject_fired", rank=self.rank, spec=str(inj))
-                os.kill(os.getpid(), signal.SIGKILL if inj.action == "kill" else signal.SIGSTOP)
+                self._chan.call(p.InjectFired(rank=self.rank, spec=str(fault)), p.Ack)
+                sig = signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP
+                os.kill(os.getpid(), sig)

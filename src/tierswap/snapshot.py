@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierswap.control import protocol as p
 from tierswap.errors import UsageError
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
@@ -205,8 +206,10 @@ class Snapshotter:
         return True
 
     def _slot(self, step: int, alloc: _Allocation) -> int | None:
-        reply = self.chan.call("slot", rank=self.rank, step=step, alloc=alloc.id)
-        return None if reply["slot"] is None else int(reply["slot"])
+        reply = self.chan.call(
+            p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id), p.SlotGranted
+        )
+        return reply.slot
 
     def fence(self) -> None:
         """Block until the in-flight copy is done; the wait is recorded."""
@@ -232,7 +235,7 @@ class Snapshotter:
         waited = time.monotonic() - t0
         self.stats.record(self.stats.tier1_waits, waited)
         if not done:
-            self.chan.send("lagging", rank=self.rank, step=target, seconds=waited)
+            self.chan.send(p.Lagging(rank=self.rank, step=target, seconds=waited))
 
     def close(self) -> None:
         """Finish the copy in flight, stop the thread, unmap the slots."""
@@ -258,13 +261,13 @@ class Snapshotter:
             return current
         layout = make_layout(flat)
         try:
-            reply = self.chan.call("alloc", timeout=300, rank=self.rank, layout=layout.to_json())
+            reply = self.chan.call(p.Alloc(rank=self.rank, layout=layout), p.Allocated, timeout=300)
         except RuntimeError as e:  # no memory for the slots: restarting would fail the same way
             raise UsageError(str(e)) from e
-        segments = [Segment.attach(name, layout.nbytes) for name in reply["segments"]]
+        segments = [Segment.attach(name, layout.nbytes) for name in reply.segments]
         if current is not None:
             current.close()
-        self._alloc = _Allocation(int(reply["alloc"]), layout, segments)
+        self._alloc = _Allocation(reply.alloc, layout, segments)
         return self._alloc
 
     def _launch_cuda_copy(self, alloc: _Allocation, slot: int, flat: Flat) -> Any:
@@ -319,8 +322,7 @@ class Snapshotter:
             job.event.synchronize()
         self.stats.record(self.stats.copy_times, time.monotonic() - t0)
         self.stats.taken += 1
-        self.chan.send(
-            "held",
+        written = p.Written(
             rank=self.rank,
             step=job.step,
             slot=job.slot,
@@ -328,3 +330,4 @@ class Snapshotter:
             tree=job.flat.tree,
             stall=self.stats.last_stall(),
         )
+        self.chan.send(written)

@@ -1,13 +1,14 @@
-"""Messages between workers, agents and the coordinator: JSON over authenticated sockets.
+"""Messages between workers, agents and the coordinator over authenticated sockets.
 
 ``multiprocessing.connection`` gives framing and an HMAC handshake with a per-job secret,
-so a process outside the job cannot connect. Payloads are JSON, never pickle.
+so a process outside the job cannot connect. Payloads are the typed messages of
+``control/protocol.py`` (msgpack, never pickle); a channel decodes the messages of the
+union it is made for, and anything else is a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import struct
@@ -20,17 +21,24 @@ from multiprocessing.connection import (
     answer_challenge,
     deliver_challenge,
 )
-from typing import Any
+from typing import Any, TypeVar
 
-Message = dict[str, Any]
+from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolError, tag_of
+
 Address = str | tuple[str, int]
+R = TypeVar("R", bound=Message)
 
 
 class Channel:
-    """One connection; ``send`` is thread-safe, ``call`` is a request and its reply."""
+    """One connection; ``send`` is thread-safe, ``call`` is a request and its reply.
 
-    def __init__(self, conn: Connection) -> None:
+    ``incoming`` is the union of message classes this end receives; ``gen`` the
+    generation stamped on what it sends unless a send names another."""
+
+    def __init__(self, conn: Connection, incoming: Any) -> None:
         self.conn = conn
+        self.codec = Codec(incoming)
+        self.gen = -1
         self._send_lock = threading.Lock()
         self._call_lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -38,37 +46,40 @@ class Channel:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # small requests go out at once (else Nagle + delayed ACK add ~40 ms)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.stamp: dict[str, Any] = {}
-        """Fields added to every message sent (a worker's generation)."""
 
     @classmethod
-    def connect(cls, address: Address, secret: bytes) -> Channel:
-        return cls(Client(address, authkey=secret))
+    def connect(cls, address: Address, secret: bytes, incoming: Any) -> Channel:
+        return cls(Client(address, authkey=secret), incoming)
 
-    def send(self, op: str, **fields: Any) -> None:
-        data = json.dumps({"op": op, **self.stamp, **fields}, separators=(",", ":")).encode()
+    def send(self, msg: Message, gen: int | None = None) -> None:
+        self.send_encoded(Codec.encode(msg, self.gen if gen is None else gen))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Send a message encoded once for many channels (``Codec.encode``)."""
         with self._send_lock:
             self.conn.send_bytes(data)
 
-    def recv(self, timeout: float | None = None) -> Message | None:
-        """The next message; None on timeout. Raises EOFError when the peer is gone."""
+    def recv(self, timeout: float | None = None) -> Envelope[Any] | None:
+        """The next message; None on timeout. Raises EOFError when the peer is gone and
+        ProtocolError for bytes that are not a message of this channel."""
         if timeout is not None and not self.conn.poll(timeout):
             return None
-        msg = json.loads(self.conn.recv_bytes())
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise ValueError(f"malformed message: {msg!r:.200}")
-        return msg
+        return self.codec.decode(self.conn.recv_bytes())
 
-    def call(self, op: str, timeout: float = 60.0, **fields: Any) -> Message:
-        """Send a request and wait for its reply (the peer answers calls in order)."""
+    def call(self, msg: Message, reply: type[R] | tuple[type[R], ...], timeout: float = 60.0) -> R:
+        """Send a request and wait for its reply (the peer answers calls in order); an
+        Error reply raises RuntimeError, one of another kind ProtocolError."""
         with self._call_lock:
-            self.send(op, **fields)
-            reply = self.recv(timeout)
-        if reply is None:
-            raise TimeoutError(f"no reply to {op!r} within {timeout:g} s")
-        if reply["op"] == "error":
-            raise RuntimeError(f"{op!r} failed: {reply.get('message')}")
-        return reply
+            self.send(msg)
+            env = self.recv(timeout)
+        what = tag_of(msg)
+        if env is None:
+            raise TimeoutError(f"no reply to {what!r} within {timeout:g} s")
+        if isinstance(env.msg, Error):
+            raise RuntimeError(f"{what!r} failed: {env.msg.message}")
+        if not isinstance(env.msg, reply):
+            raise ProtocolError(f"{what!r} was answered with {tag_of(env.msg)!r}")
+        return env.msg
 
     def send_raw(self, data: memoryview) -> None:
         """Send bulk bytes after a message that announced their length: no framing, no
@@ -123,10 +134,11 @@ class Channel:
 
 
 def serve(
-    listener: Listener, on_channel: Callable[[Channel], None], name: str
+    listener: Listener, on_channel: Callable[[Channel], None], name: str, incoming: Any
 ) -> Callable[[], None]:
-    """Accept connections in a daemon thread, one ``on_channel`` call each. Returns the
-    function that stops it: closing a listener does not wake a thread blocked in accept."""
+    """Accept connections in a daemon thread, one ``on_channel`` call each (a channel that
+    receives ``incoming``). Returns the function that stops it: closing a listener does
+    not wake a thread blocked in accept."""
     stopped = threading.Event()
     authkey = secret_of(listener)
 
@@ -146,7 +158,7 @@ def serve(
         if stopped.is_set():
             conn.close()
             return
-        on_channel(Channel(conn))
+        on_channel(Channel(conn, incoming))
 
     def loop() -> None:
         while not stopped.is_set():
@@ -199,16 +211,17 @@ def _set_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def reader(chan: Channel, deliver: Callable[[Message | None], None], name: str) -> None:
-    """Read ``chan`` in a daemon thread; ``deliver(None)`` once when it closes."""
+def reader(chan: Channel, deliver: Callable[[Envelope[Any] | None], None], name: str) -> None:
+    """Read ``chan`` in a daemon thread; ``deliver(None)`` once when it closes, or when it
+    sends something that is not a message of its channel (the peer is then cut off)."""
 
     def loop() -> None:
         try:
             while True:
-                msg = chan.recv()
-                if msg is not None:
-                    deliver(msg)
-        except (EOFError, OSError, ValueError):
+                env = chan.recv()
+                if env is not None:
+                    deliver(env)
+        except (EOFError, OSError, ValueError):  # ProtocolError is a ValueError
             deliver(None)
 
     threading.Thread(target=loop, name=name, daemon=True).start()

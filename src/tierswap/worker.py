@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
-from tierswap.config import Injection
+from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
+from tierswap.faults import FaultPlan
 from tierswap.job import Job
 from tierswap.snapshot import Watermark
-from tierswap.wire import Channel, Message
+from tierswap.wire import Channel
 
 EXIT_USAGE = 3
 """Exit code of a worker that stopped on a UsageError: the job stops, no restart."""
@@ -74,14 +75,16 @@ class Control:
     """The worker's second connection to its agent: assignments and generation ends come
     in, heartbeats go out. A worker whose agent is gone exits: its node has failed."""
 
-    def __init__(self, address: str, secret: bytes, local: int, heartbeat: float) -> None:
-        self.chan = Channel.connect(address, secret)
-        self.assignments: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    def __init__(
+        self, address: str, secret: bytes, local: int, incarnation: int, heartbeat: float
+    ) -> None:
+        self.chan = Channel.connect(address, secret, p.AgentToWorker)
+        self.assignments: queue.SimpleQueue[tuple[int, p.Assign]] = queue.SimpleQueue()
         self.ended: dict[int, threading.Event] = {}
         self.tier1: dict[int, Watermark] = {}
         """generation -> how far tier 1 got (the optimizer step waits on it)."""
         self._lock = threading.Lock()
-        self.chan.send("attach", local=local, pid=os.getpid())
+        self.chan.send(p.Attach(local=local, incarnation=incarnation, pid=os.getpid()))
         threading.Thread(target=self._read, name="tierswap-control", daemon=True).start()
         threading.Thread(
             target=self._beat, args=(heartbeat,), name="tierswap-heartbeat", daemon=True
@@ -98,20 +101,21 @@ class Control:
     def _read(self) -> None:
         try:
             while True:
-                msg = self.chan.recv()
-                assert msg is not None
-                if msg["op"] == "assign":
-                    self.event(int(msg["generation"]))
-                    self.watermark(int(msg["generation"])).advance(int(msg.get("settled", -1)))
-                    self.assignments.put(msg)
-                elif msg["op"] == "settled":
-                    self.watermark(int(msg["generation"])).advance(int(msg["step"]))
-                elif msg["op"] == "abort":
-                    self.event(int(msg["generation"])).set()
-                    self.watermark(int(msg["generation"])).close()
-                    _abort_communicator()
-                elif msg["op"] == "exit":
-                    os._exit(0)
+                env = self.chan.recv()
+                assert env is not None
+                match env.msg:
+                    case p.Assign(settled=settled):
+                        self.event(env.gen)
+                        self.watermark(env.gen).advance(settled)
+                        self.assignments.put((env.gen, env.msg))
+                    case p.Settled(step=step):
+                        self.watermark(env.gen).advance(step)
+                    case p.Abort():
+                        self.event(env.gen).set()
+                        self.watermark(env.gen).close()
+                        _abort_communicator()
+                    case p.Exit():
+                        os._exit(0)
         except (EOFError, OSError, ValueError):
             pass
         os._exit(1)  # the agent is gone: this node has failed, its workers go with it
@@ -120,7 +124,7 @@ class Control:
         while True:
             time.sleep(interval)
             try:
-                self.chan.send("beat")
+                self.chan.send(p.Beat())
             except OSError:
                 return
 
@@ -140,9 +144,10 @@ def _abort_communicator() -> None:
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     secret = bytes.fromhex(env["TIERSWAP_SECRET"])
     _warm_up()  # before attaching: a worker counts as parked once it is ready to run
-    chan = Channel.connect(env["TIERSWAP_AGENT"], secret)
+    chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
-    control = Control(env["TIERSWAP_AGENT"], secret, int(env["TIERSWAP_LOCAL"]), heartbeat)
+    local, incarnation = int(env["TIERSWAP_LOCAL"]), int(env.get("TIERSWAP_INCARNATION", "0"))
+    control = Control(env["TIERSWAP_AGENT"], secret, local, incarnation, heartbeat)
     threads = int(env.get("TIERSWAP_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
@@ -150,37 +155,40 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
     stores: dict[str, TCPStore] = {}
     while True:
-        a = control.assignments.get()
-        generation, rank = int(a["generation"]), int(a["rank"])
-        chan.stamp = {"gen": generation}  # the agent drops messages of ended generations
+        generation, a = control.assignments.get()
+        rank = a.rank
+        chan.gen = generation  # the agent drops messages of ended generations
         job = Job(
             rank=rank,
-            world_size=int(a["world_size"]),
-            local_rank=int(a["local_rank"]),
+            world_size=a.world_size,
+            local_rank=a.local_rank,
             generation=generation,
             chan=chan,
-            injections=tuple(Injection.parse(s) for s in a["inject"]),
+            faults=FaultPlan.parse(a.inject).of_rank(rank),
             secret=secret,
             ended=control.event(generation),
             tier1=control.watermark(generation),
-            max_redo=int(a.get("max_redo", 0)),
+            max_redo=a.max_redo,
         )
         t0 = time.monotonic()
-        if a["store"] not in stores:
-            host, port = str(a["store"]).rsplit(":", 1)
-            stores[a["store"]] = TCPStore(host, int(port), is_master=False, timeout=startup)
-        store = PrefixStore(f"gen{generation}/", stores[a["store"]])
+        if a.store not in stores:
+            host, port = a.store.rsplit(":", 1)
+            stores[a.store] = TCPStore(host, int(port), is_master=False, timeout=startup)
+        store = PrefixStore(f"gen{generation}/", stores[a.store])
         if not _rendezvous(store, job.world_size, control.event(generation), startup):
-            control.chan.send("parked", generation=generation, rank=rank, why="ended at start")
+            parked = p.Parked(
+                generation=generation, rank=rank, reason="ended", why="ended at start"
+            )
+            control.chan.send(parked)
             continue
         dist.init_process_group(
-            str(a.get("backend", "gloo")),
+            a.backend,
             store=store,
             rank=rank,
             world_size=job.world_size,
             timeout=collective,
         )
-        chan.send("joined", rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0)
+        chan.send(p.Joined(rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0))
         code = _train_once(train, job, chan, control)
         if code is None:
             continue  # parked: the next assignment enters train(job) again
@@ -232,17 +240,18 @@ def _train_once(
     try:
         train(job)
         job.close()
-        chan.call("finished", rank=rank, step=job.last_step)
+        chan.call(p.Finished(rank=rank, step=job.last_step), p.Ack)
         return 0
     except UsageError as e:
-        chan.call("fatal", rank=rank, message=f"{type(e).__name__}: {e}")
+        chan.call(p.Fatal(rank=rank, message=f"{type(e).__name__}: {e}"), p.Ack)
         return EXIT_USAGE
     except CorruptPartError as e:
         # the coordinator marks the part bad; this worker leaves the generation (which
         # ends it for all) and is given an older step or another tier in the next one
-        chan.call(
-            "corrupt", rank=rank, where=e.where, why=e.why, step=job.plan_step, tier=job.plan_tier
+        corrupt = p.Corrupt(
+            rank=rank, where=e.where, why=e.why, step=job.plan_step, tier=job.plan_tier
         )
+        chan.call(corrupt, p.Ack)
         reason, why = "corrupt", f"{e.where}: {e.why}"
     except BaseException as e:
         if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e)):
@@ -250,7 +259,7 @@ def _train_once(
             return 1
         reason, why = "collective", f"{type(e).__name__}: {str(e)[:200]}"
     _leave(job)
-    control.chan.send("parked", generation=job.generation, rank=rank, reason=reason, why=why)
+    control.chan.send(p.Parked(generation=job.generation, rank=rank, reason=reason, why=why))
     return None
 
 

@@ -14,14 +14,23 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Listener
-from typing import Any
 
-from tierswap.bench.rig import NSLOTS, SECRET_ENV
+from tierswap.bench.rig import (
+    NSLOTS,
+    SECRET_ENV,
+    BenchHolding,
+    BenchPersist,
+    BenchRequest,
+    BenchSync,
+    Holding,
+    Persisted,
+)
 from tierswap.checksum import checksum_chunks
+from tierswap.control import protocol as p
 from tierswap.state import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.memory import RankRing, Slot
-from tierswap.wire import Channel, Message
+from tierswap.wire import Channel
 
 
 class _Agent:
@@ -36,44 +45,52 @@ class _Agent:
 
     def serve(self) -> None:
         try:
-            while (msg := self.chan.recv()) is not None:
-                self._on(msg)
+            while (env := self.chan.recv()) is not None:
+                self._on(env.msg)
         except EOFError:
             pass  # the benchmark closed its end: done
         finally:
             self.pool.shutdown(wait=True)
             self.ring.close()
 
-    def _on(self, msg: Message) -> None:
-        if msg["op"] == "held":
-            self._held(msg)  # no reply; an error here ends the process, and so the bench
+    def _on(self, msg: p.Message) -> None:
+        if isinstance(msg, p.Written):
+            self._written(msg)  # no reply; an error here ends the process, and so the bench
             return
-        handler = getattr(self, f"_{msg['op']}", None)
         try:
-            if handler is None:
-                raise ValueError(f"unknown request {msg['op']!r}")
-            reply = handler(msg)
+            reply = self._answer(msg)
         except (ValueError, KeyError, OSError) as e:
-            self.chan.send("error", message=f"{type(e).__name__}: {e}")
+            self.chan.send(p.Error(message=f"{type(e).__name__}: {e}"))
             return
-        self.chan.send("ok", **reply)
+        self.chan.send(reply)
 
-    def _alloc(self, msg: Message) -> dict[str, Any]:
-        with self.lock:
-            alloc = self.ring.allocate(Layout.from_json(msg["layout"]))
-        return {"alloc": alloc.id, "segments": [s.segment.path.name for s in alloc.slots]}
+    def _answer(self, msg: p.Message) -> p.Message:
+        match msg:
+            case p.Alloc(layout=layout):
+                layout.check()
+                with self.lock:
+                    alloc = self.ring.allocate(layout)
+                return p.Allocated(
+                    alloc=alloc.id, segments=[s.segment.path.name for s in alloc.slots]
+                )
+            case p.SlotRequest(step=step, alloc=alloc_id):
+                with self.lock:
+                    slot, _ = self.ring.begin_write(step, alloc_id)
+                return p.SlotGranted(slot=slot)
+            case BenchSync():
+                self._sync()
+                return p.Ack()
+            case BenchHolding(step=step):
+                return self._holding(step)
+            case BenchPersist(root=root, step=step):
+                return self._persist(root, step)
+        raise ValueError(f"unexpected request {p.tag_of(msg)!r}")
 
-    def _slot(self, msg: Message) -> dict[str, Any]:
+    def _written(self, msg: p.Written) -> None:
         with self.lock:
-            slot, _ = self.ring.begin_write(int(msg["step"]), int(msg["alloc"]))
-        return {"slot": slot}
-
-    def _held(self, msg: Message) -> None:
-        step = int(msg["step"])
-        with self.lock:
-            slot = self.ring.written(int(msg["slot"]), step, int(msg["alloc"]), msg["tree"])
+            slot = self.ring.written(msg.slot, msg.step, msg.alloc, msg.tree)
             layout = self.ring.layout()
-        self.checks.append(self.pool.submit(self._check, slot, layout, step))
+        self.checks.append(self.pool.submit(self._check, slot, layout, msg.step))
 
     def _check(self, slot: Slot, layout: Layout, step: int) -> None:
         digest = checksum_chunks(layout.chunks(slot.segment.buf))
@@ -81,38 +98,36 @@ class _Agent:
             self.ring.checked(slot, digest)
             self.ring.set_committed(step)  # one rank: held by all ranks means committed
 
-    def _sync(self, msg: Message) -> dict[str, Any]:
+    def _sync(self) -> None:
         for check in self.checks:
             check.result()
         self.checks.clear()
-        return {}
 
-    def _holding(self, msg: Message) -> dict[str, Any]:
+    def _holding(self, step: int) -> Holding:
         """Which slot holds ``step`` and the checksum computed here of its bytes."""
-        self._sync(msg)
+        self._sync()
         with self.lock:
-            slot = self.ring.held().get(int(msg["step"]))
+            slot = self.ring.held().get(step)
         if slot is None:
-            raise ValueError(f"step {msg['step']} is not held")
-        return {"slot": slot.index, "checksum": slot.checksum}
+            raise ValueError(f"step {step} is not held")
+        return Holding(slot=slot.index, checksum=slot.checksum)
 
-    def _persist(self, msg: Message) -> dict[str, Any]:
-        self._sync(msg)
+    def _persist(self, root: str, step: int) -> Persisted:
+        self._sync()
         with self.lock:
-            slot, layout = self.ring.lease(int(msg["step"])), self.ring.layout()
+            slot, layout = self.ring.lease(step), self.ring.layout()
         if slot is None:
-            raise ValueError(f"step {msg['step']} is not held")
+            raise ValueError(f"step {step} is not held")
         try:
             t0 = time.monotonic()
             info = durable.write_part(
-                str(msg["root"]), slot.step, 0, 1, layout, slot.tree, slot.segment.buf,
-                slot.checksum,
-            )  # fmt: skip
+                root, slot.step, 0, 1, layout, slot.tree, slot.segment.buf, slot.checksum
+            )
             seconds = time.monotonic() - t0
         finally:
             with self.lock:
                 self.ring.unlease(slot)
-        return {"seconds": seconds, "nbytes": info.nbytes}
+        return Persisted(seconds=seconds, nbytes=info.nbytes)
 
 
 def main(argv: list[str]) -> None:
@@ -121,7 +136,7 @@ def main(argv: list[str]) -> None:
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
     with Listener(address, family="AF_UNIX", authkey=secret) as listener:
         conn = listener.accept()
-    _Agent(Channel(conn), job_id).serve()
+    _Agent(Channel(conn, p.WorkerToAgent | BenchRequest), job_id).serve()
 
 
 if __name__ == "__main__":

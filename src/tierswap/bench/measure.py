@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from tierswap.bench.common import WARMUP, Sample, interleave, width
-from tierswap.bench.rig import NSLOTS, Rig
+from tierswap.bench.rig import NSLOTS, BenchPersist, Persisted, Rig
 from tierswap.bench.steps import bench_steps
 from tierswap.state import flatten, make_layout, tensor_view
 
@@ -156,9 +156,9 @@ def _snapshot_copy_once(rig: Rig, state: Mapping[str, Any], nbytes: int) -> Samp
 
 
 def _write_part_once(rig: Rig, root: Path) -> Sample:
-    reply = rig.call("persist", root=str(root), step=rig.step)
+    reply = rig.call(BenchPersist(root=str(root), step=rig.step), Persisted)
     shutil.rmtree(root)
-    return {"bps": int(reply["nbytes"]) / float(reply["seconds"])}
+    return {"bps": reply.nbytes / reply.seconds}
 
 
 def _sequential_once(path: Path, buf: bytearray, nbytes: int) -> Sample:

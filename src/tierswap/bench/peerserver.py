@@ -25,9 +25,10 @@ import sys
 import threading
 from typing import Any
 
-from tierswap.cluster.replication import PeerStore
+from tierswap.control import protocol as p
 from tierswap.shm import remove_job_segments
 from tierswap.tiers.peer import ReplicaServer
+from tierswap.tiers.replicas import PeerStore
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,9 @@ class _Agent:
             "replica_served": lambda **_: None,  # the agent logs it; nothing to log here
         }
 
-    def _report(self, op: str, **fields: Any) -> None:
-        if op == "replica_rejected":
-            log.warning("bench peer server: %s %s", op, fields)
+    def _report(self, msg: p.Message, gen: int) -> None:
+        if isinstance(msg, p.ReplicaRejected):
+            log.warning("bench peer server: %s", msg)
 
     def ask(self, op: str, **fields: Any) -> Any:
         with self.lock:

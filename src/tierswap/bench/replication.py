@@ -92,7 +92,7 @@ def _bench_replication(
     server: PeerServer, replica: _Replica, repeats: int, steps: list[int]
 ) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        chan = Channel.connect(server.replica, server.secret)
+        chan = peer.connect(server.replica, server.secret)
         stack.callback(chan.close)
         sock = stack.enter_context(socket.create_connection(server.stream, timeout=300))
         methods: dict[str, Callable[[], Sample]] = {

@@ -15,16 +15,55 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tierswap.control import protocol as p
 from tierswap.shm import remove_job_segments
 from tierswap.snapshot import Snapshotter
-from tierswap.wire import Channel, Message
+from tierswap.wire import Channel
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", bound=p.Message)
 
 NSLOTS = 3  # tier-0 slots of the rank: Config.slots' default
 SECRET_ENV = "TIERSWAP_BENCH_SECRET"
+
+
+class BenchSync(p.Message, frozen=True, kw_only=True, tag="bench_sync"):
+    """Wait for the agent's checksums in flight."""
+
+    scoped = False
+
+
+class BenchHolding(p.Message, frozen=True, kw_only=True, tag="bench_holding"):
+    """Which slot holds ``step``, with the checksum the agent computed."""
+
+    scoped = False
+    step: int
+
+
+class BenchPersist(p.Message, frozen=True, kw_only=True, tag="bench_persist"):
+    """Write ``step`` to ``root`` as tier 2 would, timed."""
+
+    scoped = False
+    root: str
+    step: int
+
+
+class Holding(p.Message, frozen=True, kw_only=True, tag="bench_held"):
+    scoped = False
+    slot: int
+    checksum: str
+
+
+class Persisted(p.Message, frozen=True, kw_only=True, tag="bench_persisted"):
+    scoped = False
+    seconds: float
+    nbytes: int
+
+
+BenchRequest = BenchSync | BenchHolding | BenchPersist
+"""The bench's own requests to its agent, beside the worker's."""
 
 
 class Rig:
@@ -49,7 +88,7 @@ class Rig:
                 code = self.proc.poll()
                 raise RuntimeError(f"bench agent: no listener at {address} (exit code {code})")
             with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-                self.chan = Channel.connect(address, secret)
+                self.chan = Channel.connect(address, secret, p.AgentToWorker | Holding | Persisted)
             time.sleep(0.02)
         self.snap = Snapshotter(self.chan, rank=0)
 
@@ -65,14 +104,14 @@ class Rig:
         if not self.snapshotter.take(self.step, state) and required:
             raise RuntimeError(f"tierswap skipped step {self.step}: no free slot")
 
-    def call(self, op: str, **fields: Any) -> Message:
+    def call(self, msg: p.Message, reply: type[R]) -> R:
         assert self.chan is not None
-        return self.chan.call(op, timeout=600, **fields)
+        return self.chan.call(msg, reply, timeout=600)
 
     def sync(self) -> None:
         """Wait, untimed, for the copy in flight and the agent's checksums."""
         self.snapshotter.fence()
-        self.call("sync")
+        self.call(BenchSync(), p.Ack)
 
     def close(self) -> None:
         """Stop the copy thread and the agent; remove any segment left behind."""

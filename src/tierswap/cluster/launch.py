@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierswap.config import Config, Injection
+from tierswap.config import Config
 from tierswap.errors import WorldSizeMismatchError
 from tierswap.tiers import durable
 
@@ -32,6 +32,7 @@ class LocalNodes:
         self.secret = secret
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.retired: list[subprocess.Popen[bytes]] = []
+        self.reported: set[int] = set()
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
         old = self.procs.pop(host, None)
@@ -62,13 +63,15 @@ class LocalNodes:
         if proc is not None:
             _killpg(proc.pid, signal.SIGSTOP)
 
-    def exited_before_joining(self, joined: set[int]) -> str | None:
-        """A host whose agent exited before it said hello, as a message; else None."""
+    def exited(self) -> list[tuple[int, int]]:
+        """Hosts whose agent process exited since the last call, with the exit code."""
+        out = []
         for host, proc in self.procs.items():
             code = proc.poll()
-            if code is not None and host not in joined:
-                return f"host {host}'s agent exited with code {code} before joining the job"
-        return None
+            if code is not None and host not in self.reported:
+                self.reported.add(host)
+                out.append((host, code))
+        return out
 
     def stop_all(self, told: set[int], timeout: float = 20.0) -> None:
         """Wait for the agents that were told to exit (host ids in ``told``) to do so, then
@@ -123,29 +126,3 @@ def check_durable(cfg: Config) -> str | None:
             "was changed in it."
         )
     return durable.probe_writable(cfg.persist)
-
-
-def node_faults_due(
-    specs: list[str],
-    *,
-    step: int | None = None,
-    generation: int | None = None,
-    transfer: tuple[int | None, int, int] | None = None,
-) -> list[tuple[str, Injection]]:
-    """The ``kill:node``/``stop:node`` injections that fire now: at a step reached
-    (``step``), as a generation starts (``generation``), or as a replica transfer
-    ``(from node, to node, step)`` starts (``transfer``)."""
-    due = []
-    for spec in specs:
-        inj = Injection.parse(spec)
-        if inj.target != "node" or inj.action not in ("kill", "stop"):
-            continue
-        if inj.during == "replication":
-            fire = transfer is not None and transfer[2] >= inj.step and inj.index in transfer[:2]
-        elif inj.gen >= 0:
-            fire = generation is not None and generation == inj.gen
-        else:
-            fire = step is not None and step >= inj.step
-        if fire:
-            due.append((spec, inj))
-    return due

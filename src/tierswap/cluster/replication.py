@@ -1,311 +1,37 @@
-"""The agent's tier-1 parts: the replicas it holds for peers, and the sender of its own.
+"""The agent's sender of tier-1 replicas: bytes to peers on a pool of threads.
 
-Both are driven from the agent's event loop (ring bookkeeping is single-threaded); bytes
-move on the replica server's connection threads and on the replicator's pool.
+What to send and when is the agent's core's (``control/agent.py``: one transfer in flight
+per rank, always the newest snapshot); this sends what it is told, each rank's snapshot
+whole or (``--memory-tiers delta``) as a delta against its base, and posts the outcome
+back as events: ``Replicated`` once per transfer, ``ReplicationFailed`` per peer missed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
-from tierswap.checksum import checksum_chunks
-from tierswap.config import Injection
-from tierswap.shm import populated
+from tierswap.control import protocol as p
+from tierswap.control.agent_events import (
+    ConfigureReplication,
+    Replicate,
+    Replicated,
+    ReplicationFailed,
+    Sent,
+)
 from tierswap.state import Layout
 from tierswap.tiers import durable
-from tierswap.tiers.deltas import Base, BaseKeeper, DeltaRing, Entry
-from tierswap.tiers.memory import RankRing, Slot, SlotState
-from tierswap.tiers.peer import Lease, push, push_delta
+from tierswap.tiers.deltas import Base, BaseKeeper
+from tierswap.tiers.memory import Slot
+from tierswap.tiers.peer import connect, push, push_delta
 from tierswap.wire import Address, Channel
 
 SEND_LIMIT_S = 30.0
 """A replica send to a peer that stopped acknowledging fails after this long (a host gone
 without a reset): the transfer is reported failed and the rank's next one can go."""
-
-Report = Callable[..., None]
-"""``report(op, **fields)``: tell the coordinator."""
-
-
-class PeerStore:
-    """Replicas this node holds for ranks of other nodes: per rank a ring of full
-    snapshots in shared memory (``--memory-tiers full``) or a base and its deltas
-    (``delta``)."""
-
-    def __init__(
-        self,
-        job_id: str,
-        nslots: int,
-        max_bytes: int,
-        report: Report,
-        mode: str = "full",
-        threshold: float = 0.5,
-    ) -> None:
-        self.job_id = job_id
-        self.nslots = nslots
-        self.max_bytes = max_bytes
-        self.report = report
-        self.delta = mode == "delta"
-        self.threshold = threshold
-        self.rings: dict[int, RankRing] = {}
-        self.drings: dict[int, DeltaRing] = {}
-        self.protects: list[int] = []
-        self.corrupt: list[Injection] = []
-        self.peak = 0
-        self.generation = -1
-        """Replicas sent in an older generation are refused: they may be of a timeline a
-        restore went back from, and would arrive after :meth:`discard_after`."""
-
-    def _all(self) -> list[RankRing | DeltaRing]:
-        return [*self.rings.values(), *self.drings.values()]
-
-    def nbytes(self) -> int:
-        return sum(r.nbytes() for r in self._all())
-
-    def _fits(self, rank: int, layout: Layout) -> bool:
-        """Whether the replicas of every protected rank fit ``--max-peer-memory``: full
-        snapshots in every slot, or two bases (one being renewed) and deltas at most
-        ``threshold`` of a snapshot in every slot."""
-        per_rank = self.nslots if not self.delta else 2 + self.nslots * self.threshold
-        need = int(per_rank * layout.nbytes * max(len(self.protects), 1))
-        if self.max_bytes and need > self.max_bytes:
-            self.report(
-                "peer_memory_exceeded",
-                rank=rank,
-                need=need,
-                limit=self.max_bytes,
-                ranks=self.protects,
-            )
-            return False
-        return True
-
-    def _stale(self, rank: int, step: int, generation: int) -> bool:
-        if generation >= self.generation:
-            return False
-        self._rejected(
-            rank, step, f"sent in generation {generation}, now {self.generation}", generation
-        )
-        return True
-
-    def slot(
-        self, rank: int, step: int, layout: Layout, generation: int = -1
-    ) -> tuple[Any, memoryview] | None:
-        """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
-        (no room, or sent in an ended generation: skipped). The token goes back to
-        :meth:`written`."""
-        if self._stale(rank, step, generation):
-            return None
-        if self.delta:
-            dring = self.drings.get(rank)
-            if (dring is None or dring.layout() != layout) and not self._fits(rank, layout):
-                return None
-            buf = populated(layout.nbytes)
-            return buf, buf
-        ring = self.rings.setdefault(rank, RankRing(self.job_id, rank, self.nslots))
-        if ring.alloc is None or ring.alloc.layout != layout:
-            if not self._fits(rank, layout):
-                return None
-            ring.allocate(layout)
-            self.report("memory", rank=rank, tier=1, nbytes=ring.nbytes())
-        assert ring.alloc is not None
-        index, dropped = ring.begin_write(step, ring.alloc.id)
-        if dropped:
-            self.report("replica_dropped", rank=rank, steps=dropped)
-        if index is None:
-            self._rejected(rank, step, "no free slot", generation)
-            return None
-        slot = ring.alloc.slots[index]
-        return slot, slot.segment.buf
-
-    def received(self, rank: int, step: int, buf: memoryview) -> None:
-        """Bytes are in, checksum not yet checked: where in-flight corruption is injected."""
-        self._inject(rank, step, buf, "flight")
-
-    def written(
-        self,
-        rank: int,
-        token: Any,
-        ok: bool,
-        step: int,
-        layout: Layout | None = None,
-        tree: dict[str, Any] | None = None,
-        checksum: str = "",
-        why: str = "",
-        generation: int = -1,
-    ) -> None:
-        """A full replica arrived (``ok``: its checksum matched): hold it, or free its room."""
-        if ok and generation < self.generation:  # a generation ended while it was in flight
-            ok, why = False, f"sent in generation {generation}, now {self.generation}"
-        if self.delta:
-            if ok and layout is not None:
-                self._put(rank, Entry(step, Base(step, layout, token, checksum, tree or {}),
-                                      None, tree or {}, checksum))  # fmt: skip
-                self._inject(rank, step, token, "base")
-                self._inject(rank, step, token, "memory")
-            else:
-                self._rejected(rank, step, why or "checksum mismatch", generation)
-            return
-        slot: Slot = token
-        ring = self.rings[rank]
-        if not ok or ring.alloc is None or slot not in ring.alloc.slots:
-            slot.state, slot.step = SlotState.FREE, -1
-            why = why or ("checksum mismatch" if not ok else "slot gone")
-            self._rejected(rank, step, why, generation)
-            return
-        ring.written(slot.index, step, ring.alloc.id, tree or {})
-        ring.checked(slot, checksum)
-        self._inject(rank, step, slot.segment.buf, "memory")
-        self.report("replica_held", rank=rank, step=step)
-
-    def base(self, rank: int, step: int, checksum: str, generation: int = -1) -> Base | None:
-        """The base a delta of ``rank`` is made against, if held (else the sender sends it)."""
-        if generation < self.generation:
-            return None
-        dring = self.drings.get(rank)
-        return None if dring is None else dring.base(step, checksum)
-
-    def delta_written(
-        self,
-        rank: int,
-        step: int,
-        base: Base,
-        data: bytearray,
-        tree: dict[str, Any],
-        checksum: str,
-        ok: bool,
-        why: str = "",
-        generation: int = -1,
-        base_durable: str | None = None,
-    ) -> None:
-        """A delta arrived (``ok``: its own checksum matched): hold it against ``base``,
-        which tier 2 also holds under ``base_durable`` once the sender wrote it there."""
-        if ok and generation < self.generation:
-            ok, why = False, f"sent in generation {generation}, now {self.generation}"
-        if not ok:
-            self._rejected(rank, step, why, generation)
-            return
-        if base_durable and base.durable is None:
-            base.durable = base_durable
-        self._put(rank, Entry(step, base, data, tree, checksum))
-        self._inject(rank, step, memoryview(data), "memory")
-
-    def _put(self, rank: int, entry: Entry) -> None:
-        dring = self.drings.setdefault(rank, DeltaRing(rank, self.nslots))
-        dropped = dring.put(entry)
-        if entry.step in dropped:
-            self.report("replica_dropped", rank=rank, steps=dropped)
-            return
-        if dropped:
-            self.report("replica_dropped", rank=rank, steps=dropped)
-        held = self.nbytes()
-        if self.max_bytes and held > self.max_bytes:  # bases pinned by old steps, say
-            del dring.entries[entry.step]
-            why = f"--max-peer-memory {self.max_bytes:,} reached"
-            self._rejected(rank, entry.step, why, self.generation)
-            return
-        if held > self.peak:  # the peak is what a node must have room for
-            self.peak = held
-            self.report("memory", rank=rank, tier=1, nbytes=held, scope="node")
-        self.report("replica_held", rank=rank, step=entry.step)
-
-    def _rejected(self, rank: int, step: int, why: str, generation: int) -> None:
-        """A replica of ``step`` sent in ``generation`` is not held here: the coordinator
-        logs it and, in that generation, stops waiting for the step in tier 1."""
-        self.report("replica_rejected", rank=rank, step=step, why=why, generation=generation)
-
-    def _inject(self, rank: int, step: int, buf: memoryview, where: str) -> None:
-        for inj in self.corrupt:
-            if inj.where == where and inj.index == rank and step >= inj.step and len(buf):
-                buf[len(buf) // 2] ^= 0xFF
-
-    def lease(self, rank: int, step: int) -> Lease | None:
-        """A held replica to serve to a restoring worker; give it back with :meth:`unlease`."""
-        if self.delta:
-            dring = self.drings.get(rank)
-            entry = None if dring is None else dring.entries.get(step)
-            if entry is None:
-                return None
-            where = f"tier-1 delta of rank {rank} step {step} (base step {entry.base.step})"
-            return Lease(
-                entry.base.layout,
-                entry.tree,
-                entry.checksum,
-                partial(entry.rebuild, rank, where),
-                kind=entry.kind,
-                base_step=entry.base.step,
-            )
-        ring = self.rings.get(rank)
-        slot = None if ring is None else ring.lease(step)
-        if slot is None or ring is None:
-            return None
-        buf = slot.segment.buf
-        return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
-
-    def unlease(self, rank: int, token: Any) -> None:
-        if isinstance(token, Slot):
-            self.rings[rank].unlease(token)
-
-    def holdings(self) -> dict[str, dict[str, str]]:
-        out = {
-            str(r): {str(s): x.checksum for s, x in ring.held().items()}
-            for r, ring in self.rings.items()
-        }
-        for r, dring in self.drings.items():
-            out[str(r)] = {str(s): c for s, c in dring.held().items()}
-        return out
-
-    def kinds(self) -> dict[str, dict[str, str]]:
-        """rank -> step -> "delta" or "delta+durable" for the replicas a restore must decode
-        first (the second after reading its base back from tier 2)."""
-        return {
-            str(r): {str(s): k for s, k in d.kinds().items() if k != "base"}
-            for r, d in self.drings.items()
-        }
-
-    def verify(self) -> list[tuple[int, int]]:
-        """Check every held replica; a corrupt one is freed and returned (rank, step)."""
-        bad = []
-        for rank, ring in self.rings.items():
-            for step, slot in ring.held().items():
-                if checksum_chunks(ring.layout().chunks(slot.segment.buf)) != slot.checksum:
-                    slot.state, slot.step = SlotState.FREE, -1
-                    bad.append((rank, step))
-        for rank, dring in self.drings.items():
-            in_memory = [b for b in dring.bases() if b.buf is not None]
-            bad.extend((rank, step) for step in dring.verify())
-            for b in in_memory:
-                if b.buf is None:
-                    kept = sorted(s for s, e in dring.entries.items() if e.base is b)
-                    self.report("replica_base_lost", rank=rank, step=b.step, kept=kept)
-        return bad
-
-    def propose(self, step: int, ranks: list[int]) -> bool:
-        held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
-        ok = all(r in held and held[r].propose(step) for r in ranks)
-        if not ok:
-            self.abort(step)
-        return ok
-
-    def committed(self, step: int) -> None:
-        for ring in self._all():
-            ring.set_committed(step)
-
-    def abort(self, step: int) -> None:
-        for ring in self._all():
-            ring.abort(step)
-
-    def discard_after(self, step: int, committed: int) -> None:
-        for ring in self._all():
-            ring.discard_after(step)
-            ring.protect(committed)
-
-    def close(self) -> None:
-        for ring in self._all():
-            ring.close()
 
 
 class Replicator:
@@ -314,12 +40,12 @@ class Replicator:
     def __init__(
         self,
         secret: bytes,
-        node: int,
-        post: Callable[..., None],
+        post: Callable[[Any], None],
         threads: int,
         keeper: BaseKeeper | None = None,
         base_root: str | None = None,
         world_size: int = 0,
+        announce: Callable[[p.Replicating], None] | None = None,
     ) -> None:
         self.secret = secret
         self.keeper = keeper
@@ -330,15 +56,14 @@ class Replicator:
         self.world_size = world_size
         self.persisted: dict[int, list[int]] = {}
         """rank -> base steps written under ``base_root``, oldest first (two are kept)."""
-        self.node = node
         self.post = post
+        """Hands an event to the agent's loop."""
         self.targets: dict[int, tuple[int, ...]] = {}
         self.addresses: dict[int, Address] = {}
-        self.busy: set[int] = set()
-        self.pending: set[int] = set()
-        self.announce: Callable[..., None] | None = None
-        """Called as each transfer starts (fault injection cuts transfers in flight)."""
-        self.sent: dict[int, int] = {}
+        self.announce_to = announce
+        self.announce = False
+        """Tell the coordinator as each transfer starts (fault injection cuts transfers in
+        flight): the message goes from the sending thread, just before the bytes."""
         self.generation = -1
         self.delay = 0.0
         """Seconds each transfer is held before it goes (``--inject delay:...``, tests)."""
@@ -348,54 +73,31 @@ class Replicator:
             max_workers=max(threads, 1), thread_name_prefix="tierswap-replicate"
         )
 
-    def configure(
-        self, targets: dict[int, tuple[int, ...]], addresses: Mapping[int, Address]
-    ) -> None:
-        self.targets, self.addresses = targets, dict(addresses)
-        with self._lock:  # a node replaced or gone: a transfer stuck on it fails now
+    def configure(self, cfg: ConfigureReplication) -> None:
+        """A new generation that restarts from ``cfg.restart``: a base taken after it is of
+        an abandoned timeline, and a transfer queued before now is not sent (peers would
+        refuse it anyway); a transfer stuck on a node replaced or gone fails now."""
+        self.targets, self.addresses = cfg.targets, dict(cfg.addresses)
+        self.generation = cfg.generation
+        self.delay = cfg.delay
+        self.announce = cfg.announce
+        if self.keeper is not None:
+            self.keeper.discard_after(cfg.restart)
+        with self._lock:
             gone = [k for k, (a, _) in self._chans.items() if self.addresses.get(k[1]) != a]
             stale = [self._chans.pop(k)[1] for k in gone]
         for chan in stale:
             chan.close()
 
-    def offer(self, rank: int, ring: RankRing) -> None:
-        """A new snapshot of ``rank`` is held: send the newest one when the line is free."""
-        if not self.targets.get(rank):
-            return
-        if rank in self.busy:
-            self.pending.add(rank)
-            return
-        held = ring.held()
-        step = max(held, default=-1)
-        if step <= self.sent.get(rank, -1):
-            return
-        slot = ring.lease(step)
-        assert slot is not None
-        self.busy.add(rank)
+    def submit(self, job: Replicate) -> None:
         epoch = None if self.keeper is None else self.keeper.epoch
-        self.pool.submit(self._send, rank, step, slot, ring.layout(), epoch, self.generation)
-
-    def done(self, rank: int, step: int, ring: RankRing, generation: int) -> None:
-        self.busy.discard(rank)
-        if generation == self.generation:  # a step of an ended generation was not sent now
-            self.sent[rank] = max(self.sent.get(rank, -1), step)
-        if rank in self.pending:
-            self.pending.discard(rank)
-            self.offer(rank, ring)
-
-    def reset(self, restart: int, generation: int) -> None:
-        """A new generation that restarts from ``restart``: the same steps may be sent
-        again, a base taken after ``restart`` is of an abandoned timeline, and a transfer
-        queued before now is not sent (peers would refuse it anyway)."""
-        self.generation = generation
-        self.sent.clear()
-        if self.keeper is not None:
-            self.keeper.discard_after(restart)
+        self.pool.submit(
+            self._send, job.rank, job.step, job.slot, job.layout, epoch, job.generation
+        )
 
     def _send(
         self, rank: int, step: int, slot: Slot, layout: Layout, epoch: int | None, generation: int
     ) -> None:
-        results: dict[int, bool] = {}
         stats: dict[str, Any] = {}
         try:
             time.sleep(self.delay)
@@ -406,46 +108,24 @@ class Replicator:
             except Exception as e:  # the encode failed (memory, say): reported, not fatal
                 stats.clear()
                 for node in self.targets.get(rank, ()):
-                    results[node] = False
-                    self.post(
-                        "replicate_failed",
-                        rank=rank,
-                        step=step,
-                        node=node,
-                        error=f"{e!r}",
-                        generation=generation,
-                    )
+                    self.post(ReplicationFailed(rank, step, node, f"{e!r}", generation))
                 return
             for node in self.targets.get(rank, ()):
                 try:
                     chan = self._channel(rank, node)
-                    if self.announce is not None:
-                        self.announce(rank=rank, step=step, peer=node)
-                    results[node] = send(chan)
+                    if self.announce and self.announce_to is not None:
+                        self.announce_to(p.Replicating(rank=rank, step=step, peer=node))
+                    if not send(chan):
+                        continue  # refused: the peer reports why
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
-                    results[node] = False
                     error = f"{type(e).__name__}: {e}"
-                    self.post(
-                        "replicate_failed",
-                        rank=rank,
-                        step=step,
-                        node=node,
-                        error=error,
-                        generation=generation,
-                    )
+                    self.post(ReplicationFailed(rank, step, node, error, generation))
             if base is not None and base.step == step and self.base_root is not None:
-                self._persist_base(rank, base)
+                self._persist_base(rank, base, generation)
         finally:  # always: the slot is unleased and the rank's next snapshot can go
-            self.post(
-                "replicated",
-                rank=rank,
-                step=step,
-                slot=slot,
-                results=results,
-                generation=generation,
-                **stats,
-            )
+            sent = Sent(**stats) if stats else None
+            self.post(Replicated(rank, step, slot, generation, sent))
 
     def _sender(
         self,
@@ -467,7 +147,7 @@ class Replicator:
             ), None
         base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
         if new:
-            stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes)
+            stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes, encode_s=0.0)
             return (
                 lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
             ), base
@@ -489,7 +169,7 @@ class Replicator:
 
         return send, base
 
-    def _persist_base(self, rank: int, base: Base) -> None:
+    def _persist_base(self, rank: int, base: Base, generation: int) -> None:
         """Write a new base to tier 2 (``base_root``) and drop the one before the last."""
         assert self.base_root is not None and base.buf is not None
         try:
@@ -504,7 +184,7 @@ class Replicator:
                 durable.remove_part(self.base_root, steps.pop(0), rank)
         except Exception as e:  # reported; the peers still hold the base in memory
             error = f"base to tier 2: {e!r}"
-            self.post("replicate_failed", rank=rank, step=base.step, node=-1, error=error)
+            self.post(ReplicationFailed(rank, base.step, None, error, generation))
 
     def _channel(self, rank: int, node: int) -> Channel:
         address = self.addresses[node]
@@ -514,7 +194,7 @@ class Replicator:
             return cached[1]
         if cached is not None:
             cached[1].close()
-        chan = Channel.connect(address, self.secret)
+        chan = connect(address, self.secret)
         chan.give_up_after(SEND_LIMIT_S)
         with self._lock:
             self._chans[(rank, node)] = (address, chan)

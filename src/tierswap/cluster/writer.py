@@ -4,11 +4,12 @@ own (a slow disk must not hold up checksums or replication), full or, with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tierswap.config import Config
+from tierswap.control.agent_events import PartWritten
 from tierswap.tiers import durable
 from tierswap.tiers.deltas import DurableBases, Part
 
@@ -16,18 +17,10 @@ Bases = dict[int, dict[int, str]]
 """step -> rank -> data checksum of the full parts committed in tier 2 (delta bases)."""
 
 
-def bases_of(msg: Mapping[str, Any]) -> Bases:
-    """The ``bases`` of a coordinator's ``persist`` message."""
-    return {
-        int(s): {int(r): str(c) for r, c in parts.items()}
-        for s, parts in msg.get("bases", {}).items()
-    }
-
-
 class PartWriter:
-    def __init__(self, cfg: Config, post: Callable[..., None]) -> None:
+    def __init__(self, cfg: Config, post: Callable[[Any], None]) -> None:
         self.post = post
-        """``post("persisted", ...)`` once per part, written or failed, with its slot."""
+        """Posts ``PartWritten`` once per part, written or failed, with its slot."""
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-persist")
         self.bases = DurableBases(cfg.base_every, cfg.delta_threshold)
         self.deltas = cfg.persist_deltas
@@ -36,7 +29,6 @@ class PartWriter:
         self.pool.submit(self._write, part, bases)
 
     def _write(self, p: Part, bases: Bases) -> None:
-        done = {"rank": p.rank, "step": p.step, "slot": p.slot, "token": p.token}
         try:
             if self.deltas:
                 info = self.bases.write(p, bases)
@@ -45,9 +37,10 @@ class PartWriter:
                     p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
                     p.slot.segment.buf, p.slot.checksum,
                 )  # fmt: skip
-            self.post("persisted", part=info.to_json(), **done)
+            self.post(PartWritten(p.rank, p.step, p.token, p.slot, info))
         except Exception as e:  # reported: the job keeps training on the memory tiers
-            self.post("persisted", error=f"{type(e).__name__}: {e}", **done)
+            error = f"{type(e).__name__}: {e}"
+            self.post(PartWritten(p.rank, p.step, p.token, p.slot, None, error))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

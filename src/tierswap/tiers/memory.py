@@ -8,13 +8,17 @@ newer one is committed; when no slot is free the step is skipped, never waited f
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from tierswap.shm import Segment, segment_name
 from tierswap.state import Layout
+
+SegmentFactory = Callable[[str, int], Segment]
+"""``create(name, nbytes)``: a new shared-memory segment (``Segment.create``; tests and
+the simulation hand in one backed by plain memory)."""
 
 
 class SlotState(Enum):
@@ -52,8 +56,9 @@ _alloc_ids = itertools.count(1)
 
 
 class CommitVotes:
-    """A rank's side of the two-phase commit of a tier: a step proposed is protected until
-    the commit or abort; the committed step is never dropped before a newer one is."""
+    """A rank's side of a tier's commits: a step held for a commit (``propose``) is
+    protected until it or a newer step is committed, or it is released (``abort``); the
+    committed step is never dropped before a newer one is."""
 
     committed: int
     proposed: set[int]
@@ -62,7 +67,7 @@ class CommitVotes:
         raise NotImplementedError
 
     def propose(self, step: int) -> bool:
-        """The coordinator asks to commit ``step``: protect it if held (a vote)."""
+        """Hold ``step`` for a commit: protect it, if held."""
         if step not in self.held():
             return False
         self.proposed.add(step)
@@ -84,10 +89,13 @@ class CommitVotes:
 class RankRing(CommitVotes):
     """The slots of one rank. Driven by the agent's single event loop (no locks)."""
 
-    def __init__(self, job_id: str, rank: int, nslots: int) -> None:
+    def __init__(
+        self, job_id: str, rank: int, nslots: int, create: SegmentFactory = Segment.create
+    ) -> None:
         self.job_id = job_id
         self.rank = rank
         self.nslots = nslots
+        self.create = create
         self.alloc: Allocation | None = None
         self.retired: list[Allocation] = []
         self.committed = -1
@@ -109,7 +117,7 @@ class RankRing(CommitVotes):
         try:
             for i in range(self.nslots):
                 name = segment_name(self.job_id, self.rank, i, aid)
-                slots.append(Slot(i, Segment.create(name, layout.nbytes)))
+                slots.append(Slot(i, self.create(name, layout.nbytes)))
         except BaseException:
             for s in slots:
                 s.segment.unlink()
@@ -234,8 +242,8 @@ class NodeRings:
     """Tier 0 of one node: a ring per rank it serves (kept for the ranks it served before,
     so a rank that comes back finds its snapshots), and the slots leased to restores."""
 
-    def __init__(self, job_id: str, nslots: int) -> None:
-        self.job_id, self.nslots = job_id, nslots
+    def __init__(self, job_id: str, nslots: int, create: SegmentFactory = Segment.create) -> None:
+        self.job_id, self.nslots, self.create = job_id, nslots, create
         self.by_rank: dict[int, RankRing] = {}
         self.restore_leases: dict[int, Slot] = {}
 
@@ -249,11 +257,22 @@ class NodeRings:
         """A generation starts from ``restart``; ``committed`` is tier 0's newest commit and
         ``peer_committed`` tier 1's."""
         for r in ranks:
-            self.by_rank.setdefault(r, RankRing(self.job_id, r, self.nslots))
+            if r not in self.by_rank:
+                self.by_rank[r] = RankRing(self.job_id, r, self.nslots, self.create)
         for ring in self.by_rank.values():
             ring.discard_after(restart)
             ring.protect(committed)
             ring.peer_committed = peer_committed
+
+    def newest_complete(self) -> int:
+        """The newest step every ring holds (-1 when there is none)."""
+        common: set[int] | None = None
+        for ring in self.by_rank.values():
+            steps = set(ring.held())
+            common = steps if common is None else common & steps
+            if not common:
+                return -1
+        return max(common or (), default=-1)
 
     def propose(self, step: int) -> bool:
         """Every ring holds ``step`` (and keeps it); if one does not, none keeps it."""
@@ -274,10 +293,10 @@ class NodeRings:
         for ring in self.by_rank.values():
             ring.peer_committed = step
 
-    def holdings(self) -> dict[str, dict[str, str]]:
+    def holdings(self) -> dict[int, dict[int, str]]:
         """Rank -> step -> checksum of every held snapshot, as the coordinator reads it."""
         return {
-            str(r): {str(step): s.checksum for step, s in ring.held().items()}
+            r: {step: s.checksum for step, s in ring.held().items()}
             for r, ring in self.by_rank.items()
         }
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Listener
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierswap import delta
 from tierswap.checksum import checksum_chunks
+from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout
@@ -83,7 +84,7 @@ class ReplicaServer:
     def __init__(self, bind: str, secret: bytes, ask: Ask) -> None:
         self.ask = ask
         self.listener = Listener((bind, 0), authkey=secret)
-        self._stop = serve(self.listener, self._serve, "tierswap-replica-accept")
+        self._stop = serve(self.listener, self._serve, "tierswap-replica-accept", p.AgentToAgent)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -102,26 +103,26 @@ class ReplicaServer:
 
     def _loop(self, chan: Channel) -> None:
         try:
-            while (msg := chan.recv()) is not None:
-                if msg["op"] == "replica":
-                    self._receive(chan, msg)
-                elif msg["op"] == "replica_delta":
-                    self._receive_delta(chan, msg)
-                elif msg["op"] == "fetch":
-                    self._send(chan, msg)
-                else:
-                    chan.send("error", message=f"unknown request {msg['op']!r}")
+            while (env := chan.recv()) is not None:
+                match env.msg:
+                    case p.Replica():
+                        self._receive(chan, env.msg, env.gen)
+                    case p.ReplicaDelta():
+                        self._receive_delta(chan, env.msg, env.gen)
+                    case p.Fetch():
+                        self._send(chan, env.msg)
+                    case _:
+                        chan.send(p.Error(message=f"unexpected {p.tag_of(env.msg)!r}"))
         except (EOFError, OSError, ValueError):
             pass
         finally:
             chan.close()
 
-    def _receive(self, chan: Channel, msg: dict[str, Any]) -> None:
-        rank, step = int(msg["rank"]), int(msg["step"])
-        layout = Layout.from_json(msg["layout"])
-        generation = int(msg.get("generation", -1))
+    def _receive(self, chan: Channel, msg: p.Replica, generation: int) -> None:
+        rank, step, layout = msg.rank, msg.step, msg.layout
+        layout.check()
         got = self.ask("replica_slot", rank=rank, step=step, layout=layout, generation=generation)
-        chan.send("ready", ok=got is not None)
+        chan.send(p.Room(ok=got is not None))
         if got is None:
             return
         token, room = got
@@ -140,7 +141,7 @@ class ReplicaServer:
             )
             raise
         self.ask("replica_received", rank=rank, step=step, buf=buf)  # fault injection
-        ok = checksum_chunks(layout.chunks(buf)) == msg["checksum"]
+        ok = checksum_chunks(layout.chunks(buf)) == msg.checksum
         self.ask(
             "replica_written",
             rank=rank,
@@ -148,34 +149,33 @@ class ReplicaServer:
             ok=ok,
             step=step,
             layout=layout,
-            tree=msg["tree"],
-            checksum=msg["checksum"],
+            tree=msg.tree,
+            checksum=msg.checksum,
             why="" if ok else "checksum mismatch",
             generation=generation,
         )
-        chan.send("ok", accepted=ok)
+        chan.send(p.Accepted(ok=ok))
 
-    def _receive_delta(self, chan: Channel, msg: dict[str, Any]) -> None:
-        rank, step = int(msg["rank"]), int(msg["step"])
-        generation = int(msg.get("generation", -1))
+    def _receive_delta(self, chan: Channel, msg: p.ReplicaDelta, generation: int) -> None:
+        rank, step = msg.rank, msg.step
         base = self.ask(
             "replica_base",
             rank=rank,
-            step=int(msg["base_step"]),
-            checksum=msg["base_checksum"],
+            step=msg.base_step,
+            checksum=msg.base_checksum,
             generation=generation,
         )
-        chan.send("ready", ok=base is not None, need="base" if base is None else "")
+        chan.send(p.Room(ok=base is not None, need="base" if base is None else ""))
         if base is None:
             return
-        data = bytearray(int(msg["nbytes"]))
+        data = bytearray(msg.nbytes)
         fields = {
             "rank": rank,
             "step": step,
             "base": base,
             "data": data,
             "generation": generation,
-            "base_durable": msg.get("base_durable"),
+            "base_durable": msg.base_durable,
         }
         try:
             chan.recv_raw_into(memoryview(data))
@@ -199,37 +199,36 @@ class ReplicaServer:
             "replica_delta_written",
             ok=not why,
             why=why,
-            tree=msg["tree"],
-            checksum=msg["checksum"],
+            tree=msg.tree,
+            checksum=msg.checksum,
             **fields,
         )
-        chan.send("ok", accepted=not why)
+        chan.send(p.Accepted(ok=not why))
 
-    def _send(self, chan: Channel, msg: dict[str, Any]) -> None:
-        rank = int(msg["rank"])
-        lease: Lease | None = self.ask("replica_lease", rank=rank, step=int(msg["step"]))
+    def _send(self, chan: Channel, msg: p.Fetch) -> None:
+        rank, step = msg.rank, msg.step
+        lease: Lease | None = self.ask("replica_lease", rank=rank, step=step)
         if lease is None:
-            chan.send("missing")
+            chan.send(p.Missing())
             return
         try:
             try:
                 buf = lease.read()
             except CorruptPartError as e:
-                chan.send("missing", why=str(e))
+                chan.send(p.Missing(why=str(e)))
                 return
-            chan.send(
-                "part", layout=lease.layout.to_json(), tree=lease.tree, checksum=lease.checksum
-            )
+            chan.send(p.Serving(layout=lease.layout, tree=lease.tree, checksum=lease.checksum))
             chan.send_raw(buf[: lease.layout.nbytes])
             self.ask(
-                "replica_served",
-                rank=rank,
-                step=int(msg["step"]),
-                kind=lease.kind,
-                base_step=lease.base_step,
+                "replica_served", rank=rank, step=step, kind=lease.kind, base_step=lease.base_step
             )
         finally:
             self.ask("replica_unlease", rank=rank, token=lease.token)
+
+
+def connect(address: Address, secret: bytes) -> Channel:
+    """A channel to a peer's replica server."""
+    return Channel.connect(address, secret, p.AgentToAgent)
 
 
 def push(
@@ -243,17 +242,10 @@ def push(
     generation: int = -1,
 ) -> bool:
     """Send one replica to a peer; True when it was stored and its checksum matched."""
-    reply = chan.call(
-        "replica",
-        timeout=60,
-        rank=rank,
-        step=step,
-        generation=generation,
-        layout=layout.to_json(),
-        tree=tree,
-        checksum=checksum,
-    )
-    if not reply.get("ok"):
+    msg = p.Replica(rank=rank, step=step, layout=layout, tree=tree, checksum=checksum)
+    chan.send(msg, generation)
+    room = _reply(chan, p.Room, f"replica of rank {rank} step {step}")
+    if not room.ok:
         return False
     return _send_bytes(chan, buf[: layout.nbytes], f"replica of rank {rank} step {step}")
 
@@ -270,31 +262,41 @@ def push_delta(
 ) -> bool | None:
     """Send one replica as a delta against ``base``: True when stored, False when refused,
     None when the peer does not hold ``base`` (send it first)."""
-    reply = chan.call(
-        "replica_delta",
-        timeout=60,
+    msg = p.ReplicaDelta(
         rank=rank,
         step=step,
-        generation=generation,
-        base_durable=base.durable,
         base_step=base.step,
         base_checksum=base.checksum,
+        base_durable=base.durable,
         nbytes=len(data),
         tree=tree,
         checksum=checksum,
     )
-    if not reply.get("ok"):
-        return None if reply.get("need") == "base" else False
+    chan.send(msg, generation)
+    room = _reply(chan, p.Room, f"delta of rank {rank} step {step}")
+    if not room.ok:
+        return None if room.need == "base" else False
     return _send_bytes(chan, memoryview(data), f"delta of rank {rank} step {step}")
 
 
-def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
-    """The bytes a ``ready`` reply asked for; True when the peer accepted them."""
-    chan.send_raw(data)
-    done = chan.recv(timeout=300)
-    if done is None:  # a late reply would be read as the next one's: drop the channel
+R = TypeVar("R", bound=p.Message)
+
+
+def _reply(chan: Channel, kind: type[R], what: str, timeout: float = 60.0) -> R:
+    env = chan.recv(timeout)
+    if env is None:  # a late reply would be read as the next one's: drop the channel
         raise TimeoutError(f"no answer from the peer to {what}")
-    return bool(done.get("accepted"))
+    if isinstance(env.msg, p.Error):
+        raise RuntimeError(f"{what}: {env.msg.message}")
+    if not isinstance(env.msg, kind):
+        raise p.ProtocolError(f"{what}: answered with {p.tag_of(env.msg)!r}")
+    return env.msg
+
+
+def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
+    """The bytes a ``Room`` reply asked for; True when the peer accepted them."""
+    chan.send_raw(data)
+    return _reply(chan, p.Accepted, what, timeout=300).ok
 
 
 def fetch(
@@ -303,20 +305,22 @@ def fetch(
     """A worker pulls its replica of ``step`` from a peer; the checksum is verified."""
     where = f"tier-1 replica of rank {rank} step {step} at {address}"
     try:
-        chan = Channel.connect(address, secret)
+        chan = connect(address, secret)
     except (OSError, EOFError) as e:
         raise CorruptPartError(where, f"peer unreachable: {e}") from e
     try:
-        reply = chan.call("fetch", timeout=60, rank=rank, step=step)
-        if reply["op"] != "part":
-            raise CorruptPartError(where, reply.get("why") or "the peer no longer holds it")
-        layout = Layout.from_json(reply["layout"])
+        reply = chan.call(p.Fetch(rank=rank, step=step), (p.Serving, p.Missing), timeout=60)
+        if isinstance(reply, p.Missing):
+            raise CorruptPartError(where, reply.why)
+        assert isinstance(reply, p.Serving)
+        layout = reply.layout
+        layout.check()
         buf = populated(layout.nbytes)
         chan.recv_raw_into(buf)
-    except (OSError, EOFError, TimeoutError, RuntimeError) as e:
+    except (OSError, EOFError, TimeoutError, RuntimeError, ValueError) as e:
         raise CorruptPartError(where, f"transfer failed: {type(e).__name__}: {e}") from e
     finally:
         chan.close()
-    if checksum_chunks(layout.chunks(buf)) != reply["checksum"]:
+    if checksum_chunks(layout.chunks(buf)) != reply.checksum:
         raise CorruptPartError(where, "checksum mismatch")
-    return layout, reply["tree"], buf
+    return layout, reply.tree, buf

@@ -1,13 +1,13 @@
 """How long a recovery took, phase by phase, and which workers kept their processes.
 
-The coordinator tells a :class:`RecoveryClock` what happens (a fault injected, a failure
-detected, a generation started, workers joined, restored, stepped); the clock answers
-with the fields of the ``rebuilt`` and ``resumed`` events once every rank has reported.
+The coordinator tells a :class:`RecoveryClock` what happens and when (a fault injected, a
+failure detected, a generation started, workers joined, restored, stepped); the clock
+answers with the fields of the ``rebuilt`` and ``resumed`` events once every rank has
+reported. Time is an argument: the clock reads no clock.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 
@@ -24,12 +24,11 @@ class RecoveryClock:
         self.joined: dict[int, float] = {}
         self.stepped: dict[int, float] = {}
 
-    def fault(self) -> None:
-        self.fault_time = time.monotonic()
+    def fault(self, now: float) -> None:
+        self.fault_time = now
 
-    def failed(self, last_step: int) -> float | None:
+    def failed(self, last_step: int, now: float) -> float | None:
         """A failure is detected; returns the seconds since the injected fault, if any."""
-        now = time.monotonic()
         detect = None if self.fault_time is None else now - self.fault_time
         self.record = {
             "fault": self.fault_time if self.fault_time is not None else now,
@@ -40,24 +39,24 @@ class RecoveryClock:
         self.fault_time = None
         return detect
 
-    def generation_started(self) -> None:
+    def generation_started(self, now: float) -> None:
         self.pids.clear()
         self.joined.clear()
         self.stepped.clear()
         if self.record is not None:
-            self.record["decided"] = time.monotonic()
+            self.record["decided"] = now
 
-    def restored(self) -> None:
+    def restored(self, now: float) -> None:
         if self.record is not None:
-            self.record["restored"] = time.monotonic()
+            self.record["restored"] = now
 
     def _kept(self) -> list[int]:
         before = self.record["pids"] if self.record is not None else {}
         return sorted(r for r, p in self.pids.items() if before.get(r) == p)
 
-    def worker_joined(self, rank: int, pid: int) -> dict[str, Any] | None:
+    def worker_joined(self, rank: int, pid: int, now: float) -> dict[str, Any] | None:
         """A worker joined its process group; the ``rebuilt`` fields once all have."""
-        self.joined[rank] = time.monotonic()
+        self.joined[rank] = now
         self.pids[rank] = self.pids_seen[rank] = pid
         if len(self.joined) < self.world_size:
             return None
@@ -68,10 +67,10 @@ class RecoveryClock:
             "seconds": None if rec is None else max(self.joined.values()) - rec["decided"],
         }
 
-    def worker_stepped(self, rank: int, restored_step: int) -> dict[str, Any] | None:
+    def worker_stepped(self, rank: int, restored_step: int, now: float) -> dict[str, Any] | None:
         """A worker finished its first step of the generation; once all have, after a
         failure, the ``resumed`` fields: the time from the fault, split into phases."""
-        self.stepped[rank] = time.monotonic()
+        self.stepped[rank] = now
         rec = self.record
         if len(self.stepped) < self.world_size or rec is None or "decided" not in rec:
             return None

@@ -1,16 +1,18 @@
-"""From a restore plan to what each worker is told, and to what a person reads."""
+"""From what agents reported holding to a restore plan, what each worker is told, and what
+a person reads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
+from tierswap.control.ports import Tier2
+from tierswap.control.protocol import Address, FromDurable, FromMemory, FromPeer, RankPlan
 from tierswap.errors import CorruptPartError
 from tierswap.plan import Holdings, Plan, Tier, plan_restore
-from tierswap.tiers import durable
+from tierswap.tiers.durable import PartInfo
 
-Reported = Mapping[int, Mapping[str, Mapping[str, str]]]
-"""node -> rank -> step -> checksum, as agents report what they hold."""
+Reported = Mapping[int, Mapping[int, Mapping[int, str]]]
+"""node -> rank -> step -> checksum (or kind), as agents report what they hold."""
 
 
 def collect(
@@ -27,55 +29,53 @@ def collect(
     memory_node: dict[int, int] = {}
     for node, per_rank in memory_by_node.items():
         for rank, steps in per_rank.items():
-            memory[int(rank)] = frozenset(int(s) for s in steps)
-            memory_node[int(rank)] = node
+            memory[rank] = frozenset(steps)
+            memory_node[rank] = node
     peers: dict[int, dict[int, frozenset[int]]] = {}
     for node, per_rank in peer_by_node.items():
         for rank, steps in per_rank.items():
-            peers.setdefault(int(rank), {})[node] = frozenset(int(s) for s in steps)
+            peers.setdefault(rank, {})[node] = frozenset(steps)
     deltas: dict[int, dict[int, frozenset[int]]] = {}
     from_disk: dict[int, dict[int, frozenset[int]]] = {}
     for node, per_rank in (peer_deltas or {}).items():
         for rank, kinds in per_rank.items():
-            deltas.setdefault(int(rank), {})[node] = frozenset(int(s) for s in kinds)
-            from_disk.setdefault(int(rank), {})[node] = frozenset(
-                int(s) for s, k in kinds.items() if k == "delta+durable"
+            deltas.setdefault(rank, {})[node] = frozenset(kinds)
+            from_disk.setdefault(rank, {})[node] = frozenset(
+                s for s, k in kinds.items() if k == "delta+durable"
             )
     return Holdings(
         world_size, memory, memory_node, peers, deltas, from_disk, durable_steps, frozenset(bad)
     )
 
 
-def committed_steps(root: str, world_size: int) -> frozenset[int]:
-    """Steps restorable from tier 2 (committed, with every base their delta parts need)
-    written by a job of this world size. Raises OSError."""
-    return frozenset(
-        s.step for s in durable.list_steps(root) if s.restorable and s.world_size == world_size
-    )
-
-
 def rank_plans(
-    plan: Plan, world_size: int, persist: str | None, peer_addresses: Mapping[int, Any]
-) -> dict[int, dict[str, Any]]:
-    """rank -> {step, source}: where each worker loads its part from.
+    plan: Plan, world_size: int, tier2: Tier2 | None, address_of: Callable[[int], Address | None]
+) -> dict[int, RankPlan]:
+    """rank -> where its worker loads its part from.
 
     Raises CorruptPartError or OSError when the chosen durable step's COMMIT is unreadable.
     """
     if plan.step is None:
-        return {r: {"step": None} for r in range(world_size)}
-    parts: dict[int, durable.PartInfo] = {}
+        return {r: RankPlan(step=None) for r in range(world_size)}
+    parts: dict[int, PartInfo] = {}
     if plan.ranks_from(Tier.DURABLE):
-        assert persist is not None
-        _, parts = durable.read_commit(persist, plan.step)
-    out: dict[int, dict[str, Any]] = {}
+        assert tier2 is not None
+        parts = tier2.read_commit(plan.step)
+    out: dict[int, RankPlan] = {}
+    memory = RankPlan(step=plan.step, source=FromMemory())
     for r, src in plan.sources.items():
-        source: dict[str, Any] = {"tier": int(src.tier)}
-        if src.tier == Tier.DURABLE:
-            source.update(root=persist, part=parts[r].to_json())
+        if src.tier == Tier.MEMORY:
+            out[r] = memory
         elif src.tier == Tier.PEER:
             assert src.node is not None
-            source.update(node=src.node, address=peer_addresses[src.node])
-        out[r] = {"step": plan.step, "source": source}
+            address = address_of(src.node)
+            assert address is not None, f"node {src.node} holds replicas but has no address"
+            out[r] = RankPlan(step=plan.step, source=FromPeer(node=src.node, address=address))
+        else:
+            assert tier2 is not None
+            if r not in parts:
+                raise CorruptPartError(f"{tier2.url} step {plan.step}", f"COMMIT lacks rank {r}")
+            out[r] = RankPlan(step=plan.step, source=FromDurable(root=tier2.url, part=parts[r]))
     return out
 
 
@@ -105,18 +105,24 @@ class Reports:
     """What the agents reported holding when their workers stopped, and the parts found
     bad since: the coordinator's input to each restore plan."""
 
-    def __init__(self, world_size: int, persist: str | None) -> None:
+    def __init__(self, world_size: int, tier2: Tier2 | None) -> None:
         self.world_size = world_size
-        self.persist = persist
-        self.memory: dict[int, dict[str, dict[str, str]]] = {}
-        self.peer: dict[int, dict[str, dict[str, str]]] = {}
-        self.peer_deltas: dict[int, dict[str, dict[str, str]]] = {}
+        self.tier2 = tier2
+        self.memory: dict[int, dict[int, dict[int, str]]] = {}
+        self.peer: dict[int, dict[int, dict[int, str]]] = {}
+        self.peer_deltas: dict[int, dict[int, dict[int, str]]] = {}
         self.bad: set[tuple[Tier, int, int]] = set()
 
-    def stopped(self, node: int, msg: Mapping[str, Any]) -> None:
-        self.memory[node] = msg["holdings"]
-        self.peer[node] = msg.get("peer", {})
-        self.peer_deltas[node] = msg.get("peer_deltas", {})
+    def stopped(
+        self,
+        node: int,
+        holdings: dict[int, dict[int, str]],
+        peer: dict[int, dict[int, str]],
+        peer_deltas: dict[int, dict[int, str]],
+    ) -> None:
+        self.memory[node] = holdings
+        self.peer[node] = peer
+        self.peer_deltas[node] = peer_deltas
 
     def forget(self, node: int | None = None) -> None:
         """A node is gone (or, with None, every node reports afresh)."""
@@ -134,20 +140,16 @@ class Reports:
     def plan(
         self,
         durable_steps: Callable[[], frozenset[int]],
-        peer_addresses: Mapping[int, Any],
+        address_of: Callable[[int], Address | None],
         on_bad_commit: Callable[[int, str], None],
-    ) -> tuple[Holdings, Plan, dict[int, dict[str, Any]]]:
+    ) -> tuple[Holdings, Plan, dict[int, RankPlan]]:
         """The restore plan and each rank's part of it. A durable step whose COMMIT turns
         out unreadable is marked bad (``on_bad_commit(step, why)``) and planned past."""
         while True:
             holdings = self.holdings(durable_steps())
             plan = plan_restore(holdings)
             try:
-                return (
-                    holdings,
-                    plan,
-                    rank_plans(plan, self.world_size, self.persist, peer_addresses),
-                )
+                return holdings, plan, rank_plans(plan, self.world_size, self.tier2, address_of)
             except (CorruptPartError, OSError) as e:
                 assert plan.step is not None
                 self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.world_size)}

@@ -2,101 +2,109 @@
 
 A *node* is a place in the job (node i runs ranks iP..iP+P-1; placement is in nodes). A
 *host* is an agent process with its workers; it serves one node or waits parked as a
-spare. Host ids are never reused. This is the coordinator's bookkeeping only: it sends
-nothing and starts nothing.
+spare. Host ids are never reused. Connections are the shell's tokens (ints): this is
+bookkeeping only; it sends nothing and starts nothing.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-from tierswap.wire import Channel
+from tierswap.control.protocol import Address
 
 
 class Hosts:
     def __init__(self, nodes: int, spares: int) -> None:
-        self.conns: dict[int, Channel] = {}
+        self.conns: dict[int, int] = {}
         """host -> its agent's connection, members and spares."""
+        self.by_conn: dict[int, int] = {}
+        """connection -> host."""
         self.members: dict[int, int] = {}
         """node -> the host serving it."""
+        self.node_by_host: dict[int, int] = {}
         self.spares: list[int] = []
         """Parked hosts, in the order they became ready."""
         self.vacant: set[int] = set()
         """Nodes whose host failed and that no spare has taken yet."""
         self.pids: dict[int, int] = {}
-        self.replica_address: dict[int, list[Any]] = {}
-        self.heard: dict[Channel, float] = {}
-        """When each connection was last heard from (set by its reader thread on arrival)."""
+        self.replica_address: dict[int, Address] = {}
+        self.heard: dict[int, float] = {}
+        """host -> when it was last heard from (the arrival time of its newest message)."""
         self.waiting: set[int] = set(range(nodes))
         """Hosts of the first generation that are not ready yet (host i serves node i)."""
         self.next_id = nodes + spares
 
-    @property
-    def agents(self) -> dict[int, Channel]:
+    def agents(self) -> dict[int, int]:
         """node -> the connection of the host serving it."""
         return {n: self.conns[h] for n, h in self.members.items() if h in self.conns}
 
-    @property
-    def peer_addresses(self) -> dict[int, list[Any]]:
-        """node -> the replica server of the host serving it."""
-        return {
-            n: self.replica_address[h] for n, h in self.members.items() if h in self.replica_address
-        }
+    def member_conns(self) -> tuple[int, ...]:
+        return tuple(self.conns[h] for h in self.members.values() if h in self.conns)
+
+    def address_of(self, node: int) -> Address | None:
+        host = self.members.get(node)
+        return None if host is None else self.replica_address.get(host)
 
     def new_id(self) -> int:
         host = self.next_id
         self.next_id += 1
         return host
 
-    def connected(self, requested: int, pid: int, chan: Channel) -> int:
+    def connected(self, requested: int, pid: int, conn: int, now: float) -> int:
         """A host said hello: its id (a fresh one for a host that joins from outside)."""
         host = requested
         if host < 0 or host in self.conns or host in self.pids:
             host = self.new_id()
-        self.conns[host] = chan
+        self.conns[host] = conn
+        self.by_conn[conn] = host
         self.pids[host] = pid
+        self.heard[host] = now
         return host
 
-    def host_of(self, chan: Channel) -> int | None:
-        return next((h for h, c in self.conns.items() if c is chan), None)
+    def host_of(self, conn: int) -> int | None:
+        return self.by_conn.get(conn)
 
     def node_of(self, host: int | None) -> int | None:
-        return next((n for n, h in self.members.items() if h == host), None)
+        return None if host is None else self.node_by_host.get(host)
 
-    def ready(self, host: int, replica: list[Any]) -> bool | None:
+    def ready(self, host: int, replica: Address) -> bool | None:
         """Its agent and workers are ready: True for a member of the first generation
         (it serves the node of its id), False for a spare, None for a host already
         counted as either (a second "ready" changes nothing)."""
-        if host in self.spares or host in self.members.values():
+        if host in self.spares or host in self.node_by_host:
             return None
         self.replica_address[host] = replica
         if host in self.waiting:
             self.waiting.discard(host)
-            self.members[host] = host
+            self._serve(host, host)
             return True
         self.spares.append(host)
         return False
 
+    def _serve(self, node: int, host: int) -> None:
+        self.members[node] = host
+        self.node_by_host[host] = node
+
     def silent(self, now: float, lease: float) -> list[tuple[int, float]]:
         """Hosts not heard from for longer than ``lease``, with the seconds of silence."""
         late = []
-        for host, chan in self.conns.items():
-            quiet = now - self.heard.get(chan, now)
+        for host in self.conns:
+            quiet = now - self.heard.get(host, now)
             if quiet > lease:
                 late.append((host, quiet))
         return late
 
-    def lost(self, host: int) -> tuple[Channel | None, int | None]:
+    def lost(self, host: int) -> tuple[int | None, int | None]:
         """Forget a host; its connection and the node it served (None for a spare)."""
-        chan = self.conns.pop(host, None)
+        conn = self.conns.pop(host, None)
+        if conn is not None:
+            self.by_conn.pop(conn, None)
+        self.heard.pop(host, None)
         if host in self.spares:
             self.spares.remove(host)
-            return chan, None
-        node = self.node_of(host)
+            return conn, None
+        node = self.node_by_host.pop(host, None)
         if node is not None:
             del self.members[node]
-        return chan, node
+        return conn, node
 
     def fill_vacancies(self) -> list[tuple[int, int]]:
         """Give vacant nodes to parked spares, lowest node first: (node, host) pairs."""
@@ -104,9 +112,6 @@ class Hosts:
         while self.vacant and self.spares:
             node, host = min(self.vacant), self.spares.pop(0)
             self.vacant.discard(node)
-            self.members[node] = host
+            self._serve(node, host)
             taken.append((node, host))
         return taken
-
-    def mark_heard(self, chan: Channel) -> None:
-        self.heard[chan] = time.monotonic()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from tierswap.config import Config
-from tierswap.events import EventLog, Progress
-from tierswap.tiers import durable
+from tierswap.control.commands import Out
+from tierswap.control.ports import Tier2
+from tierswap.control.protocol import Persist
+from tierswap.tiers.durable import PartInfo
 
 
 @dataclass(slots=True)
@@ -21,18 +22,19 @@ class Request:
     step: int
     token: int
     """Tells this request's parts from those of one abandoned at a failure."""
-    parts: dict[int, durable.PartInfo] = field(default_factory=dict)
+    parts: dict[int, PartInfo] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     answered: set[int] = field(default_factory=set)
+    """Ranks whose part was written or failed."""
 
 
 class Persistence:
     def __init__(
-        self, cfg: Config, log: EventLog, progress: Progress, broadcast: Callable[..., None]
+        self, cfg: Config, tier2: Tier2 | None, out: Out, broadcast: Callable[[Persist], None]
     ) -> None:
         self.cfg = cfg
-        self.log = log
-        self.progress = progress
+        self.tier2 = tier2
+        self.out = out
         self.broadcast = broadcast
         self.inflight: Request | None = None
         self.last_request = -1
@@ -47,7 +49,7 @@ class Persistence:
         """Ask the agents to write ``step`` (committed in tier 0) when it is due."""
         every = self.cfg.persist_every
         due = self.last_request < 0 or step // every > self.last_request // every
-        if self.cfg.persist is None or self.inflight is not None or not (due or final):
+        if self.tier2 is None or self.inflight is not None or not (due or final):
             return
         if step <= self.committed:
             return
@@ -55,12 +57,13 @@ class Persistence:
         self.token += 1
         self.inflight = Request(step, self.token)
         self.broadcast(
-            "persist",
-            step=step,
-            root=self.cfg.persist,
-            world_size=self.cfg.world_size,
-            token=self.token,
-            bases={str(s): {str(r): c for r, c in parts.items()} for s, parts in self.held.items()},
+            Persist(
+                step=step,
+                root=self.tier2.url,
+                world_size=self.cfg.world_size,
+                token=self.token,
+                bases={s: dict(parts) for s, parts in self.held.items()},
+            )
         )
 
     def cancel(self, restart: int | None = None) -> None:
@@ -74,17 +77,17 @@ class Persistence:
         """``step`` of tier 2 proved unreadable: never a base again."""
         self.held.pop(step, None)
 
-    def on_part(self, msg: dict[str, Any]) -> int | None:
-        """One rank's part is written (or failed). Returns the step when it got committed."""
+    def on_parts(self, token: int, parts: list[PartInfo], errors: dict[int, str]) -> int | None:
+        """A node's parts are written (or failed). Returns the step when it got committed."""
         p = self.inflight
-        if p is None or int(msg["token"]) != p.token:
+        if p is None or token != p.token:
             return None  # a write requested before a failure
-        rank = int(msg["rank"])
-        p.answered.add(rank)
-        if "error" in msg:
-            p.errors.append(f"rank {rank}: {msg['error']}")
-        else:
-            p.parts[rank] = durable.PartInfo.from_json(rank, msg["part"])
+        for part in parts:
+            p.answered.add(part.rank)
+            p.parts[part.rank] = part
+        for rank, error in sorted(errors.items()):
+            p.answered.add(rank)
+            p.errors.append(f"rank {rank}: {error}")
         if len(p.answered) < self.cfg.world_size:
             return None
         self.inflight = None
@@ -94,23 +97,23 @@ class Persistence:
         return self._commit(p)
 
     def _commit(self, p: Request) -> int | None:
-        assert self.cfg.persist is not None
+        assert self.tier2 is not None
         try:
-            durable.write_commit(self.cfg.persist, p.step, self.cfg.world_size, p.parts)
+            self.tier2.write_commit(p.step, self.cfg.world_size, p.parts)
         except OSError as e:
             self.failing(f"step {p.step}: COMMIT not written: {e}")
             return None
         try:
-            deleted = durable.retain(self.cfg.persist, self.cfg.keep)
+            deleted = self.tier2.retain(self.cfg.keep)
         except OSError as e:
             deleted = []
-            self.log.emit("retention_failed", error=str(e))
+            self.out.log("retention_failed", error=str(e))
         self.committed = p.step
         self.held[p.step] = {r: part.data for r, part in p.parts.items() if part.base is None}
         for gone in deleted:
             self.held.pop(gone, None)
         deltas = sum(1 for part in p.parts.values() if part.base is not None)
-        self.log.emit(
+        self.out.log(
             "snapshot_committed",
             tier=2,
             step=p.step,
@@ -119,10 +122,10 @@ class Persistence:
         )
         if not self.ok:
             self.ok = True
-            self.progress.message(f"durability restored: step {p.step} is in {self.cfg.persist}")
+            self.out.say(f"durability restored: step {p.step} is in {self.tier2.url}")
         return p.step
 
     def failing(self, why: str) -> None:
         self.ok = False
-        self.log.emit("durability_failing", reason=why)
-        self.progress.message(f"durability failing, training goes on in memory: {why}")
+        self.out.log("durability_failing", reason=why)
+        self.out.say(f"durability failing, training goes on in memory: {why}")

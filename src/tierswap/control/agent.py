@@ -1,0 +1,546 @@
+"""An agent's decisions, as a core with no I/O: its workers, its tier-0 rings, the replicas
+it holds for peers, what to replicate and what to persist.
+
+``AgentCore.handle(event, now)`` takes what happened (a message from the coordinator or a
+worker, a worker's exit, a checksum computed, a replica sent) and returns what to do
+(``control/agent_events.py``). The rings hold shared-memory segments made by an injected
+factory, so the simulation runs the same core on plain memory.
+
+Workers start parked (script imported, no rank) and are assigned ranks by the
+coordinator's ``Start``; a ``Stop`` ends their generation without ending their processes.
+A spare is an agent with parked workers and no node yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierswap.config import Config
+from tierswap.control import protocol as p
+from tierswap.control.agent_events import (
+    AgentEvent,
+    AnswerAsk,
+    Ask,
+    Boot,
+    Checked,
+    Checksum,
+    ConfigureReplication,
+    CoordinatorClosed,
+    FromCoordinator,
+    FromWorker,
+    PartWritten,
+    Replicate,
+    Replicated,
+    ReplicationFailed,
+    Reply,
+    Shutdown,
+    Tick,
+    ToCoordinator,
+    WorkerExited,
+    WritePart,
+)
+from tierswap.control.states import AGENT_PHASES, AgentPhase, Machine, WorkerState
+from tierswap.control.workers import Kill, Worker, WorkerTable
+from tierswap.errors import UsageError
+from tierswap.faults import FaultPlan
+from tierswap.shm import SHM_DIR
+from tierswap.tiers.deltas import Part
+from tierswap.tiers.memory import NodeRings, RankRing
+from tierswap.tiers.replicas import PeerStore
+
+
+@dataclass(slots=True)
+class Hold:
+    """This node's side of one tier's commits (``control/commits.py``)."""
+
+    committed: int = -1
+    held: int | None = None
+    """The step held for a commit (reported in ``Held``), until committed or released."""
+    passed: int = -1
+    """The newest step released: never held again."""
+
+
+@dataclass(slots=True)
+class PendingParts:
+    """This node's parts of one tier-2 step, as they are written."""
+
+    step: int
+    ranks: set[int]
+    parts: list[Any] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class ReplicationQueue:
+    """One transfer in flight per rank, always of its newest snapshot."""
+
+    def __init__(self) -> None:
+        self.targets: dict[int, tuple[int, ...]] = {}
+        self.busy: set[int] = set()
+        self.pending: set[int] = set()
+        self.sent: dict[int, int] = {}
+        self.generation = -1
+
+    def offer(self, rank: int, ring: RankRing) -> Replicate | None:
+        """A new snapshot of ``rank`` is held: send the newest one when the line is free."""
+        if not self.targets.get(rank):
+            return None
+        if rank in self.busy:
+            self.pending.add(rank)
+            return None
+        step = max(ring.held(), default=-1)
+        if step <= self.sent.get(rank, -1):
+            return None
+        slot = ring.lease(step)
+        assert slot is not None
+        self.busy.add(rank)
+        return Replicate(rank, step, slot, ring.layout(), self.generation)
+
+    def done(self, rank: int, step: int, generation: int, ring: RankRing) -> Replicate | None:
+        self.busy.discard(rank)
+        if generation == self.generation:  # a step of an ended generation was not sent now
+            self.sent[rank] = max(self.sent.get(rank, -1), step)
+        if rank in self.pending:
+            self.pending.discard(rank)
+            return self.offer(rank, ring)
+        return None
+
+    def reset(self, generation: int, targets: dict[int, tuple[int, ...]]) -> None:
+        """A new generation: the same steps may be sent again (a restore went back)."""
+        self.generation, self.targets = generation, targets
+        self.sent.clear()
+
+
+class AgentCore:
+    def __init__(
+        self,
+        host: int,
+        cfg: Config,
+        *,
+        rings: NodeRings,
+        peers: PeerStore,
+        replica_address: p.Address,
+        coord_host: str,
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.coord_host = coord_host
+        """Where this host reaches the coordinator (and the store workers meet at)."""
+        self.replica_address = replica_address
+        self.node: int | None = None
+        """The job's node this agent serves; None while it is a spare."""
+        self.door = p.Door()
+        self.phase = Machine(f"agent of host {host}", AgentPhase.IDLE, AGENT_PHASES)
+        self.rings = rings
+        self.peers = peers
+        peers.report = self._report
+        self.workers = WorkerTable()
+        self.queue = ReplicationQueue()
+        self.plans: dict[int, p.RankPlan] = {}
+        self.ranks: list[int] = []
+        self.faults = FaultPlan()
+        self.holds = {0: Hold(), 1: Hold()}
+        self.last_skipped: dict[int, int] = {}
+        self.progress_step = -1
+        self.checks = 0
+        """Checksums in flight: a stop is reported once none is."""
+        self.persisting: dict[int, PendingParts] = {}
+        self.exiting = False
+        self.out: list[Any] = []
+
+    @property
+    def generation(self) -> int:
+        return self.door.generation
+
+    # ---------------------------------------------------------------- the door
+
+    def handle(self, event: AgentEvent, now: float) -> list[Any]:
+        if self.exiting:
+            return []
+        match event:
+            case FromWorker():
+                self._from_worker(event, now)
+            case FromCoordinator(env=env):
+                if self.door.admit(env):
+                    self._from_coordinator(env, now)
+            case Checked():
+                self._checked(event)
+            case Replicated(rank=rank, step=step, slot=slot, generation=gen, sent=sent):
+                self.rings.unlease(slot)
+                if sent is not None:
+                    stats = p.ReplicaSent(
+                        rank=rank, step=step, kind=sent.kind, nbytes=sent.nbytes,
+                        full=sent.full, encode_s=sent.encode_s,
+                    )  # fmt: skip
+                    self._tell(stats)
+                self._add(self.queue.done(rank, step, gen, self.rings[rank]))
+            case ReplicationFailed(rank=rank, step=step, peer=to, error=error, generation=gen):
+                self._tell(p.ReplicateFailed(rank=rank, step=step, peer=to, error=error), gen)
+            case PartWritten():
+                self._part_written(event)
+            case Ask():
+                self._ask(event)
+            case WorkerExited(local=local, incarnation=incarnation, code=code):
+                self._exited(local, incarnation, code, now)
+            case Tick():
+                self._watch(now)
+            case Boot():
+                for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
+                    self.workers.spawn(local, now)
+            case CoordinatorClosed():
+                self._shutdown()
+        self.out.extend(self.workers.take())
+        out, self.out = self.out, []
+        return out
+
+    def _add(self, cmd: Any) -> None:
+        if cmd is not None:
+            self.out.append(cmd)
+
+    def _tell(self, msg: p.Message, gen: int | None = None) -> None:
+        self.out.append(ToCoordinator(msg, self.generation if gen is None else gen))
+
+    def _report(self, msg: p.Message, gen: int) -> None:
+        """The replica store's reports to the coordinator."""
+        self._tell(msg, gen)
+
+    def _shutdown(self) -> None:
+        self.exiting = True
+        self.out.append(Shutdown())
+
+    # ---------------------------------------------------------------- coordinator
+
+    def _from_coordinator(self, env: p.Envelope[Any], now: float) -> None:
+        match env.msg:
+            case p.Start():
+                self._start(env.gen, env.msg, now)
+            case p.Stop():
+                self.phase.move(AgentPhase.STOPPING)
+                self.workers.abort(now + self.cfg.collective_timeout)
+                self._maybe_stopped()
+            case p.Committed(tier=tier, step=step):
+                self._committed(tier, step)
+            case p.Release(tier=tier, step=step):
+                self._release(tier, step)
+            case p.Settled(step=step):
+                self.workers.settled(step)
+            case p.Persist():
+                self._persist(env.msg)
+            case p.Exit():
+                self._shutdown()
+            case p.Welcome():
+                pass  # the shell's business, before the core exists
+
+    def _start(self, generation: int, msg: p.Start, now: float) -> None:
+        self.door.generation = generation
+        self.node, self.ranks, self.plans = msg.node, list(msg.ranks), dict(msg.plans)
+        self.faults = FaultPlan.parse(msg.inject)
+        self.last_skipped.clear()  # a restore may replay a step skipped before: report it
+        self.progress_step = msg.restart_step
+        restart, (memory, replicated) = msg.restart_step, msg.committed
+        self.rings.serve(self.ranks, restart, memory, replicated)
+        self.peers.generation = generation
+        self.peers.discard_after(restart, replicated)
+        self.peers.protects = list(msg.protects)
+        self.peers.corrupt = self.faults.corruptions()
+        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated)}
+        self.persisting.clear()
+        targets = {r: tuple(t) for r, t in msg.placement.items()}
+        self.queue.reset(generation, targets)
+        self.out.append(
+            ConfigureReplication(
+                targets=targets,
+                addresses=dict(msg.peers),
+                generation=generation,
+                restart=restart,
+                delay=self.faults.delay_of(self.node),
+                announce=self.faults.watches_transfers(),
+            )
+        )
+        assignment = {
+            "world_size": msg.world_size,
+            "store": f"{self.coord_host}:{msg.store.rsplit(':', 1)[1]}",
+            "inject": list(msg.inject),
+            "backend": msg.backend,
+            "max_redo": msg.max_redo,
+            "settled": replicated,
+        }
+        self.phase.move(AgentPhase.SERVING)
+        self.workers.start(generation, self.ranks, assignment, now)
+
+    def _maybe_stopped(self) -> None:
+        """Report what the rings hold once every worker of the stopped generation has
+        parked or died and no checksum is in flight (once per stop)."""
+        if self.phase != AgentPhase.STOPPING or self.workers.leaving() or self.checks:
+            return
+        self.rings.let_go()
+        for rank, step in self.peers.verify():
+            self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"))
+        stopped = p.Stopped(
+            holdings=self.rings.holdings(),
+            peer=self.peers.holdings(),
+            peer_deltas=self.peers.kinds(),
+        )
+        self._tell(stopped)
+        self.phase.move(AgentPhase.STOPPED)
+
+    # ---------------------------------------------------------------- commits
+
+    def _maybe_hold(self, tier: int) -> None:
+        """Hold the newest step complete on this node for the tier's commit, when none is
+        held (one at a time; see ``control/commits.py``)."""
+        hold = self.holds[tier]
+        if self.phase != AgentPhase.SERVING or hold.held is not None:
+            return
+        newest = self.rings.newest_complete() if tier == 0 else self.peers.newest_complete()
+        if newest <= max(hold.committed, hold.passed):
+            return
+        ok = self.rings.propose(newest) if tier == 0 else self.peers.propose(newest)
+        assert ok, f"tier {tier}: step {newest} is complete but cannot be held"
+        hold.held = newest
+        self._tell(p.Held(tier=tier, step=newest))
+
+    def _committed(self, tier: int, step: int) -> None:
+        hold = self.holds[tier]
+        hold.committed = max(hold.committed, step)
+        if tier == 0:
+            self.rings.commit(step)
+        else:
+            self.peers.committed(step)
+            self.rings.peer_committed(step)
+            self.workers.settled(step)
+        if hold.held is not None and hold.held <= step:
+            hold.held = None
+        self._maybe_hold(tier)
+
+    def _release(self, tier: int, step: int) -> None:
+        hold = self.holds[tier]
+        if hold.held == step:
+            if tier == 0:
+                self.rings.abort(step)
+            else:
+                self.peers.abort(step)
+            hold.held = None
+        hold.passed = max(hold.passed, step)
+        self._maybe_hold(tier)
+
+    # ---------------------------------------------------------------- workers
+
+    def _from_worker(self, event: FromWorker, now: float) -> None:
+        msg, conn = event.env.msg, event.conn
+        match msg:
+            case p.Attach(local=local, incarnation=incarnation, pid=pid):
+                if self.workers.attach(conn, local, incarnation, pid, event.at):
+                    pids = sorted(w.pid for w in self.workers.procs.values() if w.pid)
+                    self._tell(p.Ready(replica=self.replica_address, workers=pids))
+                return
+            case p.Beat():
+                if (w := self.workers.of(conn)) is not None:
+                    w.seen = max(w.seen, event.at)
+                return
+            case p.Parked():
+                if (w := self.workers.of(conn)) is not None:
+                    w.seen = max(w.seen, event.at)
+                    self._parked(w, msg)
+                return
+        rank = getattr(msg, "rank", -1)
+        w = self.workers.by_rank.get(rank)
+        current = self.door.admit(event.env)
+        if not current or w is None or w.state not in (WorkerState.ASSIGNED, WorkerState.LEAVING):
+            if msg.call:  # from a worker of a stopped generation: its slots were reclaimed
+                self._reply(conn, p.Error(message=f"generation {event.env.gen} has ended"))
+            return
+        try:
+            self._request(conn, w, msg)
+        except (ValueError, KeyError, OSError) as e:  # UsageError is a ValueError
+            if msg.call:
+                self._reply(conn, p.Error(message=f"{type(e).__name__}: {e}"))
+            else:
+                self._tell(p.AgentError(rank=rank, request=p.tag_of(msg), error=str(e)))
+
+    def _reply(self, conn: int, msg: p.Message) -> None:
+        self.out.append(Reply(conn, msg, self.generation))
+
+    def _request(self, conn: int, w: Worker, msg: p.Message) -> None:
+        match msg:
+            case p.Alloc():
+                self._alloc(conn, msg)
+            case p.SlotRequest():
+                self._slot(conn, msg)
+            case p.Written():
+                self._written(msg)
+            case p.PlanRequest(rank=rank):
+                self._reply(conn, self._plan(rank))
+            case p.Restored(rank=rank):
+                self.rings.restored(rank)
+                self._tell(msg)
+            case p.Finished():
+                w.move(WorkerState.FINISHED)
+                self._tell(msg)
+                self._reply(conn, p.Ack())
+                self._maybe_stopped()  # a stop that came first counted on it to leave
+            case p.Fatal() | p.Corrupt() | p.InjectFired():
+                self._tell(msg)
+                self._reply(conn, p.Ack())
+            case p.Report() | p.Joined() | p.Stepped() | p.Lagging():
+                self._tell(msg)
+            case _:
+                raise ValueError(f"unexpected request {p.tag_of(msg)!r}")
+
+    def _parked(self, w: Worker, msg: p.Parked) -> None:
+        if w.state not in (WorkerState.ASSIGNED, WorkerState.LEAVING):
+            return  # a worker parks once per generation it was given
+        leaving = w.state is WorkerState.LEAVING
+        w.move(WorkerState.PARKED)
+        if not leaving and msg.generation == self.generation:
+            # it left on its own: a collective failed under it, or its source is bad
+            self._tell(p.Left(rank=msg.rank, reason=msg.reason, why=msg.why))
+        self._maybe_stopped()
+
+    def _alloc(self, conn: int, msg: p.Alloc) -> None:
+        msg.layout.check()
+        ring = self.rings[msg.rank]
+        before = set(ring.held())
+        try:
+            alloc = ring.allocate(msg.layout)
+        except OSError as e:
+            raise UsageError(
+                f"node {self.node} cannot allocate {self.cfg.slots} tier-0 slots of "
+                f"{msg.layout.nbytes:,} bytes for rank {msg.rank} in {SHM_DIR}: {e}. Free or "
+                f"enlarge {SHM_DIR} (a container's --shm-size), or use fewer --slots."
+            ) from e
+        if self.holds[0].held in before - set(ring.held()):
+            self.holds[0].held = None  # the layout changed: the next complete step is held
+        self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes()))
+        segments = [str(s.segment.path.name) for s in alloc.slots]
+        self._reply(conn, p.Allocated(alloc=alloc.id, segments=segments))
+
+    def _slot(self, conn: int, msg: p.SlotRequest) -> None:
+        if self.phase != AgentPhase.SERVING:
+            raise ValueError(f"generation {self.generation} is ending: no new snapshots")
+        slot, _ = self.rings[msg.rank].begin_write(msg.step, msg.alloc)
+        self._reply(conn, p.SlotGranted(slot=slot))
+        if slot is None and self.last_skipped.get(msg.rank) != msg.step:
+            self.last_skipped[msg.rank] = msg.step
+            self._tell(p.Skipped(rank=msg.rank, step=msg.step))
+
+    def _written(self, msg: p.Written) -> None:
+        ring = self.rings[msg.rank]
+        slot = ring.written(msg.slot, msg.step, msg.alloc, msg.tree)
+        self.checks += 1
+        self.out.append(Checksum(msg.rank, msg.step, slot, ring.layout()))
+        if msg.step > self.progress_step or msg.rank == 0:
+            self.progress_step = max(self.progress_step, msg.step)
+            stall = msg.stall if msg.rank == 0 else None
+            self._tell(p.Progress(step=msg.step, stall=stall))
+
+    def _plan(self, rank: int) -> p.PlanReply:
+        plan = self.plans.get(rank, p.RankPlan(step=None))
+        if plan.step is None:
+            return p.PlanReply(step=None)
+        if not isinstance(plan.source, p.FromMemory):
+            assert plan.source is not None
+            return p.PlanReply(step=plan.step, source=plan.source)
+        slot = self.rings.lease_for_restore(rank, plan.step)
+        if slot is None:
+            raise ValueError(f"rank {rank}: tier 0 no longer holds step {plan.step}")
+        source = p.FromSlot(
+            segment=slot.segment.path.name,
+            layout=self.rings[rank].layout(),
+            tree=slot.tree,
+            checksum=slot.checksum,
+        )
+        return p.PlanReply(step=plan.step, source=source)
+
+    def _exited(self, local: int, incarnation: int, code: int, now: float) -> None:
+        w = self.workers.procs.get(local)
+        if w is None or w.incarnation != incarnation:
+            return
+        if w.state is WorkerState.FINISHED:  # its state is saved; a crash at exit is reported
+            if code != 0 and w.rank is not None:
+                self._tell(p.ExitedAfterFinish(rank=w.rank, code=code))
+            return
+        if w.state is WorkerState.STARTING:  # it never attached: the script itself fails
+            self._tell(p.StartFailed(local=local, code=code))
+            return
+        running = w.state in (WorkerState.ASSIGNED, WorkerState.LEAVING)
+        if running and w.generation == self.generation and w.rank is not None:
+            self.workers.spent.add(w.rank)
+            self._tell(p.Exited(rank=w.rank, code=code))
+        elif self.node is None or w.rank is None:
+            self._tell(p.SpareWorkerExited(local=local, code=code))
+        self.workers.spawn(local, now)  # a fresh parked worker, for this rank or a spare
+        self._maybe_stopped()
+
+    def _watch(self, now: float) -> None:
+        """Kill a worker that is silent past its lease (a hang) or that does not leave its
+        generation in time; its exit is then handled as a crash."""
+        for w, why in self.workers.overdue(now, self.cfg.lease):
+            self._tell(p.Hung(rank=-1 if w.rank is None else w.rank, pid=w.pid or -1, why=why))
+            self.out.append(Kill(w.local, w.incarnation))
+            w.deadline = w.seen = float("inf")
+
+    # ---------------------------------------------------------------- background results
+
+    def _checked(self, event: Checked) -> None:
+        self.checks -= 1
+        ring = self.rings[event.rank]
+        ring.checked(event.slot, event.checksum)
+        self._add(self.queue.offer(event.rank, ring))
+        self._maybe_hold(0)
+        self._maybe_stopped()
+
+    def _persist(self, msg: p.Persist) -> None:
+        pending = PendingParts(msg.step, set(self.ranks))
+        self.persisting[msg.token] = pending
+        for rank in self.ranks:
+            ring = self.rings.by_rank.get(rank)
+            slot = None if ring is None else ring.lease(msg.step)
+            if slot is None or ring is None:
+                pending.errors[rank] = "tier 0 no longer holds it"
+                continue
+            part = Part(msg.root, msg.step, rank, msg.world_size, ring.layout(), slot, msg.token)
+            self.out.append(WritePart(part, msg.bases))
+        self._maybe_parts(msg.token)
+
+    def _part_written(self, event: PartWritten) -> None:
+        self.rings.unlease(event.slot)
+        pending = self.persisting.get(event.token)
+        if pending is None:
+            return  # asked before a restart: not wanted any more
+        if event.part is not None:
+            pending.parts.append(event.part)
+        else:
+            pending.errors[event.rank] = event.error or "not written"
+        self._maybe_parts(event.token)
+
+    def _maybe_parts(self, token: int) -> None:
+        pending = self.persisting[token]
+        if len(pending.parts) + len(pending.errors) < len(pending.ranks):
+            return
+        del self.persisting[token]
+        msg = p.Parts(token=token, step=pending.step, parts=pending.parts, errors=pending.errors)
+        self._tell(msg)
+
+    def _ask(self, event: Ask) -> None:
+        """A replica-server thread's request, run here where the replica store lives."""
+        handlers: dict[str, Any] = {
+            "replica_slot": self.peers.slot,
+            "replica_received": self.peers.received,
+            "replica_written": self.peers.written,
+            "replica_lease": self.peers.lease,
+            "replica_unlease": self.peers.unlease,
+            "replica_base": self.peers.base,
+            "replica_delta_written": self.peers.delta_written,
+        }
+        if event.op == "replica_served":
+            self._tell(p.ReplicaServed(**event.fields))
+            self.out.append(AnswerAsk(event.answer, None))
+            return
+        try:
+            value = handlers[event.op](**event.fields)
+        except Exception as e:  # handed to the asking thread, which fails its transfer
+            self.out.append(AnswerAsk(event.answer, None, e))
+            return
+        self.out.append(AnswerAsk(event.answer, value))
+        self._maybe_hold(1)

@@ -1,0 +1,219 @@
+"""What an agent's core is told (events) and asks its shell to do (commands).
+
+The core (``control/agent.py``) keeps the node's bookkeeping: workers, tier-0 rings, the
+replicas it holds, what to replicate and persist. Its shell (``cluster/agent.py``) owns
+the processes, sockets and threads: it spawns and kills workers, checksums slots, sends
+replicas and writes tier-2 parts on its pools, and feeds each result back as an event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tierswap.control import protocol as p
+from tierswap.control.workers import Kill, Spawn, Tell
+from tierswap.state import Layout
+from tierswap.tiers.deltas import Part
+from tierswap.tiers.durable import PartInfo
+from tierswap.tiers.memory import Slot
+
+# ==================================================================== events
+
+
+@dataclass(frozen=True, slots=True)
+class Boot:
+    """The agent starts: its first workers are spawned."""
+
+
+@dataclass(frozen=True, slots=True)
+class FromCoordinator:
+    env: p.Envelope[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorClosed:
+    """The coordinator's connection closed: the job is over for this host."""
+
+
+@dataclass(frozen=True, slots=True)
+class FromWorker:
+    conn: int
+    env: p.Envelope[Any]
+    at: float
+    """When it arrived (heartbeats)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    local: int
+    incarnation: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A slot's checksum is computed."""
+
+    rank: int
+    step: int
+    slot: Slot
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What a replica cost (delta mode)."""
+
+    kind: str
+    nbytes: int
+    full: int
+    encode_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated:
+    """A replica transfer of ``step`` ended (each peer's failure was its own event)."""
+
+    rank: int
+    step: int
+    slot: Slot
+    generation: int
+    sent: Sent | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationFailed:
+    rank: int
+    step: int
+    peer: int | None
+    """None: a base to tier 2."""
+    error: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartWritten:
+    """A tier-2 part is written (``part``) or failed (``error``)."""
+
+    rank: int
+    step: int
+    token: int
+    slot: Slot
+    part: PartInfo | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A replica-server thread asks the loop (room for a replica, a lease to serve one);
+    ``answer(value, error)`` hands the result back to it."""
+
+    op: str
+    fields: dict[str, Any]
+    answer: Callable[[Any, BaseException | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: silent and overdue workers are dealt with."""
+
+
+AgentEvent = (
+    Boot
+    | FromCoordinator
+    | CoordinatorClosed
+    | FromWorker
+    | WorkerExited
+    | Checked
+    | Replicated
+    | ReplicationFailed
+    | PartWritten
+    | Ask
+    | Tick
+)
+
+
+# ==================================================================== commands
+
+
+@dataclass(frozen=True, slots=True)
+class ToCoordinator:
+    msg: p.Message
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer on a worker's request connection."""
+
+    conn: int
+    msg: p.Message
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    rank: int
+    step: int
+    slot: Slot
+    layout: Layout
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Send ``slot`` (leased) of ``rank`` to its peers; ``Replicated`` when done."""
+
+    rank: int
+    step: int
+    slot: Slot
+    layout: Layout
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigureReplication:
+    """A generation starts from ``restart``: where each rank's replicas go, and how."""
+
+    targets: dict[int, tuple[int, ...]]
+    addresses: dict[int, p.Address]
+    generation: int
+    restart: int
+    delay: float
+    """Seconds each transfer is held (an injected slow network)."""
+    announce: bool
+    """Tell the coordinator as each transfer starts (an injection waits for one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WritePart:
+    part: Part
+    bases: dict[int, dict[int, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerAsk:
+    answer: Callable[[Any, BaseException | None], None]
+    value: Any
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """The job is over (or the coordinator is gone): release everything and exit."""
+
+
+AgentCommand = (
+    ToCoordinator
+    | Reply
+    | Tell
+    | Spawn
+    | Kill
+    | Checksum
+    | Replicate
+    | ConfigureReplication
+    | WritePart
+    | AnswerAsk
+    | Shutdown
+)

@@ -1,0 +1,756 @@
+"""The coordinator's decisions, as a core with no I/O: membership, generations, commits,
+recovery.
+
+``CoordinatorCore.handle(event, now)`` takes what happened (a message from an agent, a
+connection closed, time passing) and returns what to do (messages to send, hosts to start
+or fence, lines for the event log). Its shell (``cluster/coordinator.py``) does the I/O;
+the simulation (``control/sim.py``) and the tests drive the same core with generated
+events. Tier 2 is reached through the small ``Tier2`` interface (``control/ports.py``).
+
+A *node* is a place in the job (node i runs ranks i*P .. i*P+P-1, and placement is in
+nodes); a *host* is an agent process that serves a node, or waits parked as a spare. When
+a host fails, a spare host takes its node, and the survivors keep their processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tierswap.config import Config
+from tierswap.control import protocol as p
+from tierswap.control.commands import (
+    AgentClosed,
+    AgentMessage,
+    Begin,
+    Broadcast,
+    Close,
+    CoordinatorEvent,
+    End,
+    FreeSegments,
+    FreezeHost,
+    HostExited,
+    KillHost,
+    Out,
+    Send,
+    ShowProgress,
+    StartHost,
+    Tick,
+)
+from tierswap.control.commits import TierCommits, newest_in_memory, newest_replicated
+from tierswap.control.hosts import Hosts
+from tierswap.control.persistence import Persistence
+from tierswap.control.ports import Tier2
+from tierswap.control.recovery import RecoveryClock
+from tierswap.control.restore import Reports, lost_message, memory_lost
+from tierswap.control.states import PHASES, Machine, Phase
+from tierswap.faults import FaultPlan, Injection
+from tierswap.plan import Holdings, Plan, Tier
+from tierswap.tiers import peer
+from tierswap.tiers.deltas import Traffic
+
+
+class JobStopped(Exception):
+    """The job cannot go on; the message says why and what is kept."""
+
+
+def _fields(msg: p.Message, *names: str) -> dict[str, Any]:
+    return {n: getattr(msg, n) for n in names}
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        job_id: str,
+        script: list[str],
+        address: p.Address,
+        store: str,
+        tier2: Tier2 | None,
+        now: float,
+    ) -> None:
+        self.cfg = cfg
+        self.job_id = job_id
+        self.script = script
+        self.address = address
+        """Where agents reach this coordinator (for the console's --join hint)."""
+        self.store = store
+        """host:port of the TCPStore workers rendezvous on."""
+        self.out = Out()
+        self.door = p.Door()
+        self.hosts = Hosts(cfg.nodes, cfg.spares)
+        self.local: set[int] = set()
+        """Hosts this launcher started (simulated ones, which it can start again)."""
+        self.booting: set[int] = set()
+        """Revived hosts started and not ready yet."""
+        self.to_revive = 0
+        """Simulated hosts lost and to be started again as spares, as rebooted machines
+        would come back: when the job needs one (a vacant node and no spare parked), not
+        earlier, so that booting (seconds of imports) never competes with training and
+        replication for this machine's cores."""
+        self.waiting_since: float | None = None
+        self.clock = RecoveryClock(cfg.world_size)
+        self.faults = FaultPlan(cfg.inject)
+        self.phase = Machine("coordinator", Phase.STARTING, PHASES)
+        self.generation = -1
+        self.restarts = 0
+        self.replicas = min(cfg.replicas, cfg.nodes - 1)
+        self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
+        self.protectors = frozenset(n for t in self.targets.values() for n in t)
+        """Nodes that hold replicas of some rank: the voters of tier 1."""
+        self.tiers = {0: TierCommits(0), 1: TierCommits(1)}
+        self.settled = -1
+        """The newest step tier 1 committed or gave up on in this generation."""
+        self.ever_committed = False
+        self.plan: Plan | None = None
+        self.restored: dict[int, p.Restored] = {}
+        self.finished: set[int] = set()
+        self.stopping: set[int] = set()
+        self.reports = Reports(cfg.world_size, tier2)
+        self.tier2 = tier2
+        self.traffic = Traffic()
+        """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
+        self.persister = Persistence(cfg, tier2, self.out, self._broadcast)
+        self.last_step = -1
+        self.last_loss: float | None = None
+        self.total: int | None = None
+        self.deadline = now + cfg.startup_timeout
+
+    # ---------------------------------------------------------------- the door
+
+    def handle(self, event: CoordinatorEvent, now: float) -> list[Any]:
+        """What to do about ``event``; the commands in order."""
+        if self.phase.state in (Phase.DONE, Phase.FAILED):
+            return []
+        try:
+            match event:
+                case AgentMessage():
+                    self._message(event, now)
+                case AgentClosed(conn=conn):
+                    if (host := self.hosts.host_of(conn)) is not None:
+                        self._host_lost(host, "agent connection lost", now)
+                case Tick():
+                    self._tick(now)
+                case HostExited(host=host, code=code):
+                    if host in self.hosts.waiting and host not in self.hosts.conns:
+                        raise JobStopped(
+                            f"host {host}'s agent exited with code {code} before joining the "
+                            "job; its output above says why"
+                        )
+                case Begin():
+                    self._begin(event, now)
+        except JobStopped as e:
+            self.phase.move(Phase.FAILED)
+            self.out.log("job_failed", reason=str(e))
+            self.out.say(f"job stopped: {e}")
+            self.out.add(End(1, str(e)))
+        return self.out.take()
+
+    @property
+    def done(self) -> bool:
+        return self.phase.state in (Phase.DONE, Phase.FAILED)
+
+    def _message(self, event: AgentMessage, now: float) -> None:
+        msg = event.env.msg
+        host = self.hosts.host_of(event.conn)
+        if host is None:
+            if isinstance(msg, p.Hello):
+                self._hello(event.conn, msg, now)
+            return  # a host already declared lost (fenced): what it says no longer counts
+        self.hosts.heard[host] = max(self.hosts.heard.get(host, event.at), event.at)
+        if not self.door.admit(event.env):
+            return
+        node = self.hosts.node_of(host)
+        match msg:
+            case p.Beat():
+                pass
+            case p.Ready():
+                self._ready(host, msg, now)
+            case p.Held(tier=tier, step=step) if node is not None:
+                self._held(node, tier, step)
+            case p.Progress() if node is not None:
+                self._progress(msg, now)
+            case p.Skipped(rank=rank, step=step):
+                self.out.log("snapshot_skipped", node=node, rank=rank, step=step)
+                self._never(step, tiers=(0, 1))
+            case p.ReplicaRejected(rank=rank, step=step, why=why):
+                self.out.log("replica_rejected", node=node, rank=rank, step=step, why=why)
+                self._never(step, tiers=(1,))
+            case p.ReplicateFailed(rank=rank, step=step, peer=to, error=error):
+                self.out.log(
+                    "replicate_failed", node=node, rank=rank, step=step, peer=to, error=error
+                )
+                if to is not None:  # None: a base to tier 2, nothing tier 1 waits for
+                    self._never(step, tiers=(1,))
+            case p.Stopped() if node is not None:
+                self._stopped(node, msg, now)
+            case p.Parts(token=token, parts=parts, errors=errors):
+                self._parts(token, parts, errors)
+            case p.Exited(rank=rank, code=code):
+                if not (code == 0 and rank in self.finished) and self.phase == Phase.RUNNING:
+                    self._failure("worker", node, [rank], f"exit code {code}", now)
+            case p.Left(rank=rank, reason=reason, why=why):
+                if self.phase == Phase.RUNNING:
+                    self._failure(reason, node, [rank], why, now)
+            case p.Hung(rank=rank, pid=pid, why=why):
+                self.out.log("worker_hung", node=node, rank=rank, pid=pid, why=why)
+                self.out.say(f"rank {rank} (pid {pid}) killed: {why}")
+            case p.StartFailed(code=code):
+                raise JobStopped(
+                    f"a worker of host {host} exited with code {code} before it was ready; "
+                    "the script's output above says why"
+                )
+            case p.SpareWorkerExited(code=code):
+                self.out.log("spare_worker_exited", host=host, code=code)
+            case p.ExitedAfterFinish(rank=rank, code=code):
+                self.out.log("worker_exited_after_finish", node=node, rank=rank, code=code)
+            case p.PeerMemoryExceeded():
+                self._peer_memory_exceeded(node, msg)
+            case p.Replicating(step=step, peer=to):
+                self._inject_nodes(self.faults.at_transfer(node, to, step), now)
+            case p.ReplicaSent():
+                self.traffic.add(msg.kind, msg.nbytes, msg.full, msg.encode_s)
+            case p.ReplicaServed():
+                self.out.log(
+                    "replica_served", node=node, **_fields(msg, "rank", "step", "kind", "base_step")
+                )
+            case p.ReplicaBaseLost():
+                self.out.log("replica_base_lost", node=node, **_fields(msg, "rank", "step", "kept"))
+            case p.AgentError():
+                self.out.log("agent_error", node=node, **_fields(msg, "rank", "request", "error"))
+            case p.Memory(rank=rank, tier=tier, nbytes=nbytes, scope=scope):
+                extra = {} if scope == "rank" else {"scope": scope}
+                self.out.log("memory", node=node, rank=rank, tier=tier, bytes=nbytes, **extra)
+            case p.Lagging(rank=rank, step=step, seconds=seconds):
+                self.out.log("tier1_wait_timeout", node=node, rank=rank, step=step, seconds=seconds)
+            case p.Restored():
+                self._restored(msg, now)
+            case p.Joined(rank=rank, pid=pid):
+                rebuilt = self.clock.worker_joined(rank, pid, now)
+                if rebuilt is not None:
+                    self.out.log("rebuilt", generation=self.generation, **rebuilt)
+            case p.Stepped(rank=rank):
+                self._stepped(rank, now)
+            case p.Corrupt():
+                self._corrupt(msg)
+            case p.Fatal(rank=rank, message=message):
+                raise JobStopped(f"rank {rank}: {message}")
+            case p.InjectFired(spec=spec):
+                self.clock.fault(now)
+                self.faults.fired(spec)
+                self.out.log("fault_injected", spec=spec)
+            case p.Report():
+                self._report(msg)
+            case p.Finished(rank=rank, step=step):
+                self._finished(rank, step, now)
+            case p.Hello():
+                pass  # a second hello on a connection that has a host: nothing new
+            case _:
+                pass  # a node-level message from a host that serves no node (yet)
+
+    def _tick(self, now: float) -> None:
+        for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
+            self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
+        if now > self.deadline and not self.done:
+            raise JobStopped(f"timed out {self._waiting_for()}")
+
+    # ---------------------------------------------------------------- sending
+
+    def _send_node(self, node: int, msg: p.Message) -> None:
+        host = self.hosts.members.get(node)
+        conn = None if host is None else self.hosts.conns.get(host)
+        if conn is not None:
+            self.out.add(Send(conn, msg, self.generation))
+
+    def _broadcast(self, msg: p.Message) -> None:
+        """To every member's agent; a dead one is noticed by its connection, not here."""
+        conns = self.hosts.member_conns()
+        if conns:
+            self.out.add(Broadcast(conns, msg, self.generation))
+
+    # ---------------------------------------------------------------- membership
+
+    def _begin(self, event: Begin, now: float) -> None:
+        self.out.log(
+            "job_started",
+            world_size=self.cfg.world_size,
+            nodes=self.cfg.nodes,
+            persist=self.cfg.persist,
+            job_id=self.job_id,
+        )
+        if event.durable_warning:
+            self.persister.failing(f"cannot write {self.cfg.persist}: {event.durable_warning}")
+        self._announce_placement()
+        for host in range(self.cfg.nodes + self.cfg.spares):
+            self.local.add(host)
+            self.out.add(StartHost(host))
+
+    def _announce_placement(self) -> None:
+        if not self.replicas:
+            self.out.say("tier 1 off: replicas need at least 2 nodes")
+            return
+        self.out.log(
+            "placement",
+            replicas=self.replicas,
+            targets={str(r): list(t) for r, t in self.targets.items()},
+        )
+        text = peer.describe(self.targets, self.cfg.nproc_per_node)
+        self.out.say(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
+
+    def _hello(self, conn: int, msg: p.Hello, now: float) -> None:
+        """A host connected: give it its id, the job's config and script."""
+        host = self.hosts.connected(msg.host, msg.pid, conn, now)
+        script = [str(Path(self.script[0]).resolve()), *self.script[1:]]
+        welcome = p.Welcome(host=host, config=self.cfg.to_env(), job_id=self.job_id, script=script)
+        self.out.add(Send(conn, welcome, self.generation))
+
+    def _ready(self, host: int, msg: p.Ready, now: float) -> None:
+        """Its agent runs and its workers are parked: a member of the first generation,
+        or a spare."""
+        self.booting.discard(host)
+        pid = self.hosts.pids[host]
+        seen = {"host": host, "pid": pid, "address": msg.replica[0], "workers": msg.workers}
+        role = self.hosts.ready(host, msg.replica)
+        if role is None:
+            return
+        if role:
+            self.out.log("node_joined", node=host, role="member", **seen)
+        else:
+            self.out.log("node_joined", node=None, role="spare", **seen)
+            self.out.say(f"spare host {host} (pid {pid}) parked")
+        self._maybe_start(now)
+
+    def _ranks_of(self, node: int) -> list[int]:
+        per = self.cfg.nproc_per_node
+        return list(range(node * per, (node + 1) * per))
+
+    def _host_lost(self, host: int, why: str, now: float) -> None:
+        """A host is gone (its connection closed or its lease expired): fence it, let its
+        node be taken by a spare, and start a fresh host in its place when simulating."""
+        spare = host in self.hosts.spares
+        self.booting.discard(host)
+        conn, node = self.hosts.lost(host)
+        self.out.add(KillHost(host))  # fencing: a host declared lost must not come back
+        if host in self.hosts.pids:
+            self.out.add(FreeSegments(self.hosts.pids[host]))
+        if conn is not None:
+            self.out.add(Close(conn))
+        if not self.done and self.cfg.revive and host in self.local:
+            self.to_revive += 1  # once the job runs again, or at once when it waits for one
+        if spare:
+            self.out.log("spare_lost", host=host, reason=why)
+            self.out.say(f"spare host {host} lost: {why}")
+        elif node is not None:
+            self._node_lost(node, host, why, now)
+        else:  # a host still booting: one waited for may need starting again
+            self._maybe_start(now)
+
+    def _revive(self, needed: int) -> None:
+        """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""
+        for _ in range(min(needed - len(self.booting), self.to_revive)):
+            self.to_revive -= 1
+            host = self.hosts.new_id()
+            self.booting.add(host)
+            self.local.add(host)
+            self.out.add(StartHost(host))
+
+    def _node_lost(self, node: int, host: int, why: str, now: float) -> None:
+        for tier in self.tiers.values():
+            tier.lost(node)
+        phase = self.phase.state
+        if phase != Phase.RUNNING:  # finishing, or a second failure while recovering
+            self.out.log(
+                "failure_detected",
+                what="node",
+                node=node,
+                host=host,
+                ranks=self._ranks_of(node),
+                detail=f"host {host}: {why} (during {phase.value})",
+                generation=self.generation,
+            )
+            self.out.say(f"node {node} (host {host}) lost during {phase.value}: {why}")
+        if phase == Phase.FINISHING:
+            self.persister.cancel()
+            self.persister.ok = False  # finish with what is committed; say what is not
+            self.out.say(f"finishing with the steps already committed: {self._committed()}")
+            self.last_step = min(self.last_step, self.tiers[0].committed)
+            self._maybe_done()
+            return
+        self.hosts.vacant.add(node)
+        self.stopping.discard(node)
+        self.reports.forget(node)
+        if phase == Phase.RUNNING:
+            self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", now, host)
+        self._maybe_start(now)
+
+    # ---------------------------------------------------------------- failure and restore
+
+    def _failure(
+        self,
+        what: str,
+        node: int | None,
+        ranks: list[int],
+        detail: str,
+        now: float,
+        host: int | None = None,
+    ) -> None:
+        detect = self.clock.failed(self.last_step, now)
+        if host is None and node is not None:
+            host = self.hosts.members.get(node)
+        self.out.log(
+            "failure_detected",
+            what=what,
+            node=node,
+            host=host,
+            ranks=ranks,
+            detail=detail,
+            generation=self.generation,
+            seconds=detect,
+        )
+        self.out.say(f"failure: {what} (node {node}, ranks {ranks}): {detail}")
+        self.restarts += 1
+        if self.restarts > self.cfg.max_restarts:
+            raise JobStopped(
+                f"{self.restarts} failures, more than --max-restarts {self.cfg.max_restarts}"
+            )
+        self.phase.move(Phase.RECOVERING)
+        self.persister.cancel()
+        self.deadline = now + self.cfg.startup_timeout
+        self.reports.forget()
+        self.stopping = set(self.hosts.agents())
+        self._broadcast(p.Stop())
+
+    def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
+        if node not in self.stopping:
+            return  # once per stop
+        self.stopping.discard(node)
+        self.reports.stopped(node, msg.holdings, msg.peer, msg.peer_deltas)
+        self._maybe_start(now)
+
+    def _maybe_start(self, now: float) -> None:
+        if self.phase.state not in (Phase.STARTING, Phase.RECOVERING):
+            return
+        if self.hosts.waiting or self.stopping:
+            return
+        for node, host in self.hosts.fill_vacancies():
+            self.out.log(
+                "spare_assigned",
+                node=node,
+                host=host,
+                pid=self.hosts.pids[host],
+                ranks=self._ranks_of(node),
+                spares_left=len(self.hosts.spares),
+            )
+            self.out.say(f"spare host {host} takes node {node}")
+        if self.hosts.vacant:
+            self._no_spare(now)
+            return
+        self.waiting_since = None
+        self._start_generation(now)
+
+    def _no_spare(self, now: float) -> None:
+        nodes = sorted(self.hosts.vacant)
+        if self.cfg.on_no_spare == "fail":
+            hint = (
+                f" Tier 2 at {self.cfg.persist} keeps step {self.persister.committed}: run the "
+                "job again with the same --persist to resume."
+                if self.persister.committed >= 0
+                else " Nothing was written to tier 2 (no --persist, or no step persisted yet):"
+                " memory tiers end with the job. Run with --persist and --spares to survive this."
+            )
+            raise JobStopped(
+                f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
+                f"committed: {self._committed()}.{hint}"
+            )
+        self._revive(len(nodes))
+        if self.waiting_since is None:
+            self.waiting_since = now
+            self.deadline = now + self.cfg.join_timeout
+            self.out.log("waiting_for_node", nodes=nodes, timeout=self.cfg.join_timeout)
+            self.out.say(
+                f"no spare for nodes {nodes}: waiting up to {self.cfg.join_timeout:g} s for a "
+                f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
+            )
+
+    def _durable_steps(self) -> frozenset[int]:
+        if self.tier2 is None:
+            return frozenset()
+        try:
+            return self.tier2.restorable_steps(self.cfg.world_size)
+        except OSError as e:
+            self.persister.failing(f"cannot list {self.tier2.url}: {e}")
+            return frozenset()
+
+    def _bad_commit(self, step: int, why: str) -> None:
+        self.out.log("corrupt_part", step=step, tier=2, where="COMMIT", why=why)
+        self.persister.forget(step)
+
+    def _start_generation(self, now: float) -> None:
+        holdings, plan, plans = self.reports.plan(
+            self._durable_steps, self.hosts.address_of, self._bad_commit
+        )
+        for step, why in plan.skipped:
+            self.out.log("restore_skipped", step=step, reason=why)
+        if plan.step is None and (self.ever_committed or holdings.durable):
+            raise JobStopped(lost_message(plan, self.cfg.persist))
+        self._say_fallback(holdings, plan)
+        self.plan = plan
+        self.generation += 1
+        self.door.generation = self.generation
+        self.phase.move(Phase.RUNNING)
+        self.restored.clear()
+        self.finished.clear()
+        restart = -1 if plan.step is None else plan.step
+        committed = self._reset_commits(holdings, restart)
+        self.persister.cancel(restart)
+        # parts of later steps will be written anew by this timeline
+        self.reports.restarted(restart)
+        self.deadline = float("inf")
+        self.clock.generation_started(now)
+        for node, conn in sorted(self.hosts.agents().items()):
+            start = self._start_message(node, plans, restart, committed)
+            self.out.add(Send(conn, start, self.generation))
+        self.out.log(
+            "generation_started",
+            generation=self.generation,
+            step=plan.step,
+            members={str(n): h for n, h in sorted(self.hosts.members.items())},
+            spares=list(self.hosts.spares),
+            stale_dropped=self.door.take_counts(),
+        )
+        self._inject_nodes(self.faults.at_generation(self.generation), now)
+
+    def _reset_commits(self, holdings: Holdings, restart: int) -> tuple[int, int]:
+        """A new generation restored ``restart``: later steps are gone everywhere; each
+        tier's commit is the newest step its holdings still have for every rank."""
+        ws = self.cfg.world_size
+        memory = {r: [s for s in steps if s <= restart] for r, steps in holdings.memory.items()}
+        replicas = {
+            r: {n: [s for s in steps if s <= restart] for n, steps in by.items()}
+            for r, by in holdings.peer.items()
+        }
+        live = set(self.hosts.members)
+        committed = (
+            newest_in_memory(ws, memory),
+            newest_replicated(ws, replicas, self.targets, live),
+        )
+        self.tiers[0].reset(committed[0], self.hosts.members)
+        self.tiers[1].reset(committed[1], self.protectors & live)
+        self.settled = committed[1]
+        return committed
+
+    def _start_message(
+        self, node: int, plans: dict[int, p.RankPlan], restart: int, committed: tuple[int, int]
+    ) -> p.Start:
+        ranks = self._ranks_of(node)
+        placement = {r: list(self.targets[r]) for r in ranks}
+        peers: dict[int, p.Address] = {}
+        for to in {n for t in placement.values() for n in t}:
+            if (address := self.hosts.address_of(to)) is not None:
+                peers[to] = address
+        return p.Start(
+            node=node,
+            world_size=self.cfg.world_size,
+            ranks=ranks,
+            store=self.store,
+            backend=self.cfg.backend,
+            plans={r: plans[r] for r in ranks},
+            inject=self.faults.specs(),
+            restart_step=restart,
+            committed=committed,
+            max_redo=self.cfg.max_redo if self.replicas else 0,
+            placement=placement,
+            protects=[r for r, t in self.targets.items() if node in t],
+            peers=peers,
+        )
+
+    def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
+        gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
+        if gone:
+            why = "no live node holds their snapshots in memory (own node and replicas lost)"
+            self.out.log("restore_fallback", step=plan.step, ranks=gone, tier=2, reason=why)
+            self.out.say(f"ranks {gone} restored from tier 2 at step {plan.step}: {why}")
+
+    def _restored(self, msg: p.Restored, now: float) -> None:
+        self.restored[msg.rank] = msg
+        if len(self.restored) < self.cfg.world_size:
+            return
+        tiers = {str(r): m.tier for r, m in sorted(self.restored.items())}
+        seconds = max(m.seconds for m in self.restored.values())
+        step = next(iter(self.restored.values())).step
+        self.out.log(
+            "restored", step=step, tiers=tiers, seconds=seconds, generation=self.generation
+        )
+        by_tier = sorted(set(tiers.values()))
+        self.out.say(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
+        self.clock.restored(now)
+
+    def _stepped(self, rank: int, now: float) -> None:
+        """A worker finished its first step of this generation."""
+        step = -1 if self.plan is None or self.plan.step is None else self.plan.step
+        resumed = self.clock.worker_stepped(rank, step, now)
+        if resumed is None:
+            return
+        self.out.log("resumed", generation=self.generation, step=step, **resumed)
+        text = ", ".join(f"{k} {v:.2f}" for k, v in resumed["phases"].items())
+        self.out.say(f"resumed in {resumed['seconds']:.2f} s ({text})")
+
+    def _corrupt(self, msg: p.Corrupt) -> None:
+        rank, step, tier = msg.rank, msg.step, msg.tier
+        if step is not None and tier is not None:
+            self.reports.bad.add((Tier(tier), step, rank))
+            if tier == Tier.DURABLE:
+                self.persister.forget(step)
+        self.out.log("corrupt_part", rank=rank, where=msg.where, why=msg.why, step=step, tier=tier)
+        self.out.say(f"rank {rank}: {msg.where}: {msg.why}; trying an older step")
+
+    def _peer_memory_exceeded(self, node: int | None, msg: p.PeerMemoryExceeded) -> None:
+        raise JobStopped(
+            f"node {node} must hold {msg.need:,} bytes of replicas for ranks {msg.ranks} "
+            f"({self.cfg.slots} slots each, --memory-tiers {self.cfg.memory_tiers}), more than "
+            f"--max-peer-memory {msg.limit:,}. Raise --max-peer-memory, add nodes, or "
+            "lower --replicas."
+        )
+
+    # ---------------------------------------------------------------- commits
+
+    def _committed(self) -> dict[str, int]:
+        """The newest committed step per tier, by name, where there is one."""
+        named = {
+            "memory": self.tiers[0].committed,
+            "peer": self.tiers[1].committed,
+            "durable": self.persister.committed,
+        }
+        return {k: v for k, v in named.items() if v >= 0}
+
+    def _commits_open(self) -> bool:
+        return self.phase.state in (Phase.RUNNING, Phase.FINISHING)
+
+    def _held(self, node: int, tier: int, step: int) -> None:
+        if not self._commits_open() or tier not in self.tiers:
+            return
+        outcome = self.tiers[tier].held(node, step)
+        self._released(tier, outcome.released)
+        if outcome.committed is not None:
+            self._commit(tier, outcome.committed)
+
+    def _never(self, step: int, tiers: tuple[int, ...]) -> None:
+        """``step`` will never be complete in these tiers (a skipped snapshot, a replica
+        refused or not sent): tier 1 is done with it, and holds up to it are released."""
+        if not self._commits_open():
+            return
+        for tier in tiers:
+            self._released(tier, self.tiers[tier].never(step).released)
+        if 1 in tiers:
+            self._settle(step)
+
+    def _released(self, tier: int, released: list[tuple[int, int]]) -> None:
+        for node, step in released:
+            self._send_node(node, p.Release(tier=tier, step=step))
+        if tier == 1 and released:
+            self._settle(max(s for _, s in released))
+
+    def _commit(self, tier: int, step: int) -> None:
+        self.ever_committed = True
+        self.out.log("snapshot_committed", tier=tier, step=step)
+        self._broadcast(p.Committed(tier=tier, step=step))
+        if tier == 1:
+            self.settled = max(self.settled, step)  # agents take a tier-1 commit as settled
+        else:
+            self.persister.maybe_persist(step)
+        self._maybe_done()
+
+    def _settle(self, step: int) -> None:
+        """Tier 1 is done with ``step`` without committing it: agents tell their trainers,
+        whose ``optimizer.step()`` waits for it (``--max-redo``)."""
+        if step > self.settled:
+            self.settled = step
+            self._broadcast(p.Settled(step=step))
+
+    def _parts(self, token: int, parts: list[Any], errors: dict[int, str]) -> None:
+        step = self.persister.on_parts(token, parts, errors)
+        if step is not None:
+            self.ever_committed = True
+            self.reports.durable_good(step)
+        self._maybe_done()
+
+    # ---------------------------------------------------------------- progress and the end
+
+    def _progress(self, msg: p.Progress, now: float) -> None:
+        self._inject_nodes(self.faults.at_step(msg.step), now)
+        self.last_step = max(self.last_step, msg.step)
+        if msg.stall is not None:
+            self.out.add(
+                ShowProgress(msg.step, self.last_loss, msg.stall, self._committed(), self.total)
+            )
+
+    def _inject_nodes(self, due: list[Injection], now: float) -> None:
+        """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""
+        for fault in due:
+            host = self.hosts.members.get(fault.index)
+            if host is None:
+                continue
+            self.out.log("fault_injected", spec=str(fault), host=host)
+            self.clock.fault(now)
+            self.out.add(KillHost(host) if fault.action == "kill" else FreezeHost(host))
+
+    def _report(self, msg: p.Report) -> None:
+        if msg.total is not None:
+            self.total = msg.total
+        if msg.rank == 0 and msg.metrics:
+            self.last_loss = msg.metrics.get("loss", self.last_loss)
+            self.out.log("report", step=msg.step, **msg.metrics)
+
+    def _finished(self, rank: int, step: int, now: float) -> None:
+        if self.phase != Phase.RUNNING:  # a generation being torn down: the next reruns it
+            return
+        self.finished.add(rank)
+        self.last_step = max(self.last_step, step)
+        if len(self.finished) == self.cfg.world_size:
+            self.phase.move(Phase.FINISHING)
+            # the last step's checksums, commit and durable write: a slow disk is no failure
+            self.deadline = now + max(self.cfg.startup_timeout, 600.0)
+            self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        memory = self.tiers[0].committed
+        if self.phase != Phase.FINISHING or memory < self.last_step:
+            return
+        if self.persister.inflight is not None:
+            return
+        if self.persister.ok and self.persister.committed < memory:
+            self.persister.maybe_persist(memory, final=True)
+            if self.persister.inflight is not None:
+                return
+        self.phase.move(Phase.DONE)
+        if self.traffic.full:
+            self.out.log("replica_traffic", **self.traffic.summary())
+        self.out.log(
+            "job_finished",
+            step=self.last_step,
+            generation=self.generation,
+            restarts=self.restarts,
+            stale_dropped=self.door.take_counts(),
+        )
+        self.out.say(
+            f"finished step {self.last_step + 1} "
+            f"after {self.restarts} recoveries; committed {self._committed()}"
+        )
+        self.out.add(End(0))
+
+    def _waiting_for(self) -> str:
+        if self.hosts.waiting:
+            return f"waiting for nodes {sorted(self.hosts.waiting)} to join"
+        if self.hosts.vacant:
+            vacant = sorted(self.hosts.vacant)
+            return f"waiting for a node to join to take the place of nodes {vacant} (no spare left)"
+        if self.stopping:
+            return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
+        if self.persister.inflight is not None:
+            step = self.persister.inflight.step
+            return f"waiting for step {step} to be written to {self.cfg.persist}"
+        return (
+            f"in phase {self.phase.state.value!r} waiting for step {self.last_step} to be "
+            f"committed in memory (committed: {self._committed()})"
+        )

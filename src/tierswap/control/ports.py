@@ -1,0 +1,57 @@
+"""What the coordinator's core needs of tier 2, as a small interface.
+
+The core lists committed steps, reads a COMMIT when it plans a restore, and writes COMMIT
+and applies retention once every part of a step is durable. :class:`DurableRoot` does it
+on a real fsspec root (``tiers/durable.py``); tests and the simulation hand the core an
+in-memory fake that can fail on command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from tierswap.tiers import durable
+from tierswap.tiers.durable import PartInfo
+
+
+class Tier2(Protocol):
+    url: str
+
+    def restorable_steps(self, world_size: int) -> frozenset[int]:
+        """Steps committed by a job of this world size, with every base their delta parts
+        need. Raises OSError."""
+
+    def read_commit(self, step: int) -> dict[int, PartInfo]:
+        """Each rank's part of ``step`` as COMMIT records it. Raises CorruptPartError or
+        OSError."""
+
+    def write_commit(self, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
+        """Write ``step``'s COMMIT (its parts are durable). Raises OSError."""
+
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` restorable steps; the steps deleted. Raises
+        OSError."""
+
+
+class DurableRoot:
+    """Tier 2 on an fsspec root."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def restorable_steps(self, world_size: int) -> frozenset[int]:
+        return frozenset(
+            s.step
+            for s in durable.list_steps(self.url)
+            if s.restorable and s.world_size == world_size
+        )
+
+    def read_commit(self, step: int) -> dict[int, PartInfo]:
+        return durable.read_commit(self.url, step)[1]
+
+    def write_commit(self, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
+        durable.write_commit(self.url, step, world_size, parts)
+
+    def retain(self, keep: int) -> list[int]:
+        return durable.retain(self.url, keep)

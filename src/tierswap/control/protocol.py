@@ -1,0 +1,745 @@
+"""Every message of the control plane, one typed record each, grouped by channel.
+
+A message is a frozen, slotted, keyword-only ``msgspec.Struct`` (a dataclass that mypy
+checks field by field and that msgspec validates in C as it decodes); its tag names it on
+the wire, and a name means one thing whichever channel carries it. Messages travel in an
+:class:`Envelope` that carries the sender's generation, so that messages of an ended
+generation are dropped at one door (:class:`Door`), with a counter.
+
+Channels (the unions below): worker -> agent (``WorkerToAgent``: requests on the worker's
+request connection, attach / parked / beat on its control connection), agent -> worker
+(``AgentToWorker``: replies and the control messages), agent -> coordinator
+(``AgentToCoordinator``), coordinator -> agent (``CoordinatorToAgent``) and agent <-> agent
+(``AgentToAgent``: replicas pushed to peers and fetched by restoring workers, and their
+replies). The wire is msgpack (``tierswap bench control-plane`` measures it against JSON),
+never pickle.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+
+from tierswap.state import Layout
+from tierswap.tiers.durable import PartInfo
+
+Address = tuple[str, int]
+Tree = dict[str, Any]
+"""The non-tensor part of a rank's state (JSON-like values, never code)."""
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
+    """Base of every message."""
+
+    scoped: ClassVar[bool] = True
+    """A message about one generation: dropped at the receiver's door once that generation
+    has ended. Host-level messages (hello, ready, beat, ...) set it False."""
+    call: ClassVar[bool] = False
+    """A request whose sender waits for a reply (a dropped one is answered with Error)."""
+
+
+M = TypeVar("M", bound=Message)
+
+
+class Envelope(msgspec.Struct, Generic[M], frozen=True, array_like=True):
+    """What goes on the wire: the sender's generation and one message."""
+
+    gen: int
+    msg: M
+
+
+# ==================================================================== shared records
+
+
+class FromMemory(msgspec.Struct, frozen=True, kw_only=True, tag="memory"):
+    """A rank restores from its own node's tier 0 (the agent turns this into a slot)."""
+
+
+class FromPeer(msgspec.Struct, frozen=True, kw_only=True, tag="peer"):
+    """A rank restores from the replica a peer node holds in its memory."""
+
+    node: int
+    address: Address
+
+
+class FromDurable(msgspec.Struct, frozen=True, kw_only=True, tag="durable"):
+    """A rank restores from its part in tier 2 (checked against COMMIT's checksums)."""
+
+    root: str
+    part: PartInfo
+
+
+class FromSlot(msgspec.Struct, frozen=True, kw_only=True, tag="slot"):
+    """The agent's answer for a tier-0 source: the leased slot to read."""
+
+    segment: str
+    layout: Layout
+    tree: Tree
+    checksum: str
+
+
+Source = FromMemory | FromPeer | FromDurable
+WorkerSource = FromSlot | FromPeer | FromDurable
+
+
+class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank loads its state from at the start of a generation."""
+
+    step: int | None
+    """None: nothing to restore, the rank starts at step 0."""
+    source: Source | None = None
+
+    @property
+    def tier(self) -> int | None:
+        return _tier_of(self.source)
+
+
+def _tier_of(source: object) -> int | None:
+    if isinstance(source, FromMemory | FromSlot):
+        return 0
+    if isinstance(source, FromPeer):
+        return 1
+    if isinstance(source, FromDurable):
+        return 2
+    return None
+
+
+# ==================================================================== worker -> agent
+
+
+class Alloc(Message, frozen=True, kw_only=True, tag="alloc"):
+    """A rank's state has a new layout: its tier-0 slots for it."""
+
+    call = True
+    rank: int
+    layout: Layout
+
+
+class SlotRequest(Message, frozen=True, kw_only=True, tag="slot"):
+    """A slot to write the snapshot of ``step`` into (None in the reply: skip it)."""
+
+    call = True
+    rank: int
+    step: int
+    alloc: int
+
+
+class Written(Message, frozen=True, kw_only=True, tag="written"):
+    """The worker copied ``step`` into ``slot``; the agent checksums it next."""
+
+    rank: int
+    step: int
+    slot: int
+    alloc: int
+    tree: Tree
+    stall: float
+    """Seconds this rank's loop waited for the copy of its last step."""
+
+
+class PlanRequest(Message, frozen=True, kw_only=True, tag="plan"):
+    """Where to restore from, in this generation."""
+
+    call = True
+    rank: int
+
+
+class Restored(Message, frozen=True, kw_only=True, tag="restored"):
+    rank: int
+    step: int
+    tier: int
+    seconds: float
+
+
+class Report(Message, frozen=True, kw_only=True, tag="report"):
+    """A rank's metrics of a step (``job.report``), or with ``total`` its step count."""
+
+    rank: int
+    step: int
+    metrics: dict[str, float] = {}
+    total: int | None = None
+    stall: float = 0.0
+
+
+class Finished(Message, frozen=True, kw_only=True, tag="finished"):
+    """A rank ran its last step; its state is snapshotted."""
+
+    call = True
+    rank: int
+    step: int
+
+
+class Joined(Message, frozen=True, kw_only=True, tag="joined"):
+    """A rank joined its generation's process group."""
+
+    rank: int
+    pid: int
+    seconds: float
+
+
+class Stepped(Message, frozen=True, kw_only=True, tag="stepped"):
+    """A rank completed its first step of the generation."""
+
+    rank: int
+    step: int
+
+
+class Fatal(Message, frozen=True, kw_only=True, tag="fatal"):
+    """A usage error in the script: the job stops (a restart would fail the same way)."""
+
+    call = True
+    rank: int
+    message: str
+
+
+class Corrupt(Message, frozen=True, kw_only=True, tag="corrupt"):
+    """A rank's restore source failed its check; the part is marked bad."""
+
+    call = True
+    rank: int
+    where: str
+    why: str
+    step: int | None
+    tier: int | None
+
+
+class InjectFired(Message, frozen=True, kw_only=True, tag="inject_fired"):
+    """A rank carries out an injected fault now (it kills or stops itself next)."""
+
+    call = True
+    rank: int
+    spec: str
+
+
+class Lagging(Message, frozen=True, kw_only=True, tag="lagging"):
+    """A rank's optimizer step gave up waiting for tier 1 (a bug: logged)."""
+
+    rank: int
+    step: int
+    seconds: float
+
+
+class Attach(Message, frozen=True, kw_only=True, tag="attach"):
+    """A worker's control connection is up: it is parked, ready for a rank."""
+
+    scoped = False
+    local: int
+    incarnation: int
+    """Which process started in that place (its agent's count)."""
+    pid: int
+
+
+class Parked(Message, frozen=True, kw_only=True, tag="parked"):
+    """A worker left ``generation`` and waits for the next one."""
+
+    scoped = False
+    generation: int
+    rank: int
+    reason: str
+    """"ended" (told to leave), "collective" (a collective failed under it), "corrupt"
+    (its restore source was bad)."""
+    why: str
+
+
+class Beat(Message, frozen=True, kw_only=True, tag="beat"):
+    """A heartbeat: the sender is alive (workers to agents, agents to the coordinator)."""
+
+    scoped = False
+
+
+# ==================================================================== agent -> worker
+
+
+class Ack(Message, frozen=True, kw_only=True, tag="ack"):
+    scoped = False
+
+
+class Error(Message, frozen=True, kw_only=True, tag="error"):
+    """A request failed; the message says why."""
+
+    scoped = False
+    message: str
+
+
+class Allocated(Message, frozen=True, kw_only=True, tag="allocated"):
+    alloc: int
+    segments: list[str]
+
+
+class SlotGranted(Message, frozen=True, kw_only=True, tag="slot_granted"):
+    slot: int | None
+
+
+class PlanReply(Message, frozen=True, kw_only=True, tag="plan_reply"):
+    step: int | None
+    source: WorkerSource | None = None
+
+    @property
+    def tier(self) -> int | None:
+        return _tier_of(self.source)
+
+
+class Assign(Message, frozen=True, kw_only=True, tag="assign"):
+    """A parked worker's rank in a generation (the envelope's)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    store: str
+    backend: str
+    inject: list[str]
+    max_redo: int
+    settled: int
+    """The newest step tier 1 is done with, at the start."""
+
+
+class Settled(Message, frozen=True, kw_only=True, tag="settled"):
+    """Tier 1 is done with ``step`` (committed, or it never will be): optimizer steps
+    waiting for it (``--max-redo``) go on."""
+
+    step: int
+
+
+class Abort(Message, frozen=True, kw_only=True, tag="abort"):
+    """The generation ends: leave ``train(job)`` and park."""
+
+
+class Exit(Message, frozen=True, kw_only=True, tag="exit"):
+    """The job is over: exit."""
+
+    scoped = False
+
+
+# ==================================================================== agent -> coordinator
+
+
+class Hello(Message, frozen=True, kw_only=True, tag="hello"):
+    """A host connected; ``host`` is the id it was started with (-1 from outside)."""
+
+    scoped = False
+    host: int
+    pid: int
+
+
+class Ready(Message, frozen=True, kw_only=True, tag="ready"):
+    """A host's agent runs and every worker it started with is parked."""
+
+    scoped = False
+    replica: Address
+    """Where its replica server listens."""
+    workers: list[int]
+
+
+class Held(Message, frozen=True, kw_only=True, tag="held"):
+    """This node holds ``step`` in ``tier`` for every rank it has there (tier 0: its own
+    ranks; tier 1: the ranks it protects) and keeps it until the coordinator commits it
+    or a newer step, or releases it. One step per tier is held this way at a time."""
+
+    tier: int
+    step: int
+
+
+class Progress(Message, frozen=True, kw_only=True, tag="progress"):
+    """The newest step any rank of this node wrote; ``stall`` is rank 0's, where it runs."""
+
+    step: int
+    stall: float | None
+
+
+class Stopped(Message, frozen=True, kw_only=True, tag="stopped"):
+    """Every worker of the ended generation has parked (or died): what the rings hold."""
+
+    holdings: dict[int, dict[int, str]]
+    """rank -> step -> checksum in this node's tier 0."""
+    peer: dict[int, dict[int, str]]
+    """rank -> step -> checksum of the replicas this node holds for others."""
+    peer_deltas: dict[int, dict[int, str]]
+    """rank -> step -> "delta" or "delta+durable" for replicas held as deltas."""
+
+
+class Exited(Message, frozen=True, kw_only=True, tag="exited"):
+    """A worker running a rank of this generation died."""
+
+    rank: int
+    code: int
+
+
+class Left(Message, frozen=True, kw_only=True, tag="left"):
+    """A worker left its generation by itself."""
+
+    rank: int
+    reason: str
+    why: str
+
+
+class Hung(Message, frozen=True, kw_only=True, tag="hung"):
+    """A worker was silent past its lease, or did not leave in time: killed."""
+
+    rank: int
+    pid: int
+    why: str
+
+
+class StartFailed(Message, frozen=True, kw_only=True, tag="start_failed"):
+    """A worker exited before it ever attached: the script itself fails."""
+
+    scoped = False
+    local: int
+    code: int
+
+
+class SpareWorkerExited(Message, frozen=True, kw_only=True, tag="spare_worker_exited"):
+    scoped = False
+    local: int
+    code: int
+
+
+class ExitedAfterFinish(Message, frozen=True, kw_only=True, tag="exited_after_finish"):
+    """A worker that had finished its steps exited with an error (logged only)."""
+
+    scoped = False
+    rank: int
+    code: int
+
+
+class PeerMemoryExceeded(Message, frozen=True, kw_only=True, tag="peer_memory_exceeded"):
+    scoped = False
+    rank: int
+    need: int
+    limit: int
+    ranks: list[int]
+
+
+class Parts(Message, frozen=True, kw_only=True, tag="parts"):
+    """This node's parts of a tier-2 step, written (``parts``) or failed (``errors``)."""
+
+    token: int
+    step: int
+    parts: list[PartInfo]
+    errors: dict[int, str]
+
+
+class Replicating(Message, frozen=True, kw_only=True, tag="replicating"):
+    """A replica transfer starts (sent only when an injection waits for one)."""
+
+    rank: int
+    step: int
+    peer: int
+
+
+class ReplicaSent(Message, frozen=True, kw_only=True, tag="replica_sent"):
+    """Delta mode: what a replica cost to send, against a full snapshot."""
+
+    scoped = False
+    rank: int
+    step: int
+    kind: str
+    nbytes: int
+    full: int
+    encode_s: float
+
+
+class ReplicaServed(Message, frozen=True, kw_only=True, tag="replica_served"):
+    scoped = False
+    rank: int
+    step: int
+    kind: str
+    base_step: int
+
+
+class ReplicaBaseLost(Message, frozen=True, kw_only=True, tag="replica_base_lost"):
+    scoped = False
+    rank: int
+    step: int
+    kept: list[int]
+
+
+class ReplicaRejected(Message, frozen=True, kw_only=True, tag="replica_rejected"):
+    """A replica of ``step`` (sent in the envelope's generation) is not held here."""
+
+    rank: int
+    step: int
+    why: str
+
+
+class ReplicateFailed(Message, frozen=True, kw_only=True, tag="replicate_failed"):
+    """A replica of ``step`` did not reach ``peer`` (None: a base to tier 2)."""
+
+    rank: int
+    step: int
+    peer: int | None
+    error: str
+
+
+class Skipped(Message, frozen=True, kw_only=True, tag="skipped"):
+    """A rank's snapshot of ``step`` was skipped: no tier-0 slot was free."""
+
+    rank: int
+    step: int
+
+
+class AgentError(Message, frozen=True, kw_only=True, tag="agent_error"):
+    scoped = False
+    rank: int
+    request: str
+    error: str
+
+
+class Memory(Message, frozen=True, kw_only=True, tag="memory"):
+    """Bytes a tier holds on this node, for a rank or (``scope`` "node") in all."""
+
+    scoped = False
+    rank: int
+    tier: int
+    nbytes: int
+    scope: str = "rank"
+
+
+# ==================================================================== coordinator -> agent
+
+
+class Welcome(Message, frozen=True, kw_only=True, tag="welcome"):
+    scoped = False
+    host: int
+    config: dict[str, str]
+    job_id: str
+    script: list[str]
+
+
+class Start(Message, frozen=True, kw_only=True, tag="start"):
+    """A generation (the envelope's) starts: this host serves ``node``."""
+
+    node: int
+    world_size: int
+    ranks: list[int]
+    store: str
+    backend: str
+    plans: dict[int, RankPlan]
+    inject: list[str]
+    restart_step: int
+    committed: tuple[int, int]
+    """The newest step committed in tiers 0 and 1 at the start."""
+    max_redo: int
+    placement: dict[int, list[int]]
+    """rank -> the nodes holding its replicas, for this node's ranks."""
+    protects: list[int]
+    """The ranks this node holds replicas of."""
+    peers: dict[int, Address]
+
+
+class Stop(Message, frozen=True, kw_only=True, tag="stop"):
+    """End the generation: the workers leave ``train(job)``; then report Stopped."""
+
+
+class Committed(Message, frozen=True, kw_only=True, tag="committed"):
+    """``step`` is committed in ``tier`` on every rank (tier 1: it is also settled)."""
+
+    tier: int
+    step: int
+
+
+class Release(Message, frozen=True, kw_only=True, tag="release"):
+    """``step`` held in ``tier`` can never be committed: let it go, hold a newer one."""
+
+    tier: int
+    step: int
+
+
+class Persist(Message, frozen=True, kw_only=True, tag="persist"):
+    """Write this node's parts of ``step`` (committed in tier 0) to tier 2."""
+
+    step: int
+    root: str
+    world_size: int
+    token: int
+    bases: dict[int, dict[int, str]]
+    """step -> rank -> data checksum of full parts in tier 2 (``--persist-deltas``)."""
+
+
+# ==================================================================== agent <-> agent
+
+
+class Replica(Message, frozen=True, kw_only=True, tag="replica"):
+    """A full replica follows (``layout.nbytes`` raw bytes after a Room reply)."""
+
+    rank: int
+    step: int
+    layout: Layout
+    tree: Tree
+    checksum: str
+
+
+class ReplicaDelta(Message, frozen=True, kw_only=True, tag="replica_delta"):
+    """A delta against ``base_step`` follows (``nbytes`` raw bytes after Room)."""
+
+    rank: int
+    step: int
+    base_step: int
+    base_checksum: str
+    base_durable: str | None
+    nbytes: int
+    tree: Tree
+    checksum: str
+
+
+class Fetch(Message, frozen=True, kw_only=True, tag="fetch"):
+    """A restoring worker asks a peer for its replica of ``step``."""
+
+    scoped = False
+    rank: int
+    step: int
+
+
+class Room(Message, frozen=True, kw_only=True, tag="room"):
+    """Whether the peer takes the bytes; ``need`` "base": send the base first."""
+
+    scoped = False
+    ok: bool
+    need: str = ""
+
+
+class Accepted(Message, frozen=True, kw_only=True, tag="accepted"):
+    """The bytes arrived and their checksum matched (``ok``)."""
+
+    scoped = False
+    ok: bool
+
+
+class Serving(Message, frozen=True, kw_only=True, tag="serving"):
+    """The replica follows as ``layout.nbytes`` raw bytes."""
+
+    scoped = False
+    layout: Layout
+    tree: Tree
+    checksum: str
+
+
+class Missing(Message, frozen=True, kw_only=True, tag="missing"):
+    scoped = False
+    why: str = "the peer no longer holds it"
+
+
+# ==================================================================== the channels
+
+WorkerToAgent = (
+    Alloc
+    | SlotRequest
+    | Written
+    | PlanRequest
+    | Restored
+    | Report
+    | Finished
+    | Joined
+    | Stepped
+    | Fatal
+    | Corrupt
+    | InjectFired
+    | Lagging
+    | Attach
+    | Parked
+    | Beat
+)
+AgentToWorker = Ack | Error | Allocated | SlotGranted | PlanReply | Assign | Settled | Abort | Exit
+AgentToCoordinator = (
+    Hello
+    | Ready
+    | Beat
+    | Held
+    | Progress
+    | Stopped
+    | Exited
+    | Left
+    | Hung
+    | StartFailed
+    | SpareWorkerExited
+    | ExitedAfterFinish
+    | PeerMemoryExceeded
+    | Parts
+    | Replicating
+    | ReplicaSent
+    | ReplicaServed
+    | ReplicaBaseLost
+    | ReplicaRejected
+    | ReplicateFailed
+    | Skipped
+    | AgentError
+    | Memory
+    | Restored
+    | Report
+    | Finished
+    | Joined
+    | Stepped
+    | Fatal
+    | Corrupt
+    | InjectFired
+    | Lagging
+)
+CoordinatorToAgent = Welcome | Start | Stop | Committed | Release | Settled | Persist | Exit
+AgentToAgent = Replica | ReplicaDelta | Fetch | Room | Accepted | Serving | Missing | Error
+
+CHANNELS: dict[str, Any] = {
+    "worker -> agent": WorkerToAgent,
+    "agent -> worker": AgentToWorker,
+    "agent -> coordinator": AgentToCoordinator,
+    "coordinator -> agent": CoordinatorToAgent,
+    "agent <-> agent": AgentToAgent,
+}
+
+
+# ==================================================================== the codec
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a message of the channel (malformed, unknown tag, bad field)."""
+
+
+class Codec:
+    """Encode any message; decode the messages of one channel (a union of classes)."""
+
+    _encoder = msgspec.msgpack.Encoder()
+
+    def __init__(self, incoming: Any) -> None:
+        self.incoming = incoming
+        self._decoder: msgspec.msgpack.Decoder[Envelope[Any]] = msgspec.msgpack.Decoder(
+            Envelope[incoming]
+        )
+
+    @classmethod
+    def encode(cls, msg: Message, gen: int) -> bytes:
+        return cls._encoder.encode(Envelope(gen, msg))
+
+    def decode(self, data: bytes) -> Envelope[Any]:
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError as e:  # ValidationError is one
+            raise ProtocolError(f"not a message of this channel: {e}") from None
+
+
+def tag_of(msg: Message | type[Message]) -> str:
+    cls = msg if isinstance(msg, type) else type(msg)
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str), cls
+    return tag
+
+
+class Door:
+    """Where a receiver drops messages of generations that have ended, and counts them."""
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.dropped: Counter[str] = Counter()
+
+    def admit(self, env: Envelope[Any]) -> bool:
+        """True for a message to handle; False (counted) for a scoped message sent in a
+        generation older than the receiver's."""
+        if env.msg.scoped and env.gen < self.generation:
+            self.dropped[tag_of(env.msg)] += 1
+            return False
+        return True
+
+    def take_counts(self) -> dict[str, int]:
+        """The drops since the last call, by tag."""
+        out = dict(self.dropped)
+        self.dropped.clear()
+        return out

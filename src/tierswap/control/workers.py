@@ -1,0 +1,192 @@
+"""An agent's worker processes, as bookkeeping: started parked, given ranks per generation,
+told to leave, watched for silence, replaced when they die.
+
+No processes here: :class:`WorkerTable` says what to do (spawn, kill, send), its agent's
+shell does it. A worker is named by its local index and an *incarnation* (a fresh one for
+each process started in that place), which its attach and its exit carry, so a message of
+a process that was replaced can never be taken for its successor's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierswap.control import protocol as p
+from tierswap.control.states import WORKER_STATES, Machine, WorkerState
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker process of this node, by its local index."""
+
+    local: int
+    incarnation: int
+    seen: float
+    machine: Machine[WorkerState] = field(init=False)
+    ctl: int | None = None
+    """Its control connection, once it has attached."""
+    pid: int | None = None
+    rank: int | None = None
+    generation: int = -1
+    deadline: float = float("inf")
+    """When a leaving worker that has not parked yet is killed."""
+
+    def __post_init__(self) -> None:
+        name = f"worker {self.local} (incarnation {self.incarnation})"
+        self.machine = Machine(name, WorkerState.STARTING, WORKER_STATES)
+
+    def move(self, to: WorkerState) -> None:
+        self.machine.move(to)
+
+    @property
+    def state(self) -> WorkerState:
+        return self.machine.state
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    local: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    local: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """A message to a worker's control connection (the envelope's generation ``gen``)."""
+
+    conn: int
+    msg: p.Message
+    gen: int
+
+
+WorkerCommand = Spawn | Kill | Tell
+
+
+class WorkerTable:
+    def __init__(self) -> None:
+        self.procs: dict[int, Worker] = {}
+        """By local index."""
+        self.by_rank: dict[int, Worker] = {}
+        """The workers assigned in this generation."""
+        self.spent: set[int] = set()
+        """Ranks whose worker died in this generation: their replacement waits for the next."""
+        self.generation = -1
+        self.assignment: dict[str, Any] = {}
+        self.local_ranks: dict[int, int] = {}
+        self.accepting = False
+        """Whether ranks are handed out (a generation runs); False from a stop to the next
+        start, so a worker that attaches late is not handed the generation that ended."""
+        self.all_attached = False
+        """Every worker of the node's start attached once (replacements do not count)."""
+        self._incarnations = 0
+        self.out: list[WorkerCommand] = []
+
+    def take(self) -> list[WorkerCommand]:
+        out, self.out = self.out, []
+        return out
+
+    def spawn(self, local: int, now: float) -> None:
+        """Start a parked worker: it imports the script and waits for a rank."""
+        self._incarnations += 1
+        self.procs[local] = Worker(local, self._incarnations, seen=now)
+        self.out.append(Spawn(local, self._incarnations))
+
+    def start(
+        self, generation: int, ranks: list[int], assignment: dict[str, Any], now: float
+    ) -> None:
+        """Hand out this node's ranks for a generation: a survivor keeps its rank; the
+        others go to parked workers first (spare workers, ready now), then to workers
+        still starting, in local order."""
+        self.generation, self.assignment, self.accepting = generation, assignment, True
+        self.spent.clear()
+        self.by_rank.clear()
+        for w in [w for w in self.procs.values() if w.state is WorkerState.FINISHED]:
+            # It finished an earlier generation and exits (or has); another rank failed
+            # before the job ended, so this generation needs a worker for its rank again.
+            self.out.append(Kill(w.local, w.incarnation))
+            self.spawn(w.local, now)
+        alive = list(self.procs.values())
+        for w in alive:
+            if w.rank in ranks and w.state is WorkerState.PARKED:
+                self.by_rank[w.rank] = w
+        rest = [r for r in ranks if r not in self.by_rank]
+        free = [w for w in alive if w not in self.by_rank.values()]
+        free.sort(key=lambda w: (w.state is not WorkerState.PARKED, w.local))
+        for rank, w in zip(rest, free, strict=False):
+            self.by_rank[rank] = w
+        self.local_ranks = {r: i for i, r in enumerate(ranks)}
+        for rank, w in self.by_rank.items():
+            w.rank = rank
+            self.assign(w)
+
+    def assign(self, w: Worker) -> None:
+        """Send a parked worker its rank of this generation (once it has attached)."""
+        if w.state is not WorkerState.PARKED or w.ctl is None or w.rank is None:
+            return
+        if self.by_rank.get(w.rank) is not w or not self.accepting or w.rank in self.spent:
+            return
+        w.move(WorkerState.ASSIGNED)
+        w.generation = self.generation
+        msg = p.Assign(rank=w.rank, local_rank=self.local_ranks[w.rank], **self.assignment)
+        self.out.append(Tell(w.ctl, msg, self.generation))
+
+    def settled(self, step: int) -> None:
+        """Tier 1 is done with ``step`` (``--max-redo``): tell the assigned workers, and
+        the ones assigned later through their assignment."""
+        if step <= int(self.assignment.get("settled", -1)):
+            return
+        self.assignment["settled"] = step
+        for w in self.procs.values():
+            if (
+                w.state is WorkerState.ASSIGNED
+                and w.generation == self.generation
+                and w.ctl is not None
+            ):
+                self.out.append(Tell(w.ctl, p.Settled(step=step), self.generation))
+
+    def attach(self, conn: int, local: int, incarnation: int, pid: int, now: float) -> bool:
+        """A worker's control connection is up: it is parked. True when this was the
+        last one the node waited for at its start (once: a replacement that attaches
+        later does not make the node ready again)."""
+        w = self.procs.get(local)
+        if w is None or w.incarnation != incarnation or w.state is not WorkerState.STARTING:
+            return False
+        w.ctl, w.pid, w.seen = conn, pid, now
+        w.move(WorkerState.PARKED)
+        self.assign(w)
+        if self.all_attached or any(x.ctl is None for x in self.procs.values()):
+            return False
+        self.all_attached = True
+        return True
+
+    def of(self, conn: int) -> Worker | None:
+        return next((w for w in self.procs.values() if w.ctl == conn), None)
+
+    def abort(self, deadline: float) -> None:
+        """End the generation: every assigned worker is told to leave by ``deadline``."""
+        self.accepting = False
+        for w in self.procs.values():
+            if w.state is WorkerState.ASSIGNED and w.ctl is not None:
+                w.move(WorkerState.LEAVING)
+                w.deadline = deadline
+                self.out.append(Tell(w.ctl, p.Abort(), w.generation))
+
+    def leaving(self) -> bool:
+        return any(w.state is WorkerState.LEAVING for w in self.procs.values())
+
+    def overdue(self, now: float, lease: float) -> list[tuple[Worker, str]]:
+        """Live workers silent past ``lease`` (a hang) or not gone by their deadline."""
+        out = []
+        for w in self.procs.values():
+            silent = w.ctl is not None and now - w.seen > lease
+            late = w.state is WorkerState.LEAVING and now > w.deadline
+            if silent or late:
+                why = f"no heartbeat for {now - w.seen:.1f} s" if silent else "did not leave"
+                out.append((w, why))
+        return out

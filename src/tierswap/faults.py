@@ -1,0 +1,167 @@
+"""Fault injection, for tests and the demo: one plan, parsed once, asked at named hooks.
+
+``--inject SPEC`` (repeatable) adds a fault to the job's plan. The forms:
+
+- ``kill:node=I:step=S``: kill node I (agent and workers) when the job reaches step S;
+- ``kill:node=I:gen=G``: kill node I as soon as generation G starts (a spare taking
+  over, say);
+- ``kill:node=I:step=S:during=replication``: kill it while a replica of step S or later
+  is in flight to or from it;
+- ``kill:rank=R:step=S``: kill one worker after step S;
+- ``stop:rank=R:step=S``, ``stop:node=I:step=S``: freeze a worker or a whole node with
+  SIGSTOP (a hang);
+- ``corrupt:rank=R:step=S:where=flight|memory|base``: flip a byte of every tier-1
+  replica of rank R from step S on, as it arrives (before its checksum is checked), once
+  stored, or (``--memory-tiers delta``) in the base its deltas are made against;
+- ``delay:node=I:seconds=F``: hold every tier-1 transfer from node I for F seconds
+  before it is sent (a slow network).
+
+Hooks, and who asks them: the coordinator at a step reached (:meth:`FaultPlan.at_step`),
+at a generation's start (:meth:`FaultPlan.at_generation`) and at a replica transfer
+(:meth:`FaultPlan.at_transfer`); an agent for the replicas it stores
+(:meth:`FaultPlan.corruptions`) and sends (:meth:`FaultPlan.delay_of`,
+:meth:`FaultPlan.watches_transfers`); a worker after each step (:meth:`FaultPlan.of_rank`).
+A fault fires once: the coordinator drops it from the plan it hands to the next
+generation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+FORMS = (
+    "kill:node=I:step=S",
+    "kill:node=I:gen=G",
+    "kill:node=I:step=S:during=replication",
+    "kill:rank=R:step=S",
+    "stop:node=I:step=S",
+    "stop:rank=R:step=S",
+    "corrupt:rank=R:step=S:where=flight|memory|base",
+    "delay:node=I:seconds=F",
+)
+
+_NUMBER = r"(\d*\.?\d+(?:[eE][-+]?\d+)?|\d+\.)"
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """One fault of the plan (see the module's text for the forms)."""
+
+    action: str
+    """kill, stop, corrupt or delay."""
+    target: str
+    """node or rank."""
+    index: int
+    step: int
+    where: str = ""
+    """For corrupt: flight, memory or base."""
+    gen: int = -1
+    """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
+    during: str = ""
+    """For ``during=replication``: fire only as a replica of step S or later is being sent
+    to or from node I, so the kill cuts a transfer in flight."""
+    seconds: float = 0.0
+    """For delay: how long each transfer is held."""
+
+    @staticmethod
+    def parse(spec: str) -> Injection:
+        text = spec.strip()
+        if m := re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", text):
+            return Injection(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))
+        if m := re.fullmatch(r"kill:node=(\d+):step=(\d+):during=replication", text):
+            return Injection("kill", "node", int(m.group(1)), int(m.group(2)), during="replication")
+        if m := re.fullmatch(r"kill:node=(\d+):gen=(\d+)", text):
+            return Injection("kill", "node", int(m.group(1)), -1, gen=int(m.group(2)))
+        if m := re.fullmatch(rf"delay:node=(\d+):seconds={_NUMBER}", text):
+            return Injection("delay", "node", int(m.group(1)), -1, seconds=float(m.group(2)))
+        if m := re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", text):
+            return Injection("corrupt", "rank", int(m.group(1)), int(m.group(2)), m.group(3))
+        raise ValueError(f"--inject {spec!r}: expected one of {', '.join(FORMS)}")
+
+    def __str__(self) -> str:
+        if self.action == "delay":
+            return f"delay:node={self.index}:seconds={self.seconds!r}"
+        where = f":where={self.where}" if self.where else ""
+        when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
+        during = f":during={self.during}" if self.during else ""
+        return f"{self.action}:{self.target}={self.index}:{when}{where}{during}"
+
+    @property
+    def on_node(self) -> bool:
+        """A kill or freeze of a whole node, carried out by the launcher."""
+        return self.target == "node" and self.action in ("kill", "stop")
+
+
+class FaultPlan:
+    """The faults still to fire."""
+
+    def __init__(self, faults: Iterable[Injection] = ()) -> None:
+        self.faults = list(faults)
+
+    @classmethod
+    def parse(cls, specs: Iterable[str]) -> FaultPlan:
+        return cls(Injection.parse(s) for s in specs)
+
+    def specs(self) -> list[str]:
+        return [str(f) for f in self.faults]
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def fired(self, spec: str) -> None:
+        """A fault carried out elsewhere (a worker's): it does not fire again."""
+        self.faults = [f for f in self.faults if str(f) != spec]
+
+    def _take(self, due: list[Injection]) -> list[Injection]:
+        self.faults = [f for f in self.faults if f not in due]
+        return due
+
+    # ---------------------------------------------------------------- the coordinator's hooks
+
+    def at_step(self, step: int) -> list[Injection]:
+        """Node faults due now that the job reached ``step`` (taken from the plan)."""
+        due = [
+            f for f in self.faults if f.on_node and not f.during and f.gen < 0 and step >= f.step
+        ]
+        return self._take(due)
+
+    def at_generation(self, generation: int) -> list[Injection]:
+        due = [f for f in self.faults if f.on_node and f.gen >= 0 and f.gen == generation]
+        return self._take(due)
+
+    def at_transfer(self, src: int | None, dst: int, step: int) -> list[Injection]:
+        """Node faults due as a replica of ``step`` starts from node ``src`` to ``dst``."""
+        due = [
+            f
+            for f in self.faults
+            if f.on_node and f.during == "replication" and step >= f.step and f.index in (src, dst)
+        ]
+        return self._take(due)
+
+    # ---------------------------------------------------------------- an agent's hooks
+
+    def corruptions(self) -> list[Injection]:
+        return [f for f in self.faults if f.action == "corrupt"]
+
+    def delay_of(self, node: int | None) -> float:
+        """Seconds each tier-1 transfer from ``node`` is held."""
+        return max(
+            (f.seconds for f in self.faults if f.action == "delay" and f.index == node),
+            default=0.0,
+        )
+
+    def watches_transfers(self) -> bool:
+        """Whether agents must announce each transfer (a fault waits for one)."""
+        return any(f.during == "replication" for f in self.faults)
+
+    # ---------------------------------------------------------------- a worker's hook
+
+    def of_rank(self, rank: int) -> list[Injection]:
+        """The kills and freezes a worker of ``rank`` carries out itself."""
+        return [
+            f
+            for f in self.faults
+            if f.action in ("kill", "stop") and f.target == "rank" and f.index == rank
+        ]

@@ -1,0 +1,310 @@
+"""Tier 1, a node's side: the replicas it holds for ranks of other nodes.
+
+Per protected rank, a ring of full snapshots in shared memory (``--memory-tiers full``) or
+a base and its deltas (``delta``). Driven from the agent's event loop (the bookkeeping is
+single-threaded); the bytes move on the replica server's connection threads, which ask
+the loop for room and hand it what arrived. A step is *complete* here once every
+protected rank holds it; the agent holds one complete step at a time for tier 1's commit
+(``control/commits.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from tierswap.checksum import checksum_chunks
+from tierswap.control import protocol as p
+from tierswap.faults import Injection
+from tierswap.shm import Segment, populated
+from tierswap.state import Layout
+from tierswap.tiers.deltas import Base, DeltaRing, Entry
+from tierswap.tiers.memory import RankRing, SegmentFactory, Slot, SlotState
+from tierswap.tiers.peer import Lease
+
+Report = Callable[[p.Message, int], None]
+"""``report(message, generation)``: tell the coordinator."""
+
+
+class PeerStore:
+    """Replicas this node holds for ranks of other nodes: per rank a ring of full
+    snapshots in shared memory (``--memory-tiers full``) or a base and its deltas
+    (``delta``)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        nslots: int,
+        max_bytes: int,
+        report: Report,
+        mode: str = "full",
+        threshold: float = 0.5,
+        create: SegmentFactory = Segment.create,
+    ) -> None:
+        self.job_id = job_id
+        self.create = create
+        self.nslots = nslots
+        self.max_bytes = max_bytes
+        self.report = report
+        self.delta = mode == "delta"
+        self.threshold = threshold
+        self.rings: dict[int, RankRing] = {}
+        self.drings: dict[int, DeltaRing] = {}
+        self.protects: list[int] = []
+        self.corrupt: list[Injection] = []
+        self.peak = 0
+        self.generation = -1
+        """Replicas sent in an older generation are refused: they may be of a timeline a
+        restore went back from, and would arrive after :meth:`discard_after`."""
+
+    def _all(self) -> list[RankRing | DeltaRing]:
+        return [*self.rings.values(), *self.drings.values()]
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes() for r in self._all())
+
+    def _fits(self, rank: int, layout: Layout) -> bool:
+        """Whether the replicas of every protected rank fit ``--max-peer-memory``: full
+        snapshots in every slot, or two bases (one being renewed) and deltas at most
+        ``threshold`` of a snapshot in every slot."""
+        per_rank = self.nslots if not self.delta else 2 + self.nslots * self.threshold
+        need = int(per_rank * layout.nbytes * max(len(self.protects), 1))
+        if self.max_bytes and need > self.max_bytes:
+            msg = p.PeerMemoryExceeded(
+                rank=rank, need=need, limit=self.max_bytes, ranks=list(self.protects)
+            )
+            self.report(msg, self.generation)
+            return False
+        return True
+
+    def _stale(self, rank: int, step: int, generation: int) -> bool:
+        if generation >= self.generation:
+            return False
+        self._rejected(
+            rank, step, f"sent in generation {generation}, now {self.generation}", generation
+        )
+        return True
+
+    def slot(
+        self, rank: int, step: int, layout: Layout, generation: int = -1
+    ) -> tuple[Any, memoryview] | None:
+        """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
+        (no room, or sent in an ended generation: skipped). The token goes back to
+        :meth:`written`."""
+        if self._stale(rank, step, generation):
+            return None
+        if self.delta:
+            dring = self.drings.get(rank)
+            if (dring is None or dring.layout() != layout) and not self._fits(rank, layout):
+                return None
+            buf = populated(layout.nbytes)
+            return buf, buf
+        if rank not in self.rings:
+            self.rings[rank] = RankRing(self.job_id, rank, self.nslots, self.create)
+        ring = self.rings[rank]
+        if ring.alloc is None or ring.alloc.layout != layout:
+            if not self._fits(rank, layout):
+                return None
+            ring.allocate(layout)
+            self.report(p.Memory(rank=rank, tier=1, nbytes=ring.nbytes()), self.generation)
+        assert ring.alloc is not None
+        index, _ = ring.begin_write(step, ring.alloc.id)
+        if index is None:
+            self._rejected(rank, step, "no free slot", generation)
+            return None
+        slot = ring.alloc.slots[index]
+        return slot, slot.segment.buf
+
+    def received(self, rank: int, step: int, buf: memoryview) -> None:
+        """Bytes are in, checksum not yet checked: where in-flight corruption is injected."""
+        self._inject(rank, step, buf, "flight")
+
+    def written(
+        self,
+        rank: int,
+        token: Any,
+        ok: bool,
+        step: int,
+        layout: Layout | None = None,
+        tree: dict[str, Any] | None = None,
+        checksum: str = "",
+        why: str = "",
+        generation: int = -1,
+    ) -> None:
+        """A full replica arrived (``ok``: its checksum matched): hold it, or free its room."""
+        if ok and generation < self.generation:  # a generation ended while it was in flight
+            ok, why = False, f"sent in generation {generation}, now {self.generation}"
+        if self.delta:
+            if ok and layout is not None:
+                self._put(rank, Entry(step, Base(step, layout, token, checksum, tree or {}),
+                                      None, tree or {}, checksum))  # fmt: skip
+                self._inject(rank, step, token, "base")
+                self._inject(rank, step, token, "memory")
+            else:
+                self._rejected(rank, step, why or "checksum mismatch", generation)
+            return
+        slot: Slot = token
+        ring = self.rings[rank]
+        if not ok or ring.alloc is None or slot not in ring.alloc.slots:
+            slot.state, slot.step = SlotState.FREE, -1
+            why = why or ("checksum mismatch" if not ok else "slot gone")
+            self._rejected(rank, step, why, generation)
+            return
+        ring.written(slot.index, step, ring.alloc.id, tree or {})
+        ring.checked(slot, checksum)
+        self._inject(rank, step, slot.segment.buf, "memory")
+
+    def base(self, rank: int, step: int, checksum: str, generation: int = -1) -> Base | None:
+        """The base a delta of ``rank`` is made against, if held (else the sender sends it)."""
+        if generation < self.generation:
+            return None
+        dring = self.drings.get(rank)
+        return None if dring is None else dring.base(step, checksum)
+
+    def delta_written(
+        self,
+        rank: int,
+        step: int,
+        base: Base,
+        data: bytearray,
+        tree: dict[str, Any],
+        checksum: str,
+        ok: bool,
+        why: str = "",
+        generation: int = -1,
+        base_durable: str | None = None,
+    ) -> None:
+        """A delta arrived (``ok``: its own checksum matched): hold it against ``base``,
+        which tier 2 also holds under ``base_durable`` once the sender wrote it there."""
+        if ok and generation < self.generation:
+            ok, why = False, f"sent in generation {generation}, now {self.generation}"
+        if not ok:
+            self._rejected(rank, step, why, generation)
+            return
+        if base_durable and base.durable is None:
+            base.durable = base_durable
+        self._put(rank, Entry(step, base, data, tree, checksum))
+        self._inject(rank, step, memoryview(data), "memory")
+
+    def _put(self, rank: int, entry: Entry) -> None:
+        dring = self.drings.setdefault(rank, DeltaRing(rank, self.nslots))
+        dropped = dring.put(entry)
+        if entry.step in dropped:
+            return
+        held = self.nbytes()
+        if self.max_bytes and held > self.max_bytes:  # bases pinned by old steps, say
+            del dring.entries[entry.step]
+            why = f"--max-peer-memory {self.max_bytes:,} reached"
+            self._rejected(rank, entry.step, why, self.generation)
+            return
+        if held > self.peak:  # the peak is what a node must have room for
+            self.peak = held
+            self.report(p.Memory(rank=rank, tier=1, nbytes=held, scope="node"), self.generation)
+
+    def _rejected(self, rank: int, step: int, why: str, generation: int) -> None:
+        """A replica of ``step`` sent in ``generation`` is not held here: the coordinator
+        logs it and, in that generation, stops waiting for the step in tier 1."""
+        self.report(p.ReplicaRejected(rank=rank, step=step, why=why), generation)
+
+    def _inject(self, rank: int, step: int, buf: memoryview, where: str) -> None:
+        for inj in self.corrupt:
+            if inj.where == where and inj.index == rank and step >= inj.step and len(buf):
+                buf[len(buf) // 2] ^= 0xFF
+
+    def lease(self, rank: int, step: int) -> Lease | None:
+        """A held replica to serve to a restoring worker; give it back with :meth:`unlease`."""
+        if self.delta:
+            dring = self.drings.get(rank)
+            entry = None if dring is None else dring.entries.get(step)
+            if entry is None:
+                return None
+            where = f"tier-1 delta of rank {rank} step {step} (base step {entry.base.step})"
+            return Lease(
+                entry.base.layout,
+                entry.tree,
+                entry.checksum,
+                partial(entry.rebuild, rank, where),
+                kind=entry.kind,
+                base_step=entry.base.step,
+            )
+        ring = self.rings.get(rank)
+        slot = None if ring is None else ring.lease(step)
+        if slot is None or ring is None:
+            return None
+        buf = slot.segment.buf
+        return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
+
+    def unlease(self, rank: int, token: Any) -> None:
+        if isinstance(token, Slot):
+            self.rings[rank].unlease(token)
+
+    def holdings(self) -> dict[int, dict[int, str]]:
+        out = {r: {s: x.checksum for s, x in ring.held().items()} for r, ring in self.rings.items()}
+        for r, dring in self.drings.items():
+            out[r] = dring.held()
+        return out
+
+    def kinds(self) -> dict[int, dict[int, str]]:
+        """rank -> step -> "delta" or "delta+durable" for the replicas a restore must decode
+        first (the second after reading its base back from tier 2)."""
+        return {
+            r: {s: k for s, k in d.kinds().items() if k != "base"} for r, d in self.drings.items()
+        }
+
+    def newest_complete(self) -> int:
+        """The newest step held for every protected rank (-1 when there is none)."""
+        held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
+        common: set[int] | None = None
+        for rank in self.protects:
+            ring = held.get(rank)
+            steps = set() if ring is None else set(ring.held())
+            common = steps if common is None else common & steps
+            if not common:
+                return -1
+        return max(common or (), default=-1)
+
+    def verify(self) -> list[tuple[int, int]]:
+        """Check every held replica; a corrupt one is freed and returned (rank, step)."""
+        bad = []
+        for rank, ring in self.rings.items():
+            for step, slot in ring.held().items():
+                if checksum_chunks(ring.layout().chunks(slot.segment.buf)) != slot.checksum:
+                    slot.state, slot.step = SlotState.FREE, -1
+                    bad.append((rank, step))
+        for rank, dring in self.drings.items():
+            in_memory = [b for b in dring.bases() if b.buf is not None]
+            bad.extend((rank, step) for step in dring.verify())
+            for b in in_memory:
+                if b.buf is None:
+                    kept = sorted(s for s, e in dring.entries.items() if e.base is b)
+                    msg = p.ReplicaBaseLost(rank=rank, step=b.step, kept=kept)
+                    self.report(msg, self.generation)
+        return bad
+
+    def propose(self, step: int, ranks: list[int] | None = None) -> bool:
+        """Hold ``step`` of ``ranks`` (every protected rank by default) for a commit; if one
+        does not hold it, none keeps it."""
+        held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
+        ranks = self.protects if ranks is None else ranks
+        ok = all(r in held and held[r].propose(step) for r in ranks)
+        if not ok:
+            self.abort(step)
+        return ok
+
+    def committed(self, step: int) -> None:
+        for ring in self._all():
+            ring.set_committed(step)
+
+    def abort(self, step: int) -> None:
+        for ring in self._all():
+            ring.abort(step)
+
+    def discard_after(self, step: int, committed: int) -> None:
+        for ring in self._all():
+            ring.discard_after(step)
+            ring.protect(committed)
+
+    def close(self) -> None:
+        for ring in self._all():
+            ring.close()
