@@ -38,3 +38,12 @@ def baseline(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help="replay one scenario of tests/test_sim.py (the seed a failure names)",
+    )

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tierswap import bench
-from tierswap.bench.rig import Rig
+from tierswap.bench.rig import BenchHolding, Holding, Rig
 from tierswap.checksum import checksum_chunks
 from tierswap.shm import PREFIX, SHM_DIR
 from tierswap.state import flatten
@@ -74,12 +74,12 @@ def test_rig_slot_holds_the_state_as_the_agent_checksummed_it() -> None:
             rig.start(Path(tmp))
             rig.take(state)
             rig.snapshotter.fence()
-            reply = rig.call("holding", step=rig.step)
+            reply = rig.call(BenchHolding(step=rig.step), Holding)
             alloc = rig.snapshotter._alloc
             assert alloc is not None
-            slot = int(reply["slot"])
+            slot = reply.slot
             buf = alloc.segments[slot].buf
-            assert checksum_chunks(alloc.layout.chunks(buf)) == reply["checksum"]
+            assert checksum_chunks(alloc.layout.chunks(buf)) == reply.checksum
             flat = flatten(state, with_rng=False)
             pairs = zip(alloc.layout.entries, alloc.slot_views(slot), strict=True)
             views = {e.key: v for e, v in pairs}

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierswap.config import ENV_PREFIX, Config, Injection
+from tierswap.config import ENV_PREFIX, Config
 from tierswap.errors import UsageError
+from tierswap.faults import Injection
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,7 +187,7 @@ def test_injection_parse_rejects_bad_specs(spec: str) -> None:
 
 
 def test_bad_injection_in_env_shows_the_forms() -> None:
-    with pytest.raises(ValueError, match="expected kill:node=I:step=S, kill:node=I:gen=G"):
+    with pytest.raises(ValueError, match="expected one of kill:node=I:step=S, kill:node=I:gen=G"):
         Config.from_env({"TIERSWAP_INJECT": "kill:node=0:step=1,boom"})
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierswap.bench.rig import Rig
+from tierswap.bench.rig import BenchHolding, Holding, Rig
 from tierswap.checksum import checksum_chunks
 from tierswap.state import Layout, flatten
 
@@ -69,13 +69,13 @@ def _bytes(t: torch.Tensor) -> bytes:
 def _held(rig: Rig) -> tuple[Layout, memoryview, dict[str, torch.Tensor], str]:
     """The layout, buffer and tensors (by key) of the slot holding the last step, as this
     process maps it, and the checksum the agent computed of it."""
-    reply = rig.call("holding", step=rig.step)  # waits for the agent's checksum
+    reply = rig.call(BenchHolding(step=rig.step), Holding)  # waits for the agent's checksum
     alloc = rig.snapshotter._alloc
     assert alloc is not None
-    slot = int(reply["slot"])
+    slot = reply.slot
     views = alloc.slot_views(slot)
     tensors = {e.key: v for e, v in zip(alloc.layout.entries, views, strict=True)}
-    return alloc.layout, alloc.segments[slot].buf, tensors, str(reply["checksum"])
+    return alloc.layout, alloc.segments[slot].buf, tensors, str(reply.checksum)
 
 
 def test_take_copies_on_a_side_stream_into_a_page_locked_slot(rig: Rig) -> None:

@@ -9,20 +9,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from test_peer import _Replica, _Server, serve_store
 from tierswap.checksum import checksum_chunks
-from tierswap.cluster.replication import PeerStore
-from tierswap.cluster.restore import collect
+from tierswap.control import protocol as p
+from tierswap.control.restore import collect
 from tierswap.errors import CorruptPartError
 from tierswap.plan import Holdings, Source, Tier, plan_restore
 from tierswap.shm import populated
 from tierswap.state import Layout, make_layout
 from tierswap.tiers import peer
 from tierswap.tiers.deltas import Base, BaseKeeper, DeltaRing, Entry, itemsize_of
-from tierswap.wire import Channel
+from tierswap.tiers.replicas import PeerStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,7 +177,7 @@ def dserver() -> Iterator[_Server]:
 
 
 def _push_delta(srv: _Server, rank: int, step: int, base: Base, e: Entry) -> bool | None:
-    chan = Channel.connect(srv.address, srv.secret)
+    chan = peer.connect(srv.address, srv.secret)
     try:
         assert e.data is not None
         return peer.push_delta(chan, rank, step, base, bytes(e.data), e.tree, e.checksum)
@@ -206,8 +207,8 @@ def test_peer_asks_for_the_base_then_serves_base_plus_delta_bit_for_bit(dserver:
     ]
     store = dserver.agent.store
     with dserver.agent.lock:
-        assert store.kinds() == {"2": {"3": "delta", "4": "delta"}}
-        assert store.holdings()["2"] == {s: replicas[int(s)].checksum for s in ("3", "4")}
+        assert store.kinds() == {2: {3: "delta", 4: "delta"}}
+        assert store.holdings()[2] == {s: replicas[s].checksum for s in (3, 4)}
         assert [b.step for b in store.drings[2].bases()] == [0]
 
 
@@ -258,7 +259,7 @@ def test_planner_falls_back_past_a_corrupt_delta_or_base(what: str) -> None:
     assert store.verify() == ([(1, 4)] if what == "newest delta" else [(1, s) for s in range(5)])
 
     # rank 0 holds steps 3 and 4 in its own tier 0; rank 1 only in node 0's tier 1
-    memory = {0: {"0": {"3": "c", "4": "c"}}}
+    memory = {0: {0: {3: "c", 4: "c"}}}
     h = collect(2, memory, {0: store.holdings()}, frozenset({2}), set(), {0: store.kinds()})
     plan = plan_restore(h)
     if what == "newest delta":
@@ -300,9 +301,11 @@ def test_a_replica_sent_in_an_ended_generation_is_refused(mode: str) -> None:
     """After a restore went back, a transfer queued before it may carry a step of the
     abandoned timeline: the peer, already in the next generation, never holds it."""
     reports: list[tuple[str, dict[str, Any]]] = []
-    store = PeerStore(
-        "test-gen", nslots=3, max_bytes=0, report=lambda op, **f: reports.append((op, f)), mode=mode
-    )
+
+    def report(msg: p.Message, gen: int) -> None:
+        reports.append((p.tag_of(msg), {**msgspec.structs.asdict(msg), "generation": gen}))
+
+    store = PeerStore("test-gen", nslots=3, max_bytes=0, report=report, mode=mode)
     store.generation = 2
     r = _replicas(1)[0]
     try:
@@ -316,7 +319,7 @@ def test_a_replica_sent_in_an_ended_generation_is_refused(mode: str) -> None:
         buf[: r.layout.nbytes] = r.view
         store.generation = 3  # a generation ended while it was in flight
         store.written(0, token, True, 5, r.layout, r.tree, r.checksum, generation=2)
-        assert store.holdings().get("0", {}) == {}
+        assert store.holdings().get(0, {}) == {}
         assert reports[-1][0] == "replica_rejected" and reports[-1][1]["generation"] == 2
         assert store.base(0, 5, r.checksum, generation=2) is None
     finally:

@@ -315,9 +315,9 @@ def test_a_delta_whose_base_is_gone_is_never_restorable(tmp_path: Path) -> None:
     (_, s12) = durable.list_steps(root)
     assert s12.committed and not s12.restorable and s12.missing_bases == (10,)
     assert durable.restorable_steps(root) == []
-    from tierswap.cluster.restore import committed_steps
+    from tierswap.control.ports import DurableRoot
 
-    assert committed_steps(root, 2) == frozenset(), "the planner never sees it"
+    assert DurableRoot(root).restorable_steps(2) == frozenset(), "the planner never sees it"
     problems = durable.verify(root, 12)
     assert problems and all("its base, step 10, is gone" in p for p in problems)
     with pytest.raises(CorruptPartError, match="is gone"):

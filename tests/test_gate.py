@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tierswap import snapshot
+from tierswap.control.protocol import Lagging
 from tierswap.snapshot import Snapshotter, Watermark
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,10 +22,10 @@ class _Chan:
     """What the Snapshotter sends its agent, kept."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.sent: list[Any] = []
 
-    def send(self, op: str, **fields: Any) -> None:
-        self.sent.append((op, fields))
+    def send(self, msg: Any, gen: int | None = None) -> None:
+        self.sent.append(msg)
 
 
 def _optimizer() -> torch.optim.Optimizer:
@@ -103,8 +104,8 @@ def test_a_wait_nobody_ends_is_bounded_and_reported(gated, monkeypatch) -> None:
     monkeypatch.setattr(snapshot, "GATE_LIMIT_S", 0.2)
     snap.last_taken = 7
     _optimizer().step()
-    (op, fields), *_ = chan.sent
-    assert op == "lagging" and fields["step"] == 7 and fields["seconds"] >= 0.2
+    lagging, *_ = chan.sent
+    assert isinstance(lagging, Lagging) and lagging.step == 7 and lagging.seconds >= 0.2
 
 
 def test_without_tier1_nothing_waits() -> None:

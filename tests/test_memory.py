@@ -337,7 +337,7 @@ def test_a_node_commits_a_step_only_when_every_rank_holds_it() -> None:
         _write(node[0], 2)  # rank 1 never got step 2
         assert node.propose(1) and not node.propose(2)
         node.commit(1)
-        assert node.holdings() == {"0": {"1": "cs1", "2": "cs2"}, "1": {"1": "cs1"}}
+        assert node.holdings() == {0: {1: "cs1", 2: "cs2"}, 1: {1: "cs1"}}
         slot = node.lease_for_restore(1, 1)
         assert slot is not None and slot.leases == 1
         node.restored(1)

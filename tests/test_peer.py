@@ -16,17 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierswap.checksum import checksum_chunks
-from tierswap.cluster.replication import PeerStore
+from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.shm import PREFIX, SHM_DIR
 from tierswap.state import Layout, flatten, load, make_layout, tensor_view
 from tierswap.tiers import peer
+from tierswap.tiers.replicas import PeerStore
 from tierswap.wire import Channel
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,8 +118,8 @@ class _Agent:
         self.store = PeerStore(job_id, nslots=2, max_bytes=0, report=self._report, mode=mode)
         self.lock = threading.Lock()
 
-    def _report(self, op: str, **fields: Any) -> None:
-        self.reports.append((op, fields))
+    def _report(self, msg: p.Message, gen: int) -> None:
+        self.reports.append((p.tag_of(msg), {**msgspec.structs.asdict(msg), "generation": gen}))
 
     def ask(self, op: str, **fields: Any) -> Any:
         handlers: dict[str, Any] = {
@@ -128,7 +130,7 @@ class _Agent:
             "replica_unlease": self.store.unlease,
             "replica_base": self.store.base,
             "replica_delta_written": self.store.delta_written,
-            "replica_served": lambda **f: self._report("replica_served", **f),
+            "replica_served": lambda **f: self._report(p.ReplicaServed(**f), -1),
         }
         with self.lock:
             return handlers[op](**fields)
@@ -146,7 +148,7 @@ class _Server:
         return self.server.address
 
     def push(self, rank: int, step: int, replica: _Replica) -> bool:
-        chan = Channel.connect(self.address, self.secret)
+        chan = peer.connect(self.address, self.secret)
         try:
             return peer.push(
                 chan, rank, step, replica.layout, replica.tree, replica.checksum, replica.view
@@ -222,7 +224,7 @@ def test_pushed_replica_is_fetched_back_bit_identical(server: _Server) -> None:
         assert got[key].dtype == state[key].dtype
         assert torch.equal(got[key].view(torch.uint8), state[key].view(torch.uint8)), key
     assert got["step"] == 3
-    assert ("replica_held", {"rank": 5, "step": 3}) in server.agent.reports
+    assert server.agent.store.holdings()[5] == {3: replica.checksum}
 
 
 def test_newer_replica_replaces_the_oldest_and_both_newest_are_served(server: _Server) -> None:
@@ -239,7 +241,7 @@ def test_newer_replica_replaces_the_oldest_and_both_newest_are_served(server: _S
 
 def test_wrong_secret_is_refused_and_the_server_keeps_serving(server: _Server) -> None:
     with pytest.raises(multiprocessing.AuthenticationError):
-        Channel.connect(server.address, b"not the job's secret")
+        Channel.connect(server.address, b"not the job's secret", p.AgentToAgent)
     with pytest.raises(multiprocessing.AuthenticationError):
         peer.fetch(server.address, b"not the job's secret", rank=0, step=1)
 
@@ -259,15 +261,16 @@ def test_replica_not_matching_its_checksum_is_rejected_and_not_served(server: _S
         peer.fetch(server.address, server.secret, rank=1, step=2)
     rejected = [f for op, f in server.agent.reports if op == "replica_rejected"]
     assert rejected == [{"rank": 1, "step": 2, "why": "checksum mismatch", "generation": -1}]
-    assert "replica_held" not in server.agent.ops()
+    assert server.agent.store.holdings().get(1, {}) == {}
 
 
 def test_transfer_cut_off_is_not_held_and_the_step_can_be_sent_again(server: _Server) -> None:
     replica = _Replica(_state(6))
-    chan = Channel.connect(server.address, server.secret)
-    reply = chan.call("replica", rank=2, step=6, layout=replica.layout.to_json(),
-                      tree=replica.tree, checksum=replica.checksum)  # fmt: skip
-    assert reply["ok"]
+    chan = peer.connect(server.address, server.secret)
+    msg = p.Replica(
+        rank=2, step=6, layout=replica.layout, tree=replica.tree, checksum=replica.checksum
+    )
+    assert chan.call(msg, p.Room).ok
     chan.send_raw(replica.view[: replica.layout.nbytes // 2])
     chan.close()  # the sender dies mid-transfer
     deadline = time.monotonic() + 10

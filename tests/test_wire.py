@@ -1,4 +1,4 @@
-"""Messages over authenticated sockets: JSON in and out, strangers refused."""
+"""Messages over authenticated sockets: typed messages in and out, strangers refused."""
 
 from __future__ import annotations
 
@@ -15,33 +15,57 @@ from typing import Any
 
 import pytest
 
-from tierswap.wire import Channel, Message, reader, serve
+from tierswap.control import protocol as p
+from tierswap.wire import Channel, reader, serve
 
 pytestmark = pytest.mark.timeout(30)
 
 
+class Ping(p.Message, frozen=True, kw_only=True, tag="test_ping"):
+    n: int
+    echo: Any = None
+
+
+class Fail(p.Message, frozen=True, kw_only=True, tag="test_fail"):
+    pass
+
+
+class Hush(p.Message, frozen=True, kw_only=True, tag="test_hush"):
+    pass
+
+
+class Pong(p.Message, frozen=True, kw_only=True, tag="test_pong"):
+    n: int
+    echo: Any = None
+
+
+Requests = Ping | Fail | Hush
+Replies = Pong | p.Error
+
+
 class EchoServer:
-    """A loopback server that answers ``ping`` with ``pong``, ``fail`` with an error, and
-    keeps silent on ``hush``; it records every message and every closed channel."""
+    """A loopback server that answers ``Ping`` with ``Pong``, ``Fail`` with an error, and
+    keeps silent on ``Hush``; it records every message and every closed channel."""
 
     def __init__(self) -> None:
         self.secret = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
         self.address: tuple[str, int] = self.listener.address
-        self.got: list[Message] = []
+        self.got: list[p.Message] = []
         self.closed = threading.Event()
-        serve(self.listener, self._on_channel, "test-accept")
+        serve(self.listener, self._on_channel, "test-accept", Requests)
 
     def _on_channel(self, chan: Channel) -> None:
-        def deliver(msg: Message | None) -> None:
-            if msg is None:
+        def deliver(env: p.Envelope[Any] | None) -> None:
+            if env is None:
                 self.closed.set()
                 return
-            self.got.append(msg)
-            if msg["op"] == "ping":
-                chan.send("pong", n=msg["n"] + 1, echo=msg.get("echo"))
-            elif msg["op"] == "fail":
-                chan.send("error", message="no such thing")
+            self.got.append(env.msg)
+            match env.msg:
+                case Ping(n=n, echo=echo):
+                    chan.send(Pong(n=n + 1, echo=echo), gen=env.gen)
+                case Fail():
+                    chan.send(p.Error(message="no such thing"))
 
         reader(chan, deliver, "test-reader")
 
@@ -56,33 +80,37 @@ def server() -> Iterator[EchoServer]:
     srv.close()
 
 
+def _connect(server: EchoServer, secret: bytes | None = None) -> Channel:
+    return Channel.connect(server.address, secret or server.secret, Replies)
+
+
 def test_call_and_reply(server: EchoServer) -> None:
-    chan = Channel.connect(server.address, server.secret)
+    chan = _connect(server)
     try:
         payload = {"α": [1, 2.5, None, True], "nested": {"k": "v"}}
-        reply = chan.call("ping", n=41, echo=payload, timeout=10)
-        assert reply == {"op": "pong", "n": 42, "echo": payload}
-        assert chan.call("ping", n=1, timeout=10)["n"] == 2  # replies come in order
-        assert server.got[0] == {"op": "ping", "n": 41, "echo": payload}
+        reply = chan.call(Ping(n=41, echo=payload), Pong, timeout=10)
+        assert reply == Pong(n=42, echo=payload)
+        assert chan.call(Ping(n=1), Pong, timeout=10).n == 2  # replies come in order
+        assert server.got[0] == Ping(n=41, echo=payload)
     finally:
         chan.close()
     assert server.closed.wait(10)  # the server's reader sees the channel close
 
 
 def test_error_reply_raises(server: EchoServer) -> None:
-    chan = Channel.connect(server.address, server.secret)
+    chan = _connect(server)
     try:
-        with pytest.raises(RuntimeError, match="'fail' failed: no such thing"):
-            chan.call("fail", timeout=10)
+        with pytest.raises(RuntimeError, match="'test_fail' failed: no such thing"):
+            chan.call(Fail(), Pong, timeout=10)
     finally:
         chan.close()
 
 
 def test_call_times_out_naming_the_request(server: EchoServer) -> None:
-    chan = Channel.connect(server.address, server.secret)
+    chan = _connect(server)
     try:
-        with pytest.raises(TimeoutError, match="no reply to 'hush' within"):
-            chan.call("hush", timeout=0.2)
+        with pytest.raises(TimeoutError, match="no reply to 'test_hush' within"):
+            chan.call(Hush(), Pong, timeout=0.2)
         assert chan.recv(timeout=0.05) is None
     finally:
         chan.close()
@@ -91,12 +119,12 @@ def test_call_times_out_naming_the_request(server: EchoServer) -> None:
 def test_wrong_secret_is_refused(server: EchoServer) -> None:
     # a process outside the job does not know the secret
     with pytest.raises(AuthenticationError):
-        Channel.connect(server.address, secrets.token_bytes(32))
+        _connect(server, secrets.token_bytes(32))
     assert server.got == []
     # the server keeps serving the job after refusing a stranger
-    chan = Channel.connect(server.address, server.secret)
+    chan = _connect(server)
     try:
-        assert chan.call("ping", n=0, timeout=10)["op"] == "pong"
+        assert chan.call(Ping(n=0), Pong, timeout=10) == Pong(n=1)
     finally:
         chan.close()
 
@@ -116,19 +144,28 @@ def test_pickle_from_a_peer_is_never_unpickled(server: EchoServer, tmp_path: Pat
     conn = Client(server.address, authkey=server.secret)
     try:
         conn.send_bytes(pickle.dumps(_Boom(marker)))
-        conn.send_bytes(b'{"op": "ping", "n": 0}')  # not read: the channel is already closed
+        conn.send_bytes(p.Codec.encode(Ping(n=0), 0))  # not read: the channel is closed
     finally:
         conn.close()
     assert server.closed.wait(10)
     assert server.got == [] and not marker.exists()
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2]", b'{"no_op": 1}', b'{"op": 3}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[1, 2]",
+        b'{"op": "test_ping", "n": 0}',  # JSON, not the codec's msgpack
+        p.Codec.encode(Pong(n=1), 0),  # a message of another channel
+        p.Codec.encode(p.Held(tier=0, step=1), 0),
+        p.Codec.encode(Ping(n=1), 0)[:-1],  # truncated
+    ],
+)
 def test_malformed_messages_are_rejected(raw: bytes) -> None:
     a, b = _pipe()
     try:
         a.conn.send_bytes(raw)
-        with pytest.raises(ValueError, match="malformed message"):
+        with pytest.raises(p.ProtocolError, match="not a message of this channel"):
             b.recv(timeout=5)
     finally:
         a.close()
@@ -147,17 +184,17 @@ def test_recv_raises_eof_when_peer_is_gone() -> None:
 
 def _pipe() -> tuple[Channel, Channel]:
     x, y = Pipe()
-    return Channel(x), Channel(y)
+    return Channel(x, Replies), Channel(y, Requests)
 
 
 def test_a_silent_client_does_not_block_the_job() -> None:
     """An outsider that connects and says nothing must not stop peers from connecting."""
     got: list[Channel] = []
     listener = Listener(("127.0.0.1", 0), authkey=b"job-secret")
-    stop = serve(listener, got.append, "test-silent")
+    stop = serve(listener, got.append, "test-silent", Requests)
     try:
         with socket.create_connection(listener.address):  # connects, sends nothing
-            chan = Channel.connect(listener.address, b"job-secret")
+            chan = Channel.connect(listener.address, b"job-secret", Replies)
             deadline = time.monotonic() + 5
             while not got and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -10,7 +10,7 @@ one message per node and one broadcast, with no round of proposals and votes.
 
 When every node holds a step but not the same one, the older ones can never all meet:
 they are released, and their nodes report a newer step. A step that some node will
-never hold (a snapshot skipped, a replica refused) releases the holds up to it at once.
+never hold (a snapshot skipped, a replica refused) releases the holds of it at once.
 """
 
 from __future__ import annotations
@@ -75,10 +75,11 @@ class TierCommits:
         return out
 
     def never(self, step: int) -> Outcome:
-        """Some node will never hold ``step``: the holds up to it can never commit."""
+        """Some node will never hold ``step``: the holds of it can never commit (older
+        ones still may: that node may yet hold them)."""
         if self.broken:
             return Outcome()
-        return Outcome(released=self._release(lambda s: s <= step))
+        return Outcome(released=self._release(lambda s: s == step))
 
     def lost(self, node: int) -> None:
         """A voter is gone: no step can commit on every rank in this generation."""

@@ -224,13 +224,13 @@ class CoordinatorCore:
                 self.out.log("memory", node=node, rank=rank, tier=tier, bytes=nbytes, **extra)
             case p.Lagging(rank=rank, step=step, seconds=seconds):
                 self.out.log("tier1_wait_timeout", node=node, rank=rank, step=step, seconds=seconds)
-            case p.Restored():
+            case p.Restored() if self.phase == Phase.RUNNING:
                 self._restored(msg, now)
-            case p.Joined(rank=rank, pid=pid):
+            case p.Joined(rank=rank, pid=pid) if self.phase == Phase.RUNNING:
                 rebuilt = self.clock.worker_joined(rank, pid, now)
                 if rebuilt is not None:
                     self.out.log("rebuilt", generation=self.generation, **rebuilt)
-            case p.Stepped(rank=rank):
+            case p.Stepped(rank=rank) if self.phase == Phase.RUNNING:
                 self._stepped(rank, now)
             case p.Corrupt():
                 self._corrupt(msg)
@@ -330,6 +330,12 @@ class CoordinatorCore:
         node be taken by a spare, and start a fresh host in its place when simulating."""
         spare = host in self.hosts.spares
         self.booting.discard(host)
+        if host in self.hosts.waiting:  # a first host lost before it was ready
+            self.hosts.waiting.discard(host)
+            self.hosts.vacant.add(host)  # its node (host i serves node i) waits for another
+            self.out.log("failure_detected", what="host", host=host, node=None, ranks=[],
+                         detail=f"host {host} lost while starting: {why}",
+                         generation=self.generation)  # fmt: skip
         conn, node = self.hosts.lost(host)
         self.out.add(KillHost(host))  # fencing: a host declared lost must not come back
         if host in self.hosts.pids:
@@ -637,7 +643,7 @@ class CoordinatorCore:
 
     def _never(self, step: int, tiers: tuple[int, ...]) -> None:
         """``step`` will never be complete in these tiers (a skipped snapshot, a replica
-        refused or not sent): tier 1 is done with it, and holds up to it are released."""
+        refused or not sent): tier 1 is done with it, and holds of it are released."""
         if not self._commits_open():
             return
         for tier in tiers:

@@ -64,7 +64,9 @@ class RecoveryClock:
         return {
             "pids": {str(r): p for r, p in sorted(self.pids.items())},
             "kept": self._kept(),
-            "seconds": None if rec is None else max(self.joined.values()) - rec["decided"],
+            "seconds": None
+            if rec is None or "decided" not in rec
+            else max(self.joined.values()) - rec["decided"],
         }
 
     def worker_stepped(self, rank: int, restored_step: int, now: float) -> dict[str, Any] | None:

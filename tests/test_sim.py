@@ -1,0 +1,242 @@
+"""The control plane under generated failures, in the deterministic simulation.
+
+The coordinator's and agents' real cores and the real codec run in ``tierswap.control.sim``
+with workers that speak the protocol; hosts die, workers die, hosts freeze and links are
+cut at random moments. After every event the simulation checks its invariants (one
+generation running at most, a restore never mixing steps, a committed step never planned
+away while a tier still holds it, one worker per rank, no host both member and spare);
+every run must end, finished with the numbers of a run without failures, or stopped for a
+reason that the failures explain. A failure names its seed: ``pytest tests/test_sim.py
+--seed N`` replays it exactly and prints what the coordinator logged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from tierswap.config import Config
+from tierswap.control import workers as worker_table
+from tierswap.control.sim import Chaos, Sim, Violation
+
+SCENARIOS = int(os.environ.get("TIERSWAP_SIM_SCENARIOS", "1500"))
+"""Seeded scenarios per run of the suite (about 40 a second on this machine)."""
+
+EXPLAINED = (
+    "no step can be restored",  # every copy of some rank's state was lost with its hosts
+    "more than --max-restarts",
+    "no spare is left",
+)
+"""Why a job may stop under the failures it was given; anything else (a timeout above all,
+which is a hang with a deadline) is a bug."""
+
+
+def scenario(seed: int) -> Sim:
+    """A job shape and a chaos plan drawn from the seed."""
+    rng = random.Random(seed)
+    nodes = rng.choice([2, 2, 3, 4])
+    cfg = Config(
+        nodes=nodes,
+        nproc_per_node=rng.choice([1, 1, 2]),
+        spares=rng.choice([0, 1, 2]),
+        spare_workers=rng.choice([0, 0, 1]),
+        persist=rng.choice([None, "sim://tier2"]),
+        persist_every=rng.choice([2, 5]),
+        max_redo=rng.choice([0, 1, 1]),
+        replicas=rng.choice([1, 1, min(2, nodes - 1)]),
+        max_restarts=40,
+        console=False,
+    )
+    chaos = Chaos(
+        host_kills=rng.choice([0.0, 0.2, 0.5]),
+        worker_kills=rng.choice([0.0, 0.3, 0.6]),
+        freezes=rng.choice([0.0, 0.0, 0.1]),
+        link_cuts=rng.choice([0.0, 0.0, 0.1]),
+        until=rng.uniform(1.0, 8.0),
+    )
+    return Sim(cfg, seed=seed, steps=rng.choice([8, 16]), chaos=chaos)
+
+
+def _explained(outcome: str) -> bool:
+    return outcome == "finished" or any(why in outcome for why in EXPLAINED)
+
+
+def _replay(sim: Sim) -> str:
+    return "\n".join(f"{t:8.3f} {event} {fields}" for t, event, fields in sim.log[-40:])
+
+
+def test_seeded_scenarios_keep_every_invariant(request: pytest.FixtureRequest) -> None:
+    seed = request.config.getoption("--seed")
+    seeds = range(SCENARIOS) if seed is None else [seed]
+    finished, t0 = 0, time.monotonic()
+    for s in seeds:
+        sim = scenario(s)
+        try:
+            outcome = sim.run()
+        except Exception as e:
+            raise AssertionError(
+                f"seed {s} ({type(e).__name__}): replay with --seed {s}\n{_replay(sim)}"
+            ) from e
+        assert _explained(outcome), f"seed {s} stopped for {outcome!r}\n{_replay(sim)}"
+        finished += outcome == "finished"
+    if seed is None:
+        assert finished > 0.8 * SCENARIOS, f"only {finished} of {SCENARIOS} runs finished"
+        print(f"{SCENARIOS} scenarios in {time.monotonic() - t0:.1f} s, {finished} finished")
+
+
+# ---------------------------------------------------------------- the lifecycle bugs fixed so far
+
+
+def _cfg(**kw: object) -> Config:
+    return Config(**{"nodes": 2, "console": False, "max_restarts": 10, **kw})  # type: ignore[arg-type]
+
+
+def test_a_replacement_worker_attaching_during_a_stop_waits_for_the_next_generation() -> None:
+    """a01746a: rank 0's worker crashed and its replacement, given rank 0 while still
+    starting, attaches only after the generation it was given has ended (node 1 died as
+    it started, and the job waits for a host to take node 1); it must not run that
+    generation (the next one would lack it)."""
+    for seed in range(20):
+        sim = Sim(_cfg(), seed=seed, steps=8)
+        sim.kill_after("rank", 0, 3)
+        sim.kill_at_generation(1, 1)
+        assert sim.run() == "finished"
+        assert [e for _, e, _ in sim.log].count("generation_started") >= 3
+
+
+def test_a_node_is_ready_once_and_a_member_never_becomes_a_spare() -> None:
+    """32a7912: each replacement worker made its agent say ready again, and the
+    coordinator counted the member as a spare too; the next loss of that host was taken
+    for a spare's, and its node was never refilled."""
+    for seed in range(20):
+        sim = Sim(_cfg(spares=1), seed=seed, steps=12)
+        sim.kill_after("rank", 1, 2)  # a replacement worker attaches on node 1
+        sim.kill_after("node", 1, 6)  # then the whole node goes: the spare must take it
+        assert sim.run() == "finished"
+        joined = [f["role"] for _, e, f in sim.log if e == "node_joined"]
+        assert joined.count("member") == 2, joined
+        assert any(e == "spare_assigned" for _, e, _ in sim.log)
+
+
+def test_a_rank_failing_after_another_finished_gets_that_rank_a_new_worker() -> None:
+    """312490f: rank 0 finished and exited, rank 1 died before it finished: the next
+    generation needs a fresh worker for rank 0 too (it hung for the rendezvous before)."""
+    for seed in range(20):
+        sim = Sim(_cfg(), seed=seed, steps=6)
+        sim.kill_after("rank", 1, 5)  # after its last step, before it says finished
+        assert sim.run() == "finished"
+
+
+def test_every_node_killed_once_in_turn_with_spares() -> None:
+    for seed in range(10):
+        sim = Sim(_cfg(nodes=3, spares=1, persist="sim://tier2", persist_every=2), seed, steps=14)
+        for node, step in ((0, 3), (1, 6), (2, 9)):
+            sim.kill_after("node", node, step)
+        assert sim.run() == "finished"
+        assert sum(e == "resumed" for _, e, _ in sim.log) == 3
+
+
+# ---------------------------------------------------------------- proof that it can fail
+
+
+def test_the_simulation_catches_the_a01746a_bug_when_its_fix_is_reverted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the agent handing out ranks again while its workers stop (the fix of
+    a01746a reverted), the seeded scenarios find a run that breaks an invariant."""
+    accept = worker_table.WorkerTable.abort
+
+    def abort_but_keep_accepting(self: worker_table.WorkerTable, deadline: float) -> None:
+        accept(self, deadline)
+        self.accepting = True  # the bug: a late replacement is handed the ended generation
+
+    monkeypatch.setattr(worker_table.WorkerTable, "abort", abort_but_keep_accepting)
+    for s in range(SCENARIOS):
+        sim = scenario(s)
+        try:
+            sim.run()
+        except Violation:
+            return
+    pytest.fail(f"no scenario of {SCENARIOS} caught the reverted fix")
+
+
+# ---------------------------------------------------------------- generated event orders
+
+
+class ControlPlane(RuleBasedStateMachine):
+    """Hypothesis picks the job and the order of failures; shrinking finds the shortest
+    sequence that breaks an invariant."""
+
+    sim: Sim
+
+    @initialize(
+        nodes=st.integers(2, 4),
+        nproc=st.integers(1, 2),
+        spares=st.integers(0, 2),
+        persist=st.booleans(),
+        max_redo=st.sampled_from([0, 1]),
+        seed=st.integers(0, 2**16),
+    )
+    def start(
+        self, nodes: int, nproc: int, spares: int, persist: bool, max_redo: int, seed: int
+    ) -> None:
+        cfg = _cfg(
+            nodes=nodes,
+            nproc_per_node=nproc,
+            spares=spares,
+            persist="sim://tier2" if persist else None,
+            persist_every=2,
+            max_redo=max_redo,
+            max_restarts=40,
+        )
+        self.sim = Sim(cfg, seed=seed, steps=10)
+
+    @rule(seconds=st.floats(0.001, 0.4))
+    def time_passes(self, seconds: float) -> None:
+        self.sim.run_for(seconds)
+
+    @rule(pick=st.integers(0, 7))
+    def a_host_dies(self, pick: int) -> None:
+        live = [h for h in self.sim.hosts.values() if h.alive]
+        if live:
+            live[pick % len(live)].die()
+
+    @rule(pick=st.integers(0, 15))
+    def a_worker_dies(self, pick: int) -> None:
+        workers = [w for h in self.sim.hosts.values() for w in h.workers.values() if w.alive]
+        if workers:
+            workers[pick % len(workers)].die(-9)
+
+    @rule(pick=st.integers(0, 7))
+    def a_host_freezes(self, pick: int) -> None:
+        live = [h for h in self.sim.hosts.values() if h.alive and not h.frozen]
+        if live:
+            live[pick % len(live)].frozen = True
+
+    @rule(pick=st.integers(0, 7))
+    def a_link_is_cut(self, pick: int) -> None:
+        live = [h for h in self.sim.hosts.values() if h.alive]
+        if live:
+            live[pick % len(live)].up.close()
+
+    def teardown(self) -> None:
+        sim = getattr(self, "sim", None)
+        if sim is None:
+            return
+        outcome = sim.run(horizon=sim.now + 900)
+        assert _explained(outcome), f"stopped for {outcome!r}\n{_replay(sim)}"
+
+
+ControlPlane.TestCase.settings = settings(
+    max_examples=int(os.environ.get("TIERSWAP_SIM_EXAMPLES", "150")),
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_generated_event_orders_keep_every_invariant = ControlPlane.TestCase
