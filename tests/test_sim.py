@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 from tierswap.config import Config
+from tierswap.control import hosts
 from tierswap.control import workers as worker_table
 from tierswap.control.sim import Chaos, Sim, Violation
 
@@ -60,7 +62,8 @@ def scenario(seed: int) -> Sim:
         link_cuts=rng.choice([0.0, 0.0, 0.1]),
         until=rng.uniform(1.0, 8.0),
     )
-    return Sim(cfg, seed=seed, steps=rng.choice([8, 16]), chaos=chaos)
+    step_time = rng.choice([0.005, 0.05, 0.2])
+    return Sim(cfg, seed=seed, steps=rng.choice([8, 16]), chaos=chaos, step_time=step_time)
 
 
 def _explained(outcome: str) -> bool:
@@ -145,25 +148,35 @@ def test_every_node_killed_once_in_turn_with_spares() -> None:
 # ---------------------------------------------------------------- proof that it can fail
 
 
-def test_the_simulation_catches_the_a01746a_bug_when_its_fix_is_reverted(
+def test_the_seeded_scenarios_catch_the_32a7912_bug_when_its_fix_is_reverted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the agent handing out ranks again while its workers stop (the fix of
-    a01746a reverted), the seeded scenarios find a run that breaks an invariant."""
-    accept = worker_table.WorkerTable.abort
+    """Proof that the generated suite can fail: with the fix of 32a7912 reverted (an agent
+    says ready each time a worker attaches, and the coordinator takes a member that says
+    ready again for a spare too), the seeded scenarios find runs that break an invariant.
+    The scripted regressions above do the same for a01746a and 312490f."""
+    attach, ready = worker_table.WorkerTable.attach, hosts.Hosts.ready
 
-    def abort_but_keep_accepting(self: worker_table.WorkerTable, deadline: float) -> None:
-        accept(self, deadline)
-        self.accepting = True  # the bug: a late replacement is handed the ended generation
+    def attach_and_say_ready_again(self: worker_table.WorkerTable, *a: Any) -> bool:
+        self.all_attached = False
+        return attach(self, *a)
 
-    monkeypatch.setattr(worker_table.WorkerTable, "abort", abort_but_keep_accepting)
-    for s in range(SCENARIOS):
-        sim = scenario(s)
+    def ready_even_if_known(self: hosts.Hosts, host: int, replica: Any) -> bool | None:
+        if host in self.node_by_host:
+            self.spares.append(host)
+            return False
+        return ready(self, host, replica)
+
+    monkeypatch.setattr(worker_table.WorkerTable, "attach", attach_and_say_ready_again)
+    monkeypatch.setattr(hosts.Hosts, "ready", ready_even_if_known)
+    caught = []
+    for s in range(min(SCENARIOS, 300)):
         try:
-            sim.run()
-        except Violation:
-            return
-    pytest.fail(f"no scenario of {SCENARIOS} caught the reverted fix")
+            scenario(s).run()
+        except Violation as e:
+            caught.append(str(e))
+    assert caught, "no scenario caught the reverted fix"
+    assert any("both member and spare" in c for c in caught), caught[:3]
 
 
 # ---------------------------------------------------------------- generated event orders

@@ -269,7 +269,15 @@ def parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure snapshot costs against alternatives")
     bench.add_argument(
-        "what", choices=["snapshot", "replication", "job-replication", "recovery", "delta"]
+        "what",
+        choices=[
+            "snapshot",
+            "replication",
+            "job-replication",
+            "recovery",
+            "delta",
+            "control-plane",
+        ],
     )
     bench.add_argument(
         "--size-mib",
@@ -278,6 +286,16 @@ def parser() -> argparse.ArgumentParser:
         help="state size (default: 1024 for snapshot, 256 for replication)",
     )
     bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="control-plane: simulated node counts (default 256 2048 12500)",
+    )
+    bench.add_argument(
+        "--ranks-per-node", type=int, default=8, help="control-plane: ranks per node (default 8)"
+    )
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 

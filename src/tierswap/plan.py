@@ -108,12 +108,27 @@ def plan_restore(h: Holdings) -> Plan:
         for steps in by_node.values():
             candidates |= steps
     skipped: list[tuple[int, str]] = []
+    own: dict[int | None, Source] = {}
+    """One Source per node for the common case, a rank back from its own tier 0."""
     for step in sorted(candidates, reverse=True):
         load: dict[int, float] = {}
-        sources = {r: _source(h, step, r, load) for r in range(h.world_size)}
-        lost = [r for r, s in sources.items() if s is None]
+        sources: dict[int, Source] = {}
+        lost: list[int] = []
+        for r in range(h.world_size):
+            mem = h.memory.get(r)
+            if mem is not None and step in mem and not (h.bad and (Tier.MEMORY, step, r) in h.bad):
+                node = h.memory_node.get(r)
+                src: Source | None = own.get(node) or own.setdefault(
+                    node, Source(Tier.MEMORY, node)
+                )
+            else:
+                src = _source(h, step, r, load)
+            if src is None:
+                lost.append(r)
+            else:
+                sources[r] = src
         if not lost:
-            return Plan(step, {r: s for r, s in sources.items() if s is not None}, tuple(skipped))
+            return Plan(step, sources, tuple(skipped))
         skipped.append((step, f"no tier holds a good part of ranks {_ranges(lost)}"))
     return Plan(None, {}, tuple(skipped))
 

@@ -101,11 +101,12 @@ class TierCommits:
                 del self.count[old]
 
 
-def newest_in_memory(world_size: int, memory: Mapping[int, Iterable[int]]) -> int:
-    """The newest step every rank's own node holds: tier 0's commit at a start."""
+def newest_in_memory(world_size: int, memory: Mapping[int, Iterable[int]], upto: int) -> int:
+    """The newest step up to ``upto`` every rank's own node holds: tier 0's commit at a
+    start."""
     common: set[int] | None = None
     for rank in range(world_size):
-        steps = set(memory.get(rank, ()))
+        steps = {s for s in memory.get(rank, ()) if s <= upto}
         common = steps if common is None else common & steps
         if not common:
             return -1
@@ -117,24 +118,21 @@ def newest_replicated(
     peer: Mapping[int, Mapping[int, Iterable[int]]],
     targets: Mapping[int, tuple[int, ...]],
     live: set[int],
+    upto: int,
 ) -> int:
-    """The newest step every rank has in tier 1: all of its replicas where every target
-    node is up, else at least one (tier 1's commit at a start)."""
+    """The newest step up to ``upto`` every rank has in tier 1: all of its replicas where
+    every target node is up, else at least one (tier 1's commit at a start)."""
     if not any(targets.values()):
         return -1
-    held: dict[int, dict[int, int]] = {}
-    """rank -> step -> live holders."""
-    for rank, by_node in peer.items():
-        for node, steps in by_node.items():
-            if node in live:
-                for s in steps:
-                    held.setdefault(rank, {}).setdefault(s, 0)
-                    held[rank][s] += 1
     candidates: set[int] | None = None
     for rank in range(world_size):
+        counts: Counter[int] = Counter()
+        for node, steps in peer.get(rank, {}).items():
+            if node in live:
+                counts.update(s for s in steps if s <= upto)
         rank_targets = targets.get(rank, ())
         need = len(rank_targets) if all(n in live for n in rank_targets) else 1
-        ok = {s for s, n in held.get(rank, {}).items() if n >= need}
+        ok = {s for s, n in counts.items() if n >= need}
         candidates = ok if candidates is None else candidates & ok
         if not candidates:
             return -1

@@ -97,7 +97,12 @@ class CoordinatorCore:
         self.restarts = 0
         self.replicas = min(cfg.replicas, cfg.nodes - 1)
         self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
-        self.protectors = frozenset(n for t in self.targets.values() for n in t)
+        self.protects: dict[int, list[int]] = {}
+        """node -> the ranks whose replicas it holds."""
+        for rank, nodes in sorted(self.targets.items()):
+            for n in nodes:
+                self.protects.setdefault(n, []).append(rank)
+        self.protectors = frozenset(self.protects)
         """Nodes that hold replicas of some rank: the voters of tier 1."""
         self.tiers = {0: TierCommits(0), 1: TierCommits(1)}
         self.settled = -1
@@ -438,6 +443,8 @@ class CoordinatorCore:
         if self.phase.state not in (Phase.STARTING, Phase.RECOVERING):
             return
         if self.hosts.waiting or self.stopping:
+            # a host for a vacancy no spare will fill boots meanwhile (seconds of imports)
+            self._revive(len(self.hosts.vacant) - len(self.hosts.spares))
             return
         for node, host in self.hosts.fill_vacancies():
             self.out.log(
@@ -531,15 +538,10 @@ class CoordinatorCore:
         """A new generation restored ``restart``: later steps are gone everywhere; each
         tier's commit is the newest step its holdings still have for every rank."""
         ws = self.cfg.world_size
-        memory = {r: [s for s in steps if s <= restart] for r, steps in holdings.memory.items()}
-        replicas = {
-            r: {n: [s for s in steps if s <= restart] for n, steps in by.items()}
-            for r, by in holdings.peer.items()
-        }
         live = set(self.hosts.members)
         committed = (
-            newest_in_memory(ws, memory),
-            newest_replicated(ws, replicas, self.targets, live),
+            newest_in_memory(ws, holdings.memory, restart),
+            newest_replicated(ws, holdings.peer, self.targets, live, restart),
         )
         self.tiers[0].reset(committed[0], self.hosts.members)
         self.tiers[1].reset(committed[1], self.protectors & live)
@@ -567,7 +569,7 @@ class CoordinatorCore:
             committed=committed,
             max_redo=self.cfg.max_redo if self.replicas else 0,
             placement=placement,
-            protects=[r for r, t in self.targets.items() if node in t],
+            protects=self.protects.get(node, []),
             peers=peers,
         )
 

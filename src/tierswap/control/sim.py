@@ -715,7 +715,7 @@ class Sim:
         return self.rng.uniform(0.0001, 0.005)
 
     def boot_time(self) -> float:
-        return self.rng.uniform(0.05, 0.5)
+        return self.rng.uniform(0.2, 3.0)  # imports: a worker or agent ready in seconds
 
     def start(self, alive: Callable[[], bool], coroutine: Generator[Any, Any, Any]) -> None:
         """Run a process's coroutine: it yields delays, ``Ask`` or ``Until``. Once

@@ -1,0 +1,293 @@
+"""The coordinator's and an agent's cores on hand-built states: each decision and its
+reason, with no process, socket or clock (time is an argument)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tierswap.config import Config
+from tierswap.control import agent_events as ae
+from tierswap.control import commands as cc
+from tierswap.control import protocol as p
+from tierswap.control.agent import AgentCore
+from tierswap.control.commits import TierCommits
+from tierswap.control.coordinator import CoordinatorCore
+from tierswap.control.sim import LAYOUT, FakeTier2, MemorySegment
+from tierswap.control.states import PHASES, IllegalTransition, Machine, Phase
+from tierswap.control.workers import Spawn, Tell
+from tierswap.tiers.memory import NodeRings
+from tierswap.tiers.replicas import PeerStore
+
+
+class Coordinator:
+    """A coordinator core whose hosts say hello and ready; what it says is kept."""
+
+    def __init__(self, **kw: Any) -> None:
+        cfg = Config(**{"nodes": 2, "console": False, **kw})
+        self.tier2 = FakeTier2() if cfg.persist else None
+        self.core = CoordinatorCore(
+            cfg, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
+            tier2=self.tier2, now=0.0,
+        )  # fmt: skip
+        self.out: list[Any] = self.core.handle(cc.Begin(), 0.0)
+        self.now = 0.0
+        for host in range(cfg.nodes + cfg.spares):
+            self.say(host, p.Hello(host=host, pid=100 + host), -1)
+            self.say(host, p.Ready(replica=("h", 1000 + host), workers=[]), -1)
+
+    def say(self, host: int, msg: p.Message, gen: int | None = None) -> list[Any]:
+        """``host`` (connection ``host + 1``) sends ``msg``; the commands it caused."""
+        self.now += 0.01
+        g = self.core.generation if gen is None else gen
+        event = cc.AgentMessage(host + 1, p.Envelope(g, msg), self.now)
+        out = self.core.handle(event, self.now)
+        self.out += out
+        return out
+
+    def sent(self, kind: type[Any], out: list[Any] | None = None) -> list[Any]:
+        """Messages of ``kind`` sent or broadcast, in order."""
+        return [c.msg for c in (self.out if out is None else out)
+                if isinstance(c, cc.Send | cc.Broadcast) and isinstance(c.msg, kind)]  # fmt: skip
+
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        return [c.fields for c in self.out if isinstance(c, cc.Log) and c.event == event]
+
+
+# ---------------------------------------------------------------- commits
+
+
+def test_a_step_commits_when_every_node_holds_it_and_not_before() -> None:
+    c = Coordinator()
+    assert len(c.sent(p.Start)) == 2 and c.core.generation == 0
+    assert not c.sent(p.Committed, c.say(0, p.Held(tier=0, step=0)))
+    (commit,) = c.sent(p.Committed, c.say(1, p.Held(tier=0, step=0)))
+    assert commit == p.Committed(tier=0, step=0)
+    assert c.logged("snapshot_committed") == [{"tier": 0, "step": 0}]
+    assert not c.sent(p.Committed, c.say(1, p.Held(tier=0, step=0))), "a repeat changes nothing"
+
+
+def test_nodes_holding_different_steps_release_the_older_one() -> None:
+    c = Coordinator()
+    c.say(0, p.Held(tier=1, step=4))
+    out = c.say(1, p.Held(tier=1, step=5))  # node 1 passed 4 (it skipped it, say)
+    assert c.sent(p.Release, out) == [p.Release(tier=1, step=4)]
+    assert c.sent(p.Settled, out) == [p.Settled(step=4)], "tier 1 is done with 4"
+    assert [s.conn for s in out if isinstance(s, cc.Send)] == [1], "only node 0 holds 4"
+    (commit,) = c.sent(p.Committed, c.say(0, p.Held(tier=1, step=5)))
+    assert commit == p.Committed(tier=1, step=5)
+
+
+def test_a_skipped_snapshot_releases_holds_of_that_step_only() -> None:
+    c = Coordinator(nodes=3)
+    c.say(0, p.Held(tier=0, step=3))
+    c.say(1, p.Held(tier=0, step=4))
+    out = c.say(2, p.Skipped(rank=2, step=4))
+    assert c.sent(p.Release, out) == [p.Release(tier=0, step=4)], "3 may still commit"
+    assert c.sent(p.Settled, out) == [p.Settled(step=4)]
+
+
+def test_tier_commits_never_count_a_lost_voter() -> None:
+    t = TierCommits(0)
+    t.reset(-1, voters={0, 1})
+    assert t.held(0, 2).committed is None
+    t.lost(1)
+    assert t.held(0, 3).committed is None and t.broken, "node 1's ranks lost their tier 0"
+    t.reset(2, voters={0, 1})
+    assert t.held(0, 2).committed is None, "not newer than the commit"
+    assert t.held(0, 3).committed is None and t.held(1, 3).committed == 3
+
+
+# ---------------------------------------------------------------- generations
+
+
+def _fail_node(c: Coordinator, node: int) -> list[Any]:
+    c.now += 0.01
+    out = c.core.handle(cc.AgentClosed(node + 1), c.now)
+    c.out += out
+    return out
+
+
+def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -> None:
+    """790919f: a "never" of an abandoned timeline released the next generation's waits."""
+    c = Coordinator(spares=1)
+    assert c.sent(p.Stop, _fail_node(c, 1))
+    c.say(0, p.Stopped(holdings={0: {}}, peer={}, peer_deltas={}))
+    assert c.core.generation == 1 and c.core.phase == Phase.RUNNING
+    out = c.say(0, p.ReplicaRejected(rank=1, step=9, why="late"), gen=0)
+    out += c.say(0, p.Held(tier=0, step=9), gen=0)
+    assert not c.sent(p.Settled, out) and not c.sent(p.Release, out)
+    assert c.core.door.dropped == {"replica_rejected": 1, "held": 1}
+
+
+def test_a_second_ready_does_not_make_a_member_a_spare() -> None:
+    """32a7912: a replaced worker made its agent say ready again."""
+    c = Coordinator(spares=1)
+    c.say(1, p.Ready(replica=("h", 1001), workers=[]), -1)
+    assert c.core.hosts.spares == [2] and c.core.hosts.members == {0: 0, 1: 1}
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    assert c.logged("spare_assigned")[0]["host"] == 2, "the real spare takes node 1"
+
+
+def test_a_finished_while_a_generation_is_torn_down_is_ignored() -> None:
+    c = Coordinator()
+    _fail_node(c, 1)
+    c.say(0, p.Finished(rank=0, step=9))
+    assert c.core.finished == set() and c.core.phase == Phase.RECOVERING
+
+
+def test_a_first_host_lost_while_starting_is_replaced() -> None:
+    cfg = Config(nodes=2, console=False)
+    core = CoordinatorCore(cfg, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
+                           tier2=None, now=0.0)  # fmt: skip
+    out = core.handle(cc.Begin(), 0.0)
+    assert [x.host for x in out if isinstance(x, cc.StartHost)] == [0, 1]
+    core.handle(cc.AgentMessage(1, p.Envelope(-1, p.Hello(host=0, pid=1)), 0.1), 0.1)
+    out = core.handle(cc.AgentClosed(1), 0.2)  # host 0 dies before it is ready
+    assert cc.KillHost(0) in out
+    assert [x.host for x in out if isinstance(x, cc.StartHost)] == [2], "another host for node 0"
+    assert core.hosts.vacant == {0} and core.hosts.waiting == {1}
+
+
+def test_a_job_that_waits_too_long_stops_and_says_for_what() -> None:
+    c = Coordinator(spares=0, revive=False, join_timeout=5)
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    out = c.core.handle(cc.Tick(), c.now + 6)
+    (end,) = [x for x in out if isinstance(x, cc.End)]
+    assert end.code == 1 and "no spare left" in str(end.reason)
+
+
+# ---------------------------------------------------------------- tier 2
+
+
+def test_commit_is_written_last_once_every_part_is_in() -> None:
+    c = Coordinator(persist="sim://t2", persist_every=2)
+    for host in (0, 1):
+        c.say(host, p.Held(tier=0, step=0))
+    (persist,) = c.sent(p.Persist)
+    assert persist.step == 0 and persist.world_size == 2
+    part = c.tier2.write_part(0, 0, b"x" * 8)  # type: ignore[union-attr]
+    c.say(0, p.Parts(token=persist.token, step=0, parts=[part], errors={}))
+    assert 0 not in c.tier2.commits  # type: ignore[union-attr]
+    other = c.tier2.write_part(0, 1, b"y" * 8)  # type: ignore[union-attr]
+    c.say(1, p.Parts(token=persist.token, step=0, parts=[other], errors={}))
+    assert c.tier2.commits[0][0] == 2  # type: ignore[union-attr]
+    assert {"tier": 2, "step": 0, "deleted": []} in c.logged("snapshot_committed")
+
+
+def test_a_failing_tier2_is_reported_and_training_goes_on() -> None:
+    c = Coordinator(persist="sim://t2")
+    assert c.tier2 is not None
+    c.tier2.fail = True
+    for host in (0, 1):
+        c.say(host, p.Held(tier=0, step=0))
+    (persist,) = c.sent(p.Persist)
+    c.say(0, p.Parts(token=persist.token, step=0, parts=[], errors={0: "disk full"}))
+    c.say(1, p.Parts(token=persist.token, step=0, parts=[], errors={1: "disk full"}))
+    assert "rank 0: disk full" in c.logged("durability_failing")[0]["reason"]
+    assert c.core.phase == Phase.RUNNING and not c.tier2.commits
+
+
+# ---------------------------------------------------------------- state machines
+
+
+def test_an_illegal_transition_names_both_states() -> None:
+    m = Machine("coordinator", Phase.DONE, PHASES)
+    with pytest.raises(IllegalTransition, match="coordinator: no transition from done to running"):
+        m.move(Phase.RUNNING)
+
+
+# ---------------------------------------------------------------- an agent's core
+
+
+class Agent:
+    def __init__(self, nproc: int = 1) -> None:
+        cfg = Config(nodes=2, nproc_per_node=nproc, console=False)
+        segs: dict[str, MemorySegment] = {}
+        rings = NodeRings("t", cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
+        peers = PeerStore("t", cfg.slots, 0, lambda m, g: None,
+                          create=lambda n, s: MemorySegment(n, s, segs))  # fmt: skip
+        self.core = AgentCore(0, cfg, rings=rings, peers=peers, replica_address=("h", 9),
+                              coord_host="h")  # fmt: skip
+        self.out = self.core.handle(ae.Boot(), 0.0)
+        self.spawned = [c for c in self.out if isinstance(c, Spawn)]
+        for i, s in enumerate(self.spawned):
+            self.worker(10 + i, p.Attach(local=s.local, incarnation=s.incarnation, pid=500 + i), -1)
+
+    def worker(self, conn: int, msg: p.Message, gen: int | None = None) -> list[Any]:
+        g = self.core.generation if gen is None else gen
+        out = self.core.handle(ae.FromWorker(conn, p.Envelope(g, msg), 0.0), 0.0)
+        self.out += out
+        return out
+
+    def coordinator(self, msg: p.Message, gen: int) -> list[Any]:
+        out = self.core.handle(ae.FromCoordinator(p.Envelope(gen, msg)), 0.0)
+        self.out += out
+        return out
+
+    def start(self, gen: int, restart: int = -1) -> list[Any]:
+        ranks = list(range(self.core.cfg.nproc_per_node))
+        start = p.Start(
+            node=0, world_size=2 * len(ranks), ranks=ranks, store="h:2", backend="gloo",
+            plans={r: p.RankPlan(step=None) for r in ranks}, inject=[], restart_step=restart,
+            committed=(-1, -1), max_redo=1, placement={r: [1] for r in ranks}, protects=[],
+            peers={1: ("h", 8)},
+        )  # fmt: skip
+        return self.coordinator(start, gen)
+
+    def to_coordinator(self, out: list[Any] | None = None) -> list[p.Message]:
+        return [
+            c.msg for c in (self.out if out is None else out) if isinstance(c, ae.ToCoordinator)
+        ]
+
+
+def test_the_agent_says_ready_once_when_its_first_workers_attached() -> None:
+    a = Agent(nproc=2)
+    assert [type(m) for m in a.to_coordinator()] == [p.Ready]
+
+
+def test_a_finished_that_arrives_after_a_stop_lets_the_node_report_stopped() -> None:
+    """32a7912: rank 0's "finished" reached its agent after the stop; the node never
+    reported stopped, and the next generation hung."""
+    a = Agent()
+    a.start(0)
+    a.coordinator(p.Stop(), 0)
+    assert not [m for m in a.to_coordinator() if isinstance(m, p.Stopped)]
+    out = a.worker(1, p.Finished(rank=0, step=5))
+    assert isinstance(a.to_coordinator(out)[-1], p.Stopped)
+
+
+def test_a_request_of_an_ended_generation_is_answered_with_an_error() -> None:
+    a = Agent()
+    a.start(0)
+    a.coordinator(p.Stop(), 0)
+    a.worker(10, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
+    a.start(1)
+    out = a.worker(1, p.SlotRequest(rank=0, step=3, alloc=1), gen=0)
+    (reply,) = [c for c in out if isinstance(c, ae.Reply)]
+    assert reply.msg == p.Error(message="generation 0 has ended")
+    assert a.core.door.dropped == {"slot": 1}
+
+
+def test_the_agent_holds_one_step_at_a_time_and_the_newest_after_a_commit() -> None:
+    a = Agent()
+    a.start(0)
+    (alloc,) = [
+        c.msg for c in a.worker(1, p.Alloc(rank=0, layout=LAYOUT)) if isinstance(c, ae.Reply)
+    ]
+    assert isinstance(alloc, p.Allocated)
+    for step in (0, 1):
+        grant = next(c.msg for c in a.worker(1, p.SlotRequest(rank=0, step=step, alloc=alloc.alloc))
+                     if isinstance(c, ae.Reply))  # fmt: skip
+        out = a.worker(1, p.Written(rank=0, step=step, slot=grant.slot, alloc=alloc.alloc,
+                                    tree={}, stall=0.0))  # fmt: skip
+        (check,) = [c for c in out if isinstance(c, ae.Checksum)]
+        out = a.core.handle(ae.Checked(0, step, check.slot, f"c{step}"), 0.0)
+        held = [m for m in a.to_coordinator(out) if isinstance(m, p.Held)]
+        assert held == ([p.Held(tier=0, step=0)] if step == 0 else []), "one held at a time"
+    out = a.coordinator(p.Committed(tier=0, step=0), 0)
+    assert [m for m in a.to_coordinator(out) if isinstance(m, p.Held)] == [p.Held(tier=0, step=1)]
+    assert [c for c in out if isinstance(c, Tell)] == []
