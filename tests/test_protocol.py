@@ -151,11 +151,17 @@ def test_an_envelope_is_small() -> None:
     assert len(p.Codec.encode(p.Progress(step=123_456, stall=0.001), 7)) < 48
 
 
-def test_union_types_are_what_the_docs_table_lists() -> None:
-    """``docs/architecture.md`` has one row per message: its channels and fields."""
+def test_the_architecture_page_holds_the_protocol_and_state_tables_of_the_code() -> None:
+    """``docs/architecture.md`` has one row per message (channels, fields, who sends and
+    handles it) and every transition table, as ``python -m tierswap.control.doc`` makes
+    them: change a message and the page must change with it."""
     from pathlib import Path
 
+    from tierswap.control.doc import protocol_table, state_tables
+
     doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    assert protocol_table() in doc, "regenerate the protocol table: python -m tierswap.control.doc"
+    assert state_tables() in doc, "regenerate the state tables: python -m tierswap.control.doc"
     missing = [p.tag_of(c) for c in ALL if f"`{p.tag_of(c)}`" not in doc]
     assert not missing, f"messages the architecture's protocol table lacks: {missing}"
 

@@ -263,15 +263,18 @@ class Error(Message, frozen=True, kw_only=True, tag="error"):
 
 
 class Allocated(Message, frozen=True, kw_only=True, tag="allocated"):
+    scoped = False
     alloc: int
     segments: list[str]
 
 
 class SlotGranted(Message, frozen=True, kw_only=True, tag="slot_granted"):
+    scoped = False
     slot: int | None
 
 
 class PlanReply(Message, frozen=True, kw_only=True, tag="plan_reply"):
+    scoped = False
     step: int | None
     source: WorkerSource | None = None
 
@@ -282,6 +285,8 @@ class PlanReply(Message, frozen=True, kw_only=True, tag="plan_reply"):
 
 class Assign(Message, frozen=True, kw_only=True, tag="assign"):
     """A parked worker's rank in a generation (the envelope's)."""
+
+    scoped = False
 
     rank: int
     local_rank: int
