@@ -45,13 +45,13 @@ def protocol_table() -> str:
 
 def state_tables() -> str:
     out = []
-    for name, table in (
-        ("coordinator phase", PHASES),
-        ("agent phase", AGENT_PHASES),
-        ("worker state (in its agent)", WORKER_STATES),
+    for name, rows in (
+        ("coordinator phase", table_rows(PHASES)),
+        ("agent phase", table_rows(AGENT_PHASES)),
+        ("worker state (in its agent)", table_rows(WORKER_STATES)),
     ):
         out += [f"| {name} | may become |", "|---|---|"]
-        out += [f"| {a} | {b} |" for a, b in table_rows(table)]
+        out += [f"| {a} | {b} |" for a, b in rows]
         out.append("")
     return "\n".join(out).rstrip()
 
