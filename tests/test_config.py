@@ -227,3 +227,46 @@ def test_a_name_that_resolves_to_loopback_is_taken_with_a_warning(
     assert "--bind node-a is 127.0.1.1, a loopback address" in capsys.readouterr().err
     assert check_advertised("localhost", "--bind") == "127.0.0.1"
     assert capsys.readouterr().err == ""
+
+
+def test_every_config_field_is_an_option_of_run_with_its_sentence_and_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import dataclasses
+
+    from tierswap import cli
+    from tierswap.config import field_docs
+
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    docs = field_docs()
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        assert docs[f.name].split(".")[0][:40] in text, f"{flag} lacks its sentence"
+    assert "--lease LEASE Seconds without a heartbeat" in text
+    assert "(default: 10.0)" in text and "{gloo,nccl}" in text and "--no-revive" in text
+    for form in ("kill:node=I:gen=G", "delay:node=I:seconds=F", "corrupt:rank=R:step=S"):
+        assert form in text
+
+
+def test_options_given_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierswap import cli
+
+    monkeypatch.setenv("TIERSWAP_LEASE", "30")
+    monkeypatch.setenv("TIERSWAP_NODES", "3")
+    args = cli.parser().parse_args(
+        ["run", "--nodes", "2", "--no-revive", "--inject", "kill:rank=0:step=1", "x.py"]
+    )
+    cfg = Config.from_env(**cli._config_args(args))
+    assert (cfg.nodes, cfg.lease, cfg.revive) == (2, 30.0, False)
+    assert cfg.inject == (Injection("kill", "rank", 0, 1),)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from tierswap import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("tierswap 0.")

@@ -22,7 +22,8 @@ from tierswap.plan import Holdings, Source, Tier, plan_restore
 from tierswap.shm import populated
 from tierswap.state import Layout, make_layout
 from tierswap.tiers import peer
-from tierswap.tiers.deltas import Base, BaseKeeper, DeltaRing, Entry, itemsize_of
+from tierswap.tiers.delta_sender import BaseKeeper
+from tierswap.tiers.deltas import Base, DeltaRing, Entry, itemsize_of
 from tierswap.tiers.replicas import PeerStore
 
 pytestmark = pytest.mark.timeout(60)

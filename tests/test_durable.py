@@ -21,6 +21,7 @@ from tierswap.errors import CorruptPartError
 from tierswap.state import Flat, Layout, TensorEntry, dtype_code, make_layout, tensor_view
 from tierswap.tiers import durable
 from tierswap.tiers.durable import PartInfo
+from tierswap.tiers.export import export
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,7 +244,7 @@ def test_export_merges_shards_and_dedups(tmp_path: Path) -> None:
         parts[rank] = durable.write_part(root, 9, rank, 2, layout, tree, buf, cs)
     durable.write_commit(root, 9, 2, parts)
     out = tmp_path / "export" / "model.safetensors"
-    summary = durable.export(root, 9, out)
+    summary = export(root, 9, out)
     got = load_file(str(out))
     assert set(got) == {"w", "c", "r", "b", "rank0/seed", "rank1/seed"}
     assert torch.equal(got["w"], full) and torch.equal(got["c"], cols)
@@ -277,7 +278,7 @@ def _changed(step: int) -> dict[str, torch.Tensor]:
 def _write_delta(root: str, step: int, base_step: int, world: int = 2) -> dict[int, PartInfo]:
     """Delta parts of ``_changed(step)`` against ``_tensors()`` written at ``base_step``."""
     from tierswap import delta
-    from tierswap.tiers.deltas import contiguous
+    from tierswap.tiers.durable_deltas import contiguous
 
     parts = {}
     for rank in range(world):
@@ -351,14 +352,14 @@ def test_export_of_a_delta_step_equals_the_full_one(tmp_path: Path) -> None:
     _write(a, 10)
     _write_delta(a, 12, base_step=10)
     _write(b, 12, tensors=_changed(12))
-    durable.export(a, 12, tmp_path / "a.safetensors")
-    durable.export(b, 12, tmp_path / "b.safetensors")
+    export(a, 12, tmp_path / "a.safetensors")
+    export(b, 12, tmp_path / "b.safetensors")
     ta, tb = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def test_durable_bases_write_full_then_deltas_and_renew(tmp_path: Path) -> None:
-    from tierswap.tiers.deltas import DurableBases, Part
+    from tierswap.tiers.durable_deltas import DurableBases, Part
     from tierswap.tiers.memory import Slot
 
     root = str(tmp_path / "ckpt")

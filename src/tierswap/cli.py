@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
-from tierswap.config import Config
+from tierswap.config import Config, field_docs
 from tierswap.errors import TierswapError
-from tierswap.faults import Injection
+from tierswap.faults import FORMS, Injection
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -51,32 +54,7 @@ def _run(args: argparse.Namespace) -> int:
         return _join(args)
     if not args.script:
         raise SystemExit("tierswap run: a SCRIPT to run is needed (or --join HOST:PORT)")
-    cfg = Config.from_env(
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        persist=args.persist,
-        persist_every=args.persist_every,
-        keep=args.keep,
-        run_dir=args.run_dir,
-        inject=tuple(Injection.parse(s) for s in args.inject) or None,
-        max_restarts=args.max_restarts,
-        threads=args.threads,
-        replicas=args.replicas,
-        max_peer_memory=args.max_peer_memory,
-        max_redo=args.max_redo,
-        bind=args.bind,
-        spares=args.spares,
-        spare_workers=args.spare_workers,
-        on_no_spare=args.on_no_spare,
-        heartbeat=args.heartbeat,
-        lease=args.lease,
-        collective_timeout=args.collective_timeout,
-        backend=args.backend,
-        memory_tiers=args.memory_tiers,
-        base_every=args.base_every,
-        delta_threshold=args.delta_threshold,
-        persist_deltas=args.persist_deltas or None,
-    )
+    cfg = Config.from_env(**_config_args(args))
     import dataclasses
 
     from tierswap.cluster.address import check_advertised
@@ -132,9 +110,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tierswap.tiers import durable
+    from tierswap.tiers.export import export
 
-    summary = durable.export(args.url, args.step, args.out)
+    summary = export(args.url, args.step, args.out)
     print(json.dumps(summary))
     return 0
 
@@ -151,97 +129,54 @@ def _demo(args: argparse.Namespace) -> int:
     return int(demo.main(args))
 
 
+CLI_NAMES = {"nproc_per_node": "--nproc-per-node"}
+
+
+def _config_options(run: argparse.ArgumentParser) -> None:
+    """One option per ``Config`` field: its flag, type, choices and default from the field,
+    its help from the field's sentence. An option is added to Config, not here."""
+    docs = field_docs()
+    hints = typing.get_type_hints(Config)
+    group = run.add_argument_group("job options (each also settable as TIERSWAP_<NAME>)")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "none" if default in (None, ()) else str(default)
+        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")
+        tp = hints[f.name]
+        if f.name == "inject":
+            text = f"{docs[f.name]} Repeatable; one of: " + ", ".join(FORMS)
+            group.add_argument(flag, action="append", default=None, metavar="SPEC", help=text)
+        elif tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif typing.get_origin(tp) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(tp), default=None, help=text)
+        else:
+            kind = next((t for t in (int, float) if tp is t), str)
+            group.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=text)
+
+
+def _config_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Config fields given on the command line (the others come from TIERSWAP_* or
+    their defaults)."""
+    out = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Config)}
+    if out["inject"] is not None:
+        out["inject"] = tuple(Injection.parse(s) for s in out["inject"])
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierswap", description=__doc__)
+    p.add_argument("--version", action="version", version=f"tierswap {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a training script as a job of simulated nodes")
-    run.add_argument("--nodes", type=int, default=None)
-    run.add_argument("--nproc-per-node", type=int, default=None)
-    run.add_argument("--persist", default=None, help="durable root (path or fsspec URL)")
-    run.add_argument("--persist-every", type=int, default=None)
-    run.add_argument("--keep", type=int, default=None)
-    run.add_argument("--run-dir", default=None)
-    run.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        help="kill:node=I:step=S or kill:rank=R:step=S (repeatable)",
+    run = sub.add_parser(
+        "run",
+        help="run a training script as a job of simulated nodes",
+        description="Run SCRIPT as a job: on one machine, --nodes simulated nodes of "
+        "--nproc-per-node workers each; or, with --join, one more host for a running job.",
     )
-    run.add_argument("--max-restarts", type=int, default=None)
-    run.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    run.add_argument(
-        "--replicas",
-        type=int,
-        default=None,
-        help="tier-1 copies of each rank in other nodes' memory (default 1)",
-    )
-    run.add_argument(
-        "--max-peer-memory",
-        type=int,
-        default=None,
-        help="bytes one node may hold for others (default: no bound)",
-    )
-    run.add_argument(
-        "--max-redo",
-        type=int,
-        default=None,
-        help="steps a node failure may cost: training waits for tier 1 past this (default "
-        "1; 0 never waits)",
-    )
-    run.add_argument(
-        "--bind",
-        default=None,
-        help="this host's address, where the others reach it (coordinator, store, replicas; "
-        "with --join: the joining host's own; default 127.0.0.1, or for --join the address "
-        "its connection to the coordinator leaves from)",
-    )
-    run.add_argument(
-        "--spares", type=int, default=None, help="parked spare nodes that take failed ones"
-    )
-    run.add_argument(
-        "--spare-workers",
-        type=int,
-        default=None,
-        help="parked extra workers per node that take a crashed worker's rank at once",
-    )
-    run.add_argument(
-        "--on-no-spare",
-        choices=["wait", "fail"],
-        default=None,
-        help="when no spare is left: wait for a node to join (default) or stop",
-    )
-    run.add_argument("--heartbeat", type=float, default=None, help="seconds between beats")
-    run.add_argument(
-        "--lease", type=float, default=None, help="seconds of silence that fail a process"
-    )
-    run.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=None,
-        help="seconds a collective may block (torch's default is 30 minutes)",
-    )
-    run.add_argument(
-        "--backend", choices=["gloo", "nccl"], default=None, help="collectives (default gloo)"
-    )
-    run.add_argument(
-        "--memory-tiers",
-        choices=["full", "delta"],
-        default=None,
-        help="tier-1 replicas as full snapshots (default) or base + delta",
-    )
-    run.add_argument("--base-every", type=int, default=None, help="delta mode: steps per base")
-    run.add_argument(
-        "--delta-threshold",
-        type=float,
-        default=None,
-        help="delta mode: a delta past this fraction of full makes the next replica a base",
-    )
-    run.add_argument(
-        "--persist-deltas",
-        action="store_true",
-        help="tier 2 holds deltas between full steps (every --base-every steps a full one)",
-    )
+    _config_options(run)
     run.add_argument(
         "--join",
         default=None,
@@ -303,6 +238,15 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=40)
     demo.set_defaults(func=_demo)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierswap")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> None:

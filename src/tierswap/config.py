@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tierswap.faults import Injection
 
@@ -66,7 +66,7 @@ class Config:
     spare_workers: int = 0
     """Extra workers per node, imported and parked: a crashed worker's rank goes to one
     at once instead of to a process that must first start and import (seconds)."""
-    on_no_spare: str = "wait"
+    on_no_spare: Literal["wait", "fail"] = "wait"
     """When a node fails and no spare is parked: "wait" for a node to join (up to
     ``join_timeout``), or "fail" (stop; every committed tier is kept for a resume)."""
     join_timeout: float = 300.0
@@ -79,14 +79,14 @@ class Config:
     collective_timeout: float = 60.0
     """Seconds a collective may block before it fails (torch's default is 30 minutes);
     also how long a worker may take to leave its step when a generation ends."""
-    backend: str = "gloo"
+    backend: Literal["gloo", "nccl"] = "gloo"
     """Collective backend of the workers' process group: "gloo" (CPU, the simulated
     nodes) or "nccl" (GPUs; a generation's end aborts the communicator, so that kernels
     blocked on a dead peer return at once)."""
     revive: bool = True
     """Simulated nodes: a killed node comes back empty, as a rebooted host would, and
     joins the spare pool when the job needs a spare."""
-    memory_tiers: str = "full"
+    memory_tiers: Literal["full", "delta"] = "full"
     """How tier 1 holds replicas: "full" (every replica a whole snapshot) or "delta" (one
     base per rank plus each step as a delta against it, encoded in the agent). Tier 0 is
     always full: a local rollback runs at memcpy speed. "full" is the default because on
@@ -195,3 +195,21 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
             f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}"
         ) from None
     return raw
+
+
+def field_docs() -> dict[str, str]:
+    """Each Config field's sentence (the string under it in the class), by name: what
+    ``tierswap run -h`` shows, written once."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in itertools.pairwise(body):
+        is_doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        if isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and is_doc:
+            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    return docs

@@ -35,20 +35,18 @@ from tierswap.wire import Channel
 EXIT_USAGE = 3
 """Exit code of a worker that stopped on a UsageError: the job stops, no restart."""
 
-_PEER_FAILED = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket closed",
-    "Timed out",
-    "timed out",
-    "NCCL communicator was aborted",
-)
 
-
-def _peer_failed(e: BaseException) -> bool:
-    """A collective that failed because another rank died or hung: not this rank's fault."""
-    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILED)
+def _peer_failed(e: BaseException, ended: threading.Event, grace: float) -> bool:
+    """Whether ``train(job)`` failed because another rank died or hung, not by its own
+    fault. By type where torch gives one (``DistError``: NCCL's backend errors, network
+    and store errors); a plain RuntimeError (what gloo raises when a peer's socket
+    closes, or a collective times out) counts when the generation ends within ``grace``
+    seconds: a failure elsewhere is detected and ends it within the lease, while an
+    error of this rank's own (a bug in the script) ends nothing, and is reported as this
+    worker's crash. No error message is read."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and ended.wait(grace)
 
 
 def launch(train: Callable[[Job], Any]) -> None:
@@ -153,6 +151,9 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         torch.set_num_threads(threads)
     startup = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
     collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
+    # how long a failed collective waits for the generation to end before it counts as
+    # this worker's own error: a failure elsewhere is found within a lease
+    grace = float(env.get("TIERSWAP_LEASE", "10")) + heartbeat
     stores: dict[str, TCPStore] = {}
     while True:
         generation, a = control.assignments.get()
@@ -189,7 +190,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             timeout=collective,
         )
         chan.send(p.Joined(rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0))
-        code = _train_once(train, job, chan, control)
+        code = _train_once(train, job, chan, control, grace)
         if code is None:
             continue  # parked: the next assignment enters train(job) again
         if code:
@@ -232,7 +233,7 @@ def _warm_up() -> None:
 
 
 def _train_once(
-    train: Callable[[Job], Any], job: Job, chan: Channel, control: Control
+    train: Callable[[Job], Any], job: Job, chan: Channel, control: Control, grace: float
 ) -> int | None:
     """Run one generation of ``train(job)``: an exit code, or None when it ended because of
     a failure elsewhere and the worker has parked for the next one."""
@@ -254,7 +255,8 @@ def _train_once(
         chan.call(corrupt, p.Ack)
         reason, why = "corrupt", f"{e.where}: {e.why}"
     except BaseException as e:
-        if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e)):
+        ended = control.event(job.generation)
+        if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e, ended, grace)):
             traceback.print_exc()
             return 1
         reason, why = "collective", f"{type(e).__name__}: {str(e)[:200]}"

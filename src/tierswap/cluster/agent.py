@@ -47,7 +47,8 @@ from tierswap.control.agent_events import (
     WritePart,
 )
 from tierswap.control.workers import Kill, Spawn, Tell
-from tierswap.tiers.deltas import MEMORY_BASES, BaseKeeper
+from tierswap.tiers.delta_sender import BaseKeeper
+from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.tiers.replicas import PeerStore

@@ -24,7 +24,8 @@ from tierswap.control.agent_events import (
 )
 from tierswap.state import Layout
 from tierswap.tiers import durable
-from tierswap.tiers.deltas import Base, BaseKeeper
+from tierswap.tiers.delta_sender import BaseKeeper
+from tierswap.tiers.deltas import Base
 from tierswap.tiers.memory import Slot
 from tierswap.tiers.peer import connect, push, push_delta
 from tierswap.wire import Address, Channel

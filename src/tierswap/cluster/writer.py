@@ -11,7 +11,7 @@ from typing import Any
 from tierswap.config import Config
 from tierswap.control.agent_events import PartWritten
 from tierswap.tiers import durable
-from tierswap.tiers.deltas import DurableBases, Part
+from tierswap.tiers.durable_deltas import DurableBases, Part
 
 Bases = dict[int, dict[int, str]]
 """step -> rank -> data checksum of the full parts committed in tier 2 (delta bases)."""

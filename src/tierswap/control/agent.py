@@ -45,7 +45,7 @@ from tierswap.control.workers import Kill, Worker, WorkerTable
 from tierswap.errors import UsageError
 from tierswap.faults import FaultPlan
 from tierswap.shm import SHM_DIR
-from tierswap.tiers.deltas import Part
+from tierswap.tiers.durable_deltas import Part
 from tierswap.tiers.memory import NodeRings, RankRing
 from tierswap.tiers.replicas import PeerStore
 

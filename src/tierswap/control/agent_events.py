@@ -15,8 +15,8 @@ from typing import Any
 from tierswap.control import protocol as p
 from tierswap.control.workers import Kill, Spawn, Tell
 from tierswap.state import Layout
-from tierswap.tiers.deltas import Part
 from tierswap.tiers.durable import PartInfo
+from tierswap.tiers.durable_deltas import Part
 from tierswap.tiers.memory import Slot
 
 # ==================================================================== events

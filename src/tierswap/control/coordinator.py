@@ -44,10 +44,10 @@ from tierswap.control.ports import Tier2
 from tierswap.control.recovery import RecoveryClock
 from tierswap.control.restore import Reports, lost_message, memory_lost
 from tierswap.control.states import PHASES, Machine, Phase
+from tierswap.control.traffic import Traffic
 from tierswap.faults import FaultPlan, Injection
 from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import peer
-from tierswap.tiers.deltas import Traffic
 
 
 class JobStopped(Exception):

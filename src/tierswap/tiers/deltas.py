@@ -1,21 +1,21 @@
-"""Tier 1 in delta form (``--memory-tiers delta``): a peer holds one full *base* snapshot of a
-rank and each later step as a delta against it (:mod:`tierswap.delta`).
+"""Tier 1 in delta form (``--memory-tiers delta``), the peer's side: it holds one full
+*base* snapshot of a rank and each later step as a delta against it (:mod:`tierswap.delta`).
 
 A restore from here rebuilds base + one delta: deltas are never chained. The sender (the
-protected rank's agent, :class:`BaseKeeper`) keeps its own copy of the base to encode against,
-and takes a new one every ``base_every`` steps or once a delta grew past ``threshold`` of the
-full size. The peer's bookkeeping (:class:`DeltaRing`) runs on its agent's event loop, like
-:class:`~tierswap.tiers.memory.RankRing`: the same commit votes, the same rule that the step
-committed in tier 1 and the newest one are never dropped, the same discard of a timeline a
-restore went back from. Its bytes are immutable once stored (a base is never written after it
-is checked, a delta is ``bytes``), so a server thread reads them without a lease.
+protected rank's agent, :class:`~tierswap.tiers.delta_sender.BaseKeeper`) keeps its own
+copy of the base to encode against, and takes a new one every ``base_every`` steps or once
+a delta grew past ``threshold`` of the full size. The peer's bookkeeping
+(:class:`DeltaRing`) runs on its agent's event loop, like
+:class:`~tierswap.tiers.memory.RankRing`: the same holds for commits, the same rule that
+the step committed in tier 1 and the newest one are never dropped, the same discard of a
+timeline a restore went back from. Its bytes are immutable once stored (a base is never
+written after it is checked, a delta is ``bytes``), so a server thread reads them without a
+lease.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,7 @@ from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout, torch_dtype
 from tierswap.tiers import durable
-from tierswap.tiers.durable import PartInfo
-from tierswap.tiers.memory import CommitVotes, Slot
+from tierswap.tiers.memory import CommitVotes
 
 MEMORY_BASES = "memory-bases"
 """Folder under the ``--persist`` root where delta mode writes tier 1's bases: one part per
@@ -232,172 +231,3 @@ class DeltaRing(CommitVotes):
     def close(self) -> None:
         self.entries.clear()
         self.latest = None
-
-
-class BaseKeeper:
-    """The sender's side: the base each of its ranks encodes against, and when to renew it.
-
-    Used by one replication thread per rank at a time (one transfer in flight per rank).
-    """
-
-    def __init__(self, base_every: int, threshold: float) -> None:
-        self.base_every = base_every
-        self.threshold = threshold
-        self.bases: dict[int, Base] = {}
-        self.renew: set[int] = set()
-        """Ranks whose last delta grew past the threshold: their next snapshot is a base."""
-        self.epoch = 0
-        """Bumped by :meth:`discard_after`: a transfer begun before it keeps no new base."""
-        self._lock = threading.Lock()
-        """Replication threads decide and store bases; the event loop discards them."""
-
-    def base_for(
-        self,
-        rank: int,
-        step: int,
-        layout: Layout,
-        buf: memoryview,
-        checksum: str,
-        tree: Any,
-        epoch: int | None = None,
-    ) -> tuple[Base, bool]:
-        """The base to send ``step`` against, and whether it is new (``step`` itself).
-        ``epoch`` is :attr:`epoch` when the transfer was queued."""
-        with self._lock:
-            b = self.bases.get(rank)
-            if not (
-                b is None
-                or b.layout != layout
-                or step <= b.step
-                or step - b.step >= self.base_every
-                or rank in self.renew
-            ):
-                return b, False
-        copy = populated(layout.nbytes)
-        copy[:] = buf[: layout.nbytes]
-        b = Base(step, layout, copy, checksum, dict(tree))
-        with self._lock:
-            if epoch is None or epoch == self.epoch:
-                self.bases[rank] = b
-                self.renew.discard(rank)
-        return b, True
-
-    def encode(self, rank: int, b: Base, buf: memoryview) -> bytes:
-        """The delta of ``buf`` against ``b``; a large one renews the base next time."""
-        assert b.buf is not None  # the sender's own bases are always in memory
-        d = delta.encode(b.buf, buf[: b.layout.nbytes], itemsize=itemsize_of(b.layout))
-        if d.nbytes > self.threshold * b.layout.nbytes:
-            with self._lock:
-                self.renew.add(rank)
-        return d.to_bytes()
-
-    def discard_after(self, step: int) -> None:
-        """A restore went back to ``step``: a base taken later is of an abandoned timeline."""
-        with self._lock:
-            self.epoch += 1
-            for rank in [r for r, b in self.bases.items() if b.step > step]:
-                del self.bases[rank]
-
-    def nbytes(self) -> int:
-        return sum(b.layout.nbytes for b in self.bases.values())
-
-
-class Traffic:
-    """The coordinator's tally of what delta-mode replication sent, for the event log."""
-
-    def __init__(self) -> None:
-        self.count: Counter[str] = Counter()
-        self.sent: Counter[str] = Counter()
-        self.full = 0
-        self.encode_s = 0.0
-
-    def add(self, kind: str, nbytes: int, full: int, encode_s: float) -> None:
-        self.count[kind] += 1
-        self.sent[kind] += nbytes
-        self.full += full
-        self.encode_s += encode_s
-
-    def summary(self) -> dict[str, Any]:
-        """Deltas and bases sent, their bytes against full snapshots, and encode speed."""
-        deltas = self.count["delta"]
-        return {
-            "deltas": deltas,
-            "bases": self.count["base"],
-            "bytes_sent": sum(self.sent.values()),
-            "bytes_full": self.full,
-            "ratio": sum(self.sent.values()) / self.full if self.full else None,
-            "encode_s": round(self.encode_s, 4),
-        }
-
-
-# ---------------------------------------------------------------- incremental tier 2
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One rank's part of a step to persist, from its leased tier-0 slot."""
-
-    root: str
-    step: int
-    rank: int
-    world_size: int
-    layout: Layout
-    slot: Slot
-    token: int
-
-
-def contiguous(layout: Layout, buf: memoryview) -> memoryview:
-    """The layout's tensors back to back: a safetensors data section."""
-    out = populated(layout.data_nbytes)
-    offset = 0
-    for chunk in layout.chunks(buf):
-        out[offset : offset + len(chunk)] = chunk
-        offset += len(chunk)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class DurableBase:
-    step: int
-    layout: Layout
-    data: memoryview
-    """The data section of the full part written at ``step``."""
-    checksum: str
-    """Its data checksum, as in that step's COMMIT."""
-
-
-class DurableBases:
-    """``--persist-deltas``, in the agent's tier-2 writer threads: each rank's part is written
-    as a delta against the data section of the rank's newest full part when that step is
-    still committed with these very bytes (its COMMIT's data checksum), younger than
-    ``base_every`` steps and the delta is at most ``threshold`` of the data; else it is
-    written full and becomes the base."""
-
-    def __init__(self, base_every: int, threshold: float) -> None:
-        self.base_every = base_every
-        self.threshold = threshold
-        self.bases: dict[int, DurableBase] = {}
-
-    def write(self, p: Part, committed: Mapping[int, Mapping[int, str]]) -> PartInfo:
-        """Write ``p``, as a delta where it pays. ``committed``: step -> rank -> data checksum
-        of the full parts in tier 2 that a base may be."""
-        data = contiguous(p.layout, p.slot.segment.buf)
-        b = self.bases.get(p.rank)
-        if (
-            b is not None
-            and committed.get(b.step, {}).get(p.rank) == b.checksum
-            and b.layout == p.layout
-            and 0 < p.step - b.step < self.base_every
-        ):
-            d = delta.encode(b.data, data, itemsize=itemsize_of(p.layout))
-            if d.nbytes <= self.threshold * len(data):
-                return durable.write_delta_part(
-                    p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree,
-                    p.slot.checksum, b.step, d.to_bytes(), b.checksum,
-                )  # fmt: skip
-        info = durable.write_part(
-            p.root, p.step, p.rank, p.world_size, p.layout, p.slot.tree, p.slot.segment.buf,
-            p.slot.checksum,
-        )  # fmt: skip
-        self.bases[p.rank] = DurableBase(p.step, p.layout, data, p.slot.checksum)
-        return info

@@ -20,7 +20,8 @@ the old file or the new one. Readers trust a step only once its COMMIT is there,
 unpickle anything: the format is safetensors and JSON.
 
 The temporary-name writes and exact reads live in :mod:`tierswap.tiers.files`; export to
-one plain safetensors file lives in :mod:`tierswap.tiers.export` (``export`` here calls it).
+one plain safetensors file lives in :mod:`tierswap.tiers.export`, which builds on this
+module (and this one knows nothing of it).
 """
 
 from __future__ import annotations
@@ -580,18 +581,3 @@ def probe_writable(root: str) -> str | None:
     except Exception as e:  # any backend's error means "not writable": the caller reports it
         return f"{root} is not writable: {type(e).__name__}: {e}"
     return None
-
-
-# ---------------------------------------------------------------- export
-
-
-def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Write committed ``step`` as one safetensors file at ``out_path`` (a local path), DTensor
-    shards merged, and its JSON state (each rank's tree) next to it with suffix ``.json``.
-
-    See :func:`tierswap.tiers.export.export`; imported here on use, as it builds on this
-    module.
-    """
-    from tierswap.tiers.export import export as export_step
-
-    return export_step(root, step, out_path)
