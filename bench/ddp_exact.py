@@ -1,6 +1,6 @@
 """Cost of the exact DDP hook (tierswap.ddp.make_exact) against DDP's default allreduce.
 
-Trains the example GPT (examples/gpt.py, default config) on W gloo ranks, one
+Trains the example GPT (tierswap.examples.gpt, default config) on W gloo ranks, one
 thread each, with two wrappers side by side, and times their steps interleaved
 (default, exact, default, ...) so both see the same machine load. A step is
 forward + backward + optimizer step, started after a barrier; its time is the
@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPTConfig, batch, build_model
+from tierswap.examples.gpt import GPTConfig, batch, build_model
 
 MODES = ("ddp", "ddp-exact")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tierswap.demo import EXAMPLE, differing, job_command, load_final
+from tierswap.examples import EXAMPLE, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
 
 TRAIN = EXAMPLE

@@ -7,61 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors.torch import load_file
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-
-
-def load_final(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The final states a run of examples/train_gpt.py wrote with --out, by rank file."""
-    return {p.name: load_file(p) for p in sorted(folder.glob("rank-*.safetensors"))}
-
-
-def differing(
-    a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]
-) -> list[str]:
-    """Names (rank/key) of tensors whose bytes differ, or that one side lacks."""
-    out = [f"{r}: missing" for r in a.keys() ^ b.keys()]
-    for rank in sorted(a.keys() & b.keys()):
-        out += [f"{rank}/{k}: missing" for k in a[rank].keys() ^ b[rank].keys()]
-        out += [
-            f"{rank}/{k}"
-            for k in sorted(a[rank].keys() & b[rank].keys())
-            if not _bits(a[rank][k]).equal(_bits(b[rank][k]))
-        ]
-    return out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def job_command(
-    run_dir: Path, run_args: Sequence[str], script_args: Sequence[str], script: Path = EXAMPLE
-) -> list[str]:
-    """``tierswap run`` of the example (or ``script``) with 1 torch thread per worker."""
-    return [
-        sys.executable,
-        "-m",
-        "tierswap.cli",
-        "run",
-        "--threads",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        *run_args,
-        str(script),
-        *script_args,
-    ]
+from tierswap.examples import differing, job_command, load_final
 
 
 def _run(console: Console, work: Path, name: str, steps: int, extra: list[str]) -> Path:
@@ -85,9 +38,6 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 def main(args: argparse.Namespace) -> int:
     console = Console()
-    if not EXAMPLE.is_file():
-        console.print(f"tierswap demo needs the repository's examples/ folder ({EXAMPLE})")
-        return 2
     steps = int(args.steps)
     kill_at = steps * 2 // 3
     with tempfile.TemporaryDirectory(prefix="tierswap-demo-") as tmp:

@@ -4,7 +4,7 @@ training updates, and whether sending deltas would speed up replication on this 
 Builds the snapshot buffer of a few training states (tierswap.state's real layout) before and
 after one optimizer step, then encodes the second against the first and decodes it back:
 
-  (a) pretraining: GPT (examples/gpt.py, n_embd 256), fp32 params + AdamW exp_avg/exp_avg_sq
+  (a) pretraining: GPT (tierswap.examples.gpt, n_embd 256), fp32 params + AdamW exp_avg/exp_avg_sq
   (b) the same GPT trained in pure bf16 with AdamW: its bf16 parameters only
   (c) fine-tuning the fp32 GPT with ~10% of its tensors trainable: params + AdamW state
   (d) a 200k x 64 fp32 embedding table, one step touching 1% of its rows:
@@ -44,7 +44,6 @@ import os
 import platform
 import secrets
 import socket
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,7 +59,6 @@ from tierswap import delta
 from tierswap.bench.common import Stats, stats
 from tierswap.bench.peerserver import PeerServer
 from tierswap.bench.replication import _stream_once
-from tierswap.demo import EXAMPLE
 from tierswap.state import flatten, make_layout, tensor_view
 
 GPT_SIZE = {"n_embd": 256, "n_head": 4, "n_layer": 4}
@@ -209,13 +207,8 @@ def _before_after(
 
 
 def _examples() -> ModuleType:
-    """examples/gpt.py, imported from the repository's examples folder."""
-    folder = EXAMPLE.parent
-    if not (folder / "gpt.py").is_file():
-        raise RuntimeError(f"the delta benchmark needs the repository's {folder / 'gpt.py'}")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return importlib.import_module("gpt")
+    """The example GPT (``tierswap/examples/gpt.py``)."""
+    return importlib.import_module("tierswap.examples.gpt")
 
 
 def _gpt_model(gpt: ModuleType) -> torch.nn.Module:

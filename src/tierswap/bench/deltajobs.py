@@ -1,13 +1,13 @@
 """``tierswap bench delta``, second part: real 2-node jobs with tier 1 as full replicas and as
 base + deltas, against tier 0 alone, interleaved.
 
-Workloads (the repository's examples/):
+Workloads (``tierswap/examples/``):
 
 - ``pretrain``: the example GPT (4 blocks, width 128) trained from scratch with AdamW;
 - ``finetune``: the same GPT with 8 blocks of which only the last one and the final norm
   train (AdamW state for those only);
 - ``embedding``: a 50k x 64 embedding table with SparseAdam, each step touching 1% of the
-  rows, and a dense head with Adam (examples/train_embedding.py).
+  rows, and a dense head with Adam (tierswap/examples/train_embedding.py).
 
 For each, ``tierswap run --nodes 2`` with ``--replicas 0`` (tier 0 only), ``--memory-tiers
 full`` and ``--memory-tiers delta`` (defaults: a base every 50 steps or after a delta of
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.common import stats
-from tierswap.demo import EXAMPLE, job_command
+from tierswap.examples import EXAMPLE, job_command
 
 WARMUP_STEPS = 5
 STEPS = 30
@@ -110,8 +110,6 @@ def _run(work: Path, name: str, workload: str, mode: str) -> dict[str, Any]:
 
 def run(repeats: int) -> dict[str, Any]:
     """Every workload in every mode, ``repeats`` times, modes rotating within a repeat."""
-    if not EXAMPLE.is_file():
-        raise RuntimeError(f"the job benchmark needs the repository's examples/ ({EXAMPLE})")
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-deltajobs-") as tmp:
         for i in range(repeats):

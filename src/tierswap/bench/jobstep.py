@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierswap.demo import EXAMPLE, job_command
+from tierswap.examples import job_command
 
 WARMUP_STEPS = 5
 
@@ -62,8 +62,6 @@ def _run(work: Path, name: str, mode: tuple[str, ...], steps: int, layers: int) 
 def replication_overhead(repeats: int, steps: int = 40, layers: int = 4) -> dict[str, Any]:
     """Median step time per mode, each tier-1 mode's overhead over tier 0 alone (with its
     spread over the runs), and tier 1's lag behind training."""
-    if not EXAMPLE.is_file():
-        raise RuntimeError(f"the job benchmark needs the repository's examples/ ({EXAMPLE})")
     names = list(MODES)
     medians: dict[str, list[float]] = {m: [] for m in names}
     lags: dict[str, list[int]] = {m: [] for m in names}

@@ -6,7 +6,7 @@ moment every rank finished its first step again, split into detect / decide / re
 restore / resume, and the steps redone.
 
 Baseline, the same model in the same run, interleaved: ``torchrun --max-restarts 1``
-(examples/torchrun_gpt.py), which restarts every worker and loads the newest
+(tierswap/examples/torchrun_gpt.py), which restarts every worker and loads the newest
 ``torch.distributed.checkpoint``; the time from the kill to the last rank's first step
 after the restart.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from tierswap.bench.common import stats
 from tierswap.config import Config
-from tierswap.demo import EXAMPLE, job_command
+from tierswap.examples import EXAMPLE, job_command
 
 BASELINE = EXAMPLE.parent / "torchrun_gpt.py"
 STEPS, KILL = 14, 8
@@ -142,9 +142,6 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(repeats: int, nodes_curve: tuple[int, ...], widths: tuple[int, ...]) -> dict[str, Any]:
-    for path in (EXAMPLE, BASELINE):
-        if not path.is_file():
-            raise RuntimeError(f"the recovery benchmark needs the repository's {path}")
     out: dict[str, Any] = {"steps": STEPS, "kill_step": KILL}
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-recovery-") as tmp:
         work = Path(tmp)

@@ -58,7 +58,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return out
 
 
 class MLP(nn.Module):
@@ -68,7 +69,8 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class Block(nn.Module):
@@ -81,7 +83,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -178,7 +181,8 @@ def build_model(
 
         for block in model.blocks:
             fully_shard(block)
-        return fully_shard(model)
+        fully_shard(model)  # the same module, its parameters now DTensor shards
+        return model
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -11,17 +11,13 @@ final state, as examples/train_gpt.py does.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import tierswap
-from train_gpt import Counter, save_final
+from tierswap.examples.train_gpt import Counter, save_final
 
 
 class Recommender(nn.Module):
@@ -31,7 +27,8 @@ class Recommender(nn.Module):
         self.head = nn.Linear(dim, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.table(ids)).squeeze(-1)
+        out: torch.Tensor = self.head(self.table(ids)).squeeze(-1)
+        return out
 
 
 def train(job: tierswap.Job) -> None:
@@ -49,19 +46,20 @@ def train(job: tierswap.Job) -> None:
     inner = model.module
     sparse = torch.optim.SparseAdam(list(inner.table.parameters()), lr=1e-2)
     dense = torch.optim.Adam(list(inner.head.parameters()), lr=1e-3)
-    state = {"model": model, "sparse": sparse, "dense": dense, "counter": Counter()}
+    counter = Counter()
+    state = {"model": model, "sparse": sparse, "dense": dense, "counter": counter}
     batch = max(1, int(args.rows * args.touched))
     for step in job.steps(state, total=args.steps):
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         ids = torch.randint(0, args.rows, (batch,), generator=g)
         target = torch.randn(batch, generator=g)
         loss = nn.functional.mse_loss(model(ids), target)
-        loss.backward()
-        sparse.step()
+        loss.backward()  # type: ignore[no-untyped-call]
+        sparse.step()  # type: ignore[no-untyped-call]
         dense.step()
         sparse.zero_grad(set_to_none=True)
         dense.zero_grad(set_to_none=True)
-        state["counter"].tokens_seen += batch
+        counter.tokens_seen += batch
         job.report(step, loss=loss.item())
         if args.sleep:
             time.sleep(args.sleep)

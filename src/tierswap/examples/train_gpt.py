@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import tierswap
-from gpt import MODES, GPTConfig, batch, build_model
+from tierswap.examples.gpt import MODES, GPTConfig, batch, build_model
 from tierswap.state import flatten
 
 
@@ -70,14 +67,15 @@ def train(job: tierswap.Job) -> None:
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
     model = build_model(cfg, args.mode, seed=0, train_last=args.train_last)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    state = {"model": model, "optim": opt, "counter": Counter()}
+    counter = Counter()
+    state = {"model": model, "optim": opt, "counter": counter}
     for step in job.steps(state, total=args.steps):
         x, y = batch(step, job.rank, job.world_size, cfg)
         loss = model(x, y) + 0.0 * torch.rand(())  # draws from the RNG, which must be restored
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        state["counter"].tokens_seen += x.numel()
+        counter.tokens_seen += x.numel()
         job.report(step, loss=loss.item())
         if args.sleep:
             import time

@@ -17,18 +17,17 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpt import GPTConfig, batch, build_model
+from tierswap.examples.gpt import GPTConfig, batch, build_model
 
 
 def parse() -> argparse.Namespace:
@@ -54,12 +53,10 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # a key prefix per attempt: the restarted workers must not read the addresses the
     # dead attempt's workers published in torchrun's store (gloo then fails to connect)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
-    )
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(f"attempt{attempt}/", store),
+        store=PrefixStore(f"attempt{attempt}/", store),
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
@@ -73,9 +70,8 @@ def main() -> None:
     if latest.exists():
         step = int(latest.read_text())
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(ckpt / f"step-{step}"))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         start = step + 1
     for step in range(start, args.steps):
         x, y = batch(step, rank, world, cfg)
@@ -86,7 +82,7 @@ def main() -> None:
         if args.sleep:
             time.sleep(args.sleep)
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+        save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
         dist.barrier()
         if rank == 0:
             tmp = ckpt / "latest.tmp"
