@@ -291,3 +291,23 @@ def test_the_agent_holds_one_step_at_a_time_and_the_newest_after_a_commit() -> N
     out = a.coordinator(p.Committed(tier=0, step=0), 0)
     assert [m for m in a.to_coordinator(out) if isinstance(m, p.Held)] == [p.Held(tier=0, step=1)]
     assert [c for c in out if isinstance(c, Tell)] == []
+
+
+def test_an_injected_persist_failure_fails_every_part_of_that_step() -> None:
+    from tierswap.faults import FaultPlan, Injection
+
+    (fault,) = FaultPlan.parse(["fail:persist:step=4"]).faults
+    assert fault == Injection("fail", "persist", -1, 4) and str(fault) == "fail:persist:step=4"
+    a = Agent(nproc=2)
+    start = p.Start(
+        node=0, world_size=4, ranks=[0, 1], store="h:2", backend="gloo",
+        plans={r: p.RankPlan(step=None) for r in (0, 1)}, inject=["fail:persist:step=4"],
+        restart_step=-1, committed=(-1, -1), max_redo=1, placement={0: [1], 1: [1]},
+        protects=[], peers={1: ("h", 8)},
+    )  # fmt: skip
+    a.coordinator(start, 0)
+    persist = p.Persist(step=4, root="/x", world_size=4, token=7, bases={})
+    out = a.coordinator(persist, 0)
+    (parts,) = [m for m in a.to_coordinator(out) if isinstance(m, p.Parts)]
+    assert parts.parts == [] and set(parts.errors) == {0, 1}
+    assert not [c for c in out if isinstance(c, ae.WritePart)]

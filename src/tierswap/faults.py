@@ -14,13 +14,16 @@
   replica of rank R from step S on, as it arrives (before its checksum is checked), once
   stored, or (``--memory-tiers delta``) in the base its deltas are made against;
 - ``delay:node=I:seconds=F``: hold every tier-1 transfer from node I for F seconds
-  before it is sent (a slow network).
+  before it is sent (a slow network);
+- ``fail:persist:step=S``: node agents fail their tier-2 writes of step S (a store that
+  refuses them), so that step never gets a COMMIT.
 
 Hooks, and who asks them: the coordinator at a step reached (:meth:`FaultPlan.at_step`),
 at a generation's start (:meth:`FaultPlan.at_generation`) and at a replica transfer
 (:meth:`FaultPlan.at_transfer`); an agent for the replicas it stores
 (:meth:`FaultPlan.corruptions`) and sends (:meth:`FaultPlan.delay_of`,
-:meth:`FaultPlan.watches_transfers`); a worker after each step (:meth:`FaultPlan.of_rank`).
+:meth:`FaultPlan.watches_transfers`) and for the parts it persists
+(:meth:`FaultPlan.fails_persist`); a worker after each step (:meth:`FaultPlan.of_rank`).
 A fault fires once: the coordinator drops it from the plan it hands to the next
 generation.
 """
@@ -40,6 +43,7 @@ FORMS = (
     "stop:rank=R:step=S",
     "corrupt:rank=R:step=S:where=flight|memory|base",
     "delay:node=I:seconds=F",
+    "fail:persist:step=S",
 )
 
 _NUMBER = r"(\d*\.?\d+(?:[eE][-+]?\d+)?|\d+\.)"
@@ -78,11 +82,15 @@ class Injection:
             return Injection("delay", "node", int(m.group(1)), -1, seconds=float(m.group(2)))
         if m := re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", text):
             return Injection("corrupt", "rank", int(m.group(1)), int(m.group(2)), m.group(3))
+        if m := re.fullmatch(r"fail:persist:step=(\d+)", text):
+            return Injection("fail", "persist", -1, int(m.group(1)))
         raise ValueError(f"--inject {spec!r}: expected one of {', '.join(FORMS)}")
 
     def __str__(self) -> str:
         if self.action == "delay":
             return f"delay:node={self.index}:seconds={self.seconds!r}"
+        if self.target == "persist":
+            return f"fail:persist:step={self.step}"
         where = f":where={self.where}" if self.where else ""
         when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
         during = f":during={self.during}" if self.during else ""
@@ -151,6 +159,10 @@ class FaultPlan:
             (f.seconds for f in self.faults if f.action == "delay" and f.index == node),
             default=0.0,
         )
+
+    def fails_persist(self, step: int) -> bool:
+        """Whether this node's tier-2 writes of ``step`` fail."""
+        return any(f.target == "persist" and f.step == step for f in self.faults)
 
     def watches_transfers(self) -> bool:
         """Whether agents must announce each transfer (a fault waits for one)."""

@@ -493,7 +493,9 @@ class AgentCore:
     def _persist(self, msg: p.Persist) -> None:
         pending = PendingParts(msg.step, set(self.ranks))
         self.persisting[msg.token] = pending
-        for rank in self.ranks:
+        if self.faults.fails_persist(msg.step):
+            pending.errors = {r: "tier-2 write refused (injected)" for r in self.ranks}
+        for rank in [] if pending.errors else self.ranks:
             ring = self.rings.by_rank.get(rank)
             slot = None if ring is None else ring.lease(msg.step)
             if slot is None or ring is None:
