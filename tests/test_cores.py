@@ -311,3 +311,26 @@ def test_an_injected_persist_failure_fails_every_part_of_that_step() -> None:
     (parts,) = [m for m in a.to_coordinator(out) if isinstance(m, p.Parts)]
     assert parts.parts == [] and set(parts.errors) == {0, 1}
     assert not [c for c in out if isinstance(c, ae.WritePart)]
+
+
+def test_a_step_a_node_no_longer_holds_is_not_counted_for_a_commit() -> None:
+    """Found by review: a new layout made the agent's slots anew and dropped its held step;
+    the coordinator still counted it and committed a step that node no longer had."""
+    c = Coordinator()
+    c.say(0, p.Held(tier=0, step=0))
+    c.say(0, p.Unheld(tier=0, step=0))
+    assert not c.sent(p.Committed, c.say(1, p.Held(tier=0, step=0)))
+    (commit,) = c.sent(
+        p.Committed, c.say(0, p.Held(tier=0, step=1)) + c.say(1, p.Held(tier=0, step=1))
+    )
+    assert commit == p.Committed(tier=0, step=1)
+
+
+def test_a_step_ruled_out_stays_out_when_a_node_holds_it_later() -> None:
+    c = Coordinator()
+    c.say(1, p.Held(tier=0, step=9))
+    out = c.say(0, p.Skipped(rank=0, step=9))
+    assert c.sent(p.Release, out) == [p.Release(tier=0, step=9)]
+    out = c.say(0, p.Held(tier=0, step=9))  # rank 0 got a slot for 9 after all
+    assert c.sent(p.Release, out) == [p.Release(tier=0, step=9)], "released at once"
+    assert not c.sent(p.Committed, out)

@@ -253,3 +253,40 @@ ControlPlane.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_generated_event_orders_keep_every_invariant = ControlPlane.TestCase
+
+
+def test_a_refused_slot_on_the_last_step_is_retried_and_the_job_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the first refusal of the last step's slot was reported as a skip,
+    which released the other node's hold of that step for good; the retry then got a
+    slot, and the two nodes never held the same step again (the job timed out finishing)."""
+    from tierswap.control import protocol as p
+    from tierswap.control import sim as simmod
+    from tierswap.tiers import memory
+
+    steps, state = 10, {"refused": False, "delayed": False}
+    begin = memory.RankRing.begin_write
+
+    def refuse_once(self: memory.RankRing, step: int, alloc: int) -> tuple[int | None, list[int]]:
+        if self.rank == 0 and step == steps - 1 and not state["refused"]:  # tier 1 is off
+            state["refused"] = True
+            return None, []
+        return begin(self, step, alloc)
+
+    call = simmod.SimWorker._call
+
+    def slow_last_request(self: simmod.SimWorker, msg: p.Message, gen: int) -> Any:
+        last = isinstance(msg, p.SlotRequest) and msg.rank == 0 and msg.step == steps - 1
+        if last and not state["delayed"]:
+            state["delayed"] = True
+            yield 0.2  # rank 0 asks late: node 1 holds the last step already
+        return (yield from call(self, msg, gen))
+
+    monkeypatch.setattr(memory.RankRing, "begin_write", refuse_once)
+    monkeypatch.setattr(simmod.SimWorker, "_call", slow_last_request)
+    for seed in range(5):
+        state.update(refused=False, delayed=False)
+        sim = Sim(_cfg(replicas=0), seed=seed, steps=steps, step_time=0.05)
+        assert sim.run() == "finished"
+        assert state["refused"]

@@ -32,8 +32,8 @@ class Config:
     slots: int = 4
     """Tier-0 slots per rank: the step committed in tier 0, the one committed in tier 1
     (when replication lags), the newest, and one being written. 3 is the least, and only
-    with tier 1 off or ``max_redo=0``: snapshots are then skipped while replication
-    catches up."""
+    with tier 1 off: with tier 1 on the ring has no room for a step while tier 1 sends
+    another, snapshots are skipped, and the nodes may never hold a common step again."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo (``tierswap.faults`` lists the forms)."""
     replicas: int = 1
@@ -116,11 +116,12 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.slots < 4 and self.max_redo > 0 and self.replicas > 0 and self.nodes > 1:
+        if self.slots < 4 and self.replicas > 0 and self.nodes > 1:
             raise ValueError(
-                f"slots={self.slots} with tier 1 on and max_redo={self.max_redo}: tier 0 has "
-                "no room for a step while tier 1 sends another, so snapshots are skipped and "
-                "a failure may cost more than max_redo steps; use 4 slots, or max_redo=0"
+                f"slots={self.slots} with tier 1 on: tier 0 has no room for a step while "
+                "tier 1 sends another, so snapshots are skipped, and once the nodes' newest "
+                "steps part every slot is protected and no step commits again; use 4 slots, "
+                "or --replicas 0"
             )
         for name in ("spares", "spare_workers"):
             if getattr(self, name) < 0:

@@ -188,7 +188,10 @@ class Snapshotter:
         flat = flatten(state)
         alloc = self._allocation(flat)
         deadline = t0 + wait
-        while (slot := self._slot(step, alloc)) is None and time.monotonic() < deadline:
+        # until the deadline a refusal is asked again, and is not reported as a skip
+        while (slot := self._slot(step, alloc, time.monotonic() < deadline)) is None:
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.005)
         if slot is None:
             self.stats.skipped += 1
@@ -205,11 +208,9 @@ class Snapshotter:
         self._queue.put(job)
         return True
 
-    def _slot(self, step: int, alloc: _Allocation) -> int | None:
-        reply = self.chan.call(
-            p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id), p.SlotGranted
-        )
-        return reply.slot
+    def _slot(self, step: int, alloc: _Allocation, retry: bool = False) -> int | None:
+        msg = p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id, retry=retry)
+        return self.chan.call(msg, p.SlotGranted).slot
 
     def fence(self) -> None:
         """Block until the in-flight copy is done; the wait is recorded."""

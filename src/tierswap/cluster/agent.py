@@ -151,10 +151,11 @@ class Agent:
         self.events.put(Ask(op, fields, answer))
         return done.result(timeout=ASK_LIMIT_S)
 
-    def _announce(self, msg: p.Replicating) -> None:
-        """From a replication thread: a transfer starts (``during=replication``)."""
+    def _announce(self, msg: p.Replicating, generation: int) -> None:
+        """From a replication thread: a transfer of ``generation`` starts
+        (``during=replication``)."""
         try:
-            self.coord.send(msg, self.core.generation)
+            self.coord.send(msg, generation)
         except OSError:
             pass
 
@@ -226,7 +227,11 @@ class Agent:
         return True
 
     def _checksum(self, rank: int, step: int, slot: Any, layout: Any) -> None:
-        digest = checksum_chunks(layout.chunks(slot.segment.buf))
+        try:
+            digest = checksum_chunks(layout.chunks(slot.segment.buf))
+        except Exception as e:  # the loop must hear of every checksum it waits for
+            self.events.put(Checked(rank, step, slot, "", f"{type(e).__name__}: {e}"))
+            return
         self.events.put(Checked(rank, step, slot, digest))
 
     def shutdown(self) -> None:

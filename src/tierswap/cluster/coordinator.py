@@ -72,6 +72,8 @@ class Coordinator:
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
+        self.arrived: dict[int, float] = {}
+        """connection -> when its newest message arrived (set by its reader thread)."""
         self._tokens = itertools.count(1)
         self.core = CoordinatorCore(
             cfg,
@@ -110,7 +112,7 @@ class Coordinator:
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + tick
-                    self._carry_out(self.core.handle(Tick(), now))
+                    self._carry_out(self.core.handle(Tick(dict(self.arrived)), now))
                     self._check_hosts(now)
                     if isinstance(event, Tick):
                         continue
@@ -138,8 +140,10 @@ class Coordinator:
         def deliver(env: p.Envelope[Any] | None) -> None:
             if env is None:
                 self.events.put(AgentClosed(token))
-            else:  # the lease is timed on arrival
-                self.events.put(AgentMessage(token, env, time.monotonic()))
+                return
+            at = self.arrived[token] = time.monotonic()  # the lease is timed on arrival
+            if not isinstance(env.msg, p.Beat):  # a beat says nothing but that
+                self.events.put(AgentMessage(token, env, at))
 
         reader(chan, deliver, "tierswap-coord-agent")
 

@@ -46,7 +46,7 @@ class Replicator:
         keeper: BaseKeeper | None = None,
         base_root: str | None = None,
         world_size: int = 0,
-        announce: Callable[[p.Replicating], None] | None = None,
+        announce: Callable[[p.Replicating, int], None] | None = None,
     ) -> None:
         self.secret = secret
         self.keeper = keeper
@@ -115,7 +115,7 @@ class Replicator:
                 try:
                     chan = self._channel(rank, node)
                     if self.announce and self.announce_to is not None:
-                        self.announce_to(p.Replicating(rank=rank, step=step, peer=node))
+                        self.announce_to(p.Replicating(rank=rank, step=step, peer=node), generation)
                     if not send(chan):
                         continue  # refused: the peer reports why
                 except Exception as e:  # any failure: a fresh connection next time, reported

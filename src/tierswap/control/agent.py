@@ -71,6 +71,11 @@ class PendingParts:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+BOOT_RETRIES = 3
+"""Replacement workers of one place that may die before they attach, in a row, before the
+agent takes the script for broken and the job stops."""
+
+
 class ReplicationQueue:
     """One transfer in flight per rank, always of its newest snapshot."""
 
@@ -145,6 +150,8 @@ class AgentCore:
         self.checks = 0
         """Checksums in flight: a stop is reported once none is."""
         self.persisting: dict[int, PendingParts] = {}
+        self.boot_failures: dict[int, int] = {}
+        """local index -> its workers that died before they attached, in a row."""
         self.exiting = False
         self.out: list[Any] = []
 
@@ -300,6 +307,16 @@ class AgentCore:
         hold.held = newest
         self._tell(p.Held(tier=tier, step=newest))
 
+    def _lost_holds(self) -> None:
+        """A held step no longer on every ring (slots made anew for another layout): the
+        coordinator stops counting it, and the next complete step is held instead."""
+        for tier, hold in self.holds.items():
+            rings = self.rings if tier == 0 else self.peers
+            if hold.held is not None and not rings.holds_everywhere(hold.held):
+                self._tell(p.Unheld(tier=tier, step=hold.held))
+                hold.held = None
+                self._maybe_hold(tier)
+
     def _committed(self, tier: int, step: int) -> None:
         hold = self.holds[tier]
         hold.committed = max(hold.committed, step)
@@ -330,6 +347,7 @@ class AgentCore:
         msg, conn = event.env.msg, event.conn
         match msg:
             case p.Attach(local=local, incarnation=incarnation, pid=pid):
+                self.boot_failures.pop(local, None)
                 if self.workers.attach(conn, local, incarnation, pid, event.at):
                     pids = sorted(w.pid for w in self.workers.procs.values() if w.pid)
                     self._tell(p.Ready(replica=self.replica_address, workers=pids))
@@ -400,7 +418,6 @@ class AgentCore:
     def _alloc(self, conn: int, msg: p.Alloc) -> None:
         msg.layout.check()
         ring = self.rings[msg.rank]
-        before = set(ring.held())
         try:
             alloc = ring.allocate(msg.layout)
         except OSError as e:
@@ -409,8 +426,7 @@ class AgentCore:
                 f"{msg.layout.nbytes:,} bytes for rank {msg.rank} in {SHM_DIR}: {e}. Free or "
                 f"enlarge {SHM_DIR} (a container's --shm-size), or use fewer --slots."
             ) from e
-        if self.holds[0].held in before - set(ring.held()):
-            self.holds[0].held = None  # the layout changed: the next complete step is held
+        self._lost_holds()  # the layout changed: steps of the old slots are gone
         self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes()))
         segments = [str(s.segment.path.name) for s in alloc.slots]
         self._reply(conn, p.Allocated(alloc=alloc.id, segments=segments))
@@ -420,7 +436,7 @@ class AgentCore:
             raise ValueError(f"generation {self.generation} is ending: no new snapshots")
         slot, _ = self.rings[msg.rank].begin_write(msg.step, msg.alloc)
         self._reply(conn, p.SlotGranted(slot=slot))
-        if slot is None and self.last_skipped.get(msg.rank) != msg.step:
+        if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:
             self.last_skipped[msg.rank] = msg.step
             self._tell(p.Skipped(rank=msg.rank, step=msg.step))
 
@@ -460,8 +476,14 @@ class AgentCore:
             if code != 0 and w.rank is not None:
                 self._tell(p.ExitedAfterFinish(rank=w.rank, code=code))
             return
-        if w.state is WorkerState.STARTING:  # it never attached: the script itself fails
-            self._tell(p.StartFailed(local=local, code=code))
+        if w.state is WorkerState.STARTING:  # it never attached
+            failures = self.boot_failures[local] = self.boot_failures.get(local, 0) + 1
+            if not self.workers.all_attached or failures > BOOT_RETRIES:
+                self._tell(p.StartFailed(local=local, code=code))  # the script itself fails
+                return
+            # a replacement killed while it imported (the node's first workers did attach):
+            # another one, a few times, before this counts as the script failing
+            self.workers.spawn(local, now)
             return
         running = w.state in (WorkerState.ASSIGNED, WorkerState.LEAVING)
         if running and w.generation == self.generation and w.rank is not None:
@@ -485,6 +507,12 @@ class AgentCore:
     def _checked(self, event: Checked) -> None:
         self.checks -= 1
         ring = self.rings[event.rank]
+        if event.error is not None:  # the snapshot is not kept: its slot is free again
+            ring.abandon(event.slot)
+            why = f"checksum of step {event.step}: {event.error}"
+            self._tell(p.AgentError(rank=event.rank, request="written", error=why))
+            self._maybe_stopped()
+            return
         ring.checked(event.slot, event.checksum)
         self._add(self.queue.offer(event.rank, ring))
         self._maybe_hold(0)
@@ -545,4 +573,5 @@ class AgentCore:
             self.out.append(AnswerAsk(event.answer, None, e))
             return
         self.out.append(AnswerAsk(event.answer, value))
+        self._lost_holds()
         self._maybe_hold(1)

@@ -54,12 +54,13 @@ class WorkerExited:
 
 @dataclass(frozen=True, slots=True)
 class Checked:
-    """A slot's checksum is computed."""
+    """A slot's checksum is computed (or, with ``error``, could not be)."""
 
     rank: int
     step: int
     slot: Slot
     checksum: str
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ command into I/O, and each thing that happens into an event, in one loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,12 @@ class AgentClosed:
 
 @dataclass(frozen=True, slots=True)
 class Tick:
-    """Time passed (leases and deadlines are checked)."""
+    """Time passed (leases and deadlines are checked). ``heard``: connection -> when its
+    newest message arrived, as the shell's reader threads saw it (heartbeats included,
+    which need not be handed in one by one): a loop that was busy, or a queue that is
+    long, never makes a healthy host look silent."""
+
+    heard: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

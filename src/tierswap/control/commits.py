@@ -42,6 +42,8 @@ class TierCommits:
         """step -> how many nodes hold it."""
         self.broken = False
         """A voter is gone: nothing commits until the next generation."""
+        self.dead: set[int] = set()
+        """Steps some node will never hold in this generation: a hold of one is let go."""
 
     def reset(self, committed: int, voters: Iterable[int]) -> None:
         """A generation starts: ``committed`` is the tier's newest commit, whatever came
@@ -51,6 +53,7 @@ class TierCommits:
         self.holds.clear()
         self.count.clear()
         self.broken = False
+        self.dead.clear()
 
     def held(self, node: int, step: int) -> Outcome:
         """``node`` holds ``step`` and keeps it for us."""
@@ -60,6 +63,9 @@ class TierCommits:
         if self.holds.get(node) == step:
             return out
         self._drop(node)
+        if step in self.dead:  # it can never commit: the node holds a newer one instead
+            out.released.append((node, step))
+            return out
         self.holds[node] = step
         self.count[step] += 1
         if self.count[step] == len(self.voters):
@@ -79,7 +85,13 @@ class TierCommits:
         ones still may: that node may yet hold them)."""
         if self.broken:
             return Outcome()
+        self.dead.add(step)
         return Outcome(released=self._release(lambda s: s == step))
+
+    def dropped(self, node: int, step: int) -> None:
+        """``node`` no longer holds ``step`` (its slots were reallocated for a new layout)."""
+        if self.holds.get(node) == step:
+            self._drop(node)
 
     def lost(self, node: int) -> None:
         """A voter is gone: no step can commit on every rank in this generation."""

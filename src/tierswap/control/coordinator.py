@@ -14,6 +14,7 @@ a host fails, a spare host takes its node, and the survivors keep their processe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ from tierswap.control.traffic import Traffic
 from tierswap.faults import FaultPlan, Injection
 from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import peer
+
+BOOT_RETRIES = 3
+"""Hosts started in place of lost ones that may exit before joining before the job stops."""
 
 
 class JobStopped(Exception):
@@ -90,6 +94,8 @@ class CoordinatorCore:
         earlier, so that booting (seconds of imports) never competes with training and
         replication for this machine's cores."""
         self.waiting_since: float | None = None
+        self.boot_failures = 0
+        """Hosts started in place of lost ones that exited before they joined."""
         self.clock = RecoveryClock(cfg.world_size)
         self.faults = FaultPlan(cfg.inject)
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
@@ -135,14 +141,10 @@ class CoordinatorCore:
                 case AgentClosed(conn=conn):
                     if (host := self.hosts.host_of(conn)) is not None:
                         self._host_lost(host, "agent connection lost", now)
-                case Tick():
-                    self._tick(now)
+                case Tick(heard=heard):
+                    self._tick(now, heard)
                 case HostExited(host=host, code=code):
-                    if host in self.hosts.waiting and host not in self.hosts.conns:
-                        raise JobStopped(
-                            f"host {host}'s agent exited with code {code} before joining the "
-                            "job; its output above says why"
-                        )
+                    self._host_exited(host, code, now)
                 case Begin():
                     self._begin(event, now)
         except JobStopped as e:
@@ -174,6 +176,8 @@ class CoordinatorCore:
                 self._ready(host, msg, now)
             case p.Held(tier=tier, step=step) if node is not None:
                 self._held(node, tier, step)
+            case p.Unheld(tier=tier, step=step) if node is not None and tier in self.tiers:
+                self.tiers[tier].dropped(node, step)
             case p.Progress() if node is not None:
                 self._progress(msg, now)
             case p.Skipped(rank=rank, step=step):
@@ -254,7 +258,10 @@ class CoordinatorCore:
             case _:
                 pass  # a node-level message from a host that serves no node (yet)
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, now: float, heard: Mapping[int, float]) -> None:
+        for conn, at in heard.items():
+            if (host := self.hosts.host_of(conn)) is not None:
+                self.hosts.heard[host] = max(self.hosts.heard.get(host, at), at)
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
             self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
         if now > self.deadline and not self.done:
@@ -356,6 +363,30 @@ class CoordinatorCore:
             self._node_lost(node, host, why, now)
         else:  # a host still booting: one waited for may need starting again
             self._maybe_start(now)
+
+    def _host_exited(self, host: int, code: int, now: float) -> None:
+        """A host this launcher started exited before it said hello: a first one stops
+        the job (the script or its environment is broken); one started in place of a lost
+        host is started again, a few times."""
+        if host in self.hosts.conns:
+            return  # it had joined: its connection's close says it is lost
+        if host in self.hosts.waiting:
+            raise JobStopped(
+                f"host {host}'s agent exited with code {code} before joining the job; its "
+                "output above says why"
+            )
+        if host not in self.booting:
+            return
+        self.booting.discard(host)
+        self.boot_failures += 1
+        if self.boot_failures > BOOT_RETRIES:
+            raise JobStopped(
+                f"{self.boot_failures} hosts started in place of lost ones exited before "
+                f"joining, the last (host {host}) with code {code}; its output above says why"
+            )
+        self.out.log("host_boot_failed", host=host, code=code)
+        self.to_revive += 1
+        self._maybe_start(now)
 
     def _revive(self, needed: int) -> None:
         """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""

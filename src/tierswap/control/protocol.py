@@ -124,6 +124,9 @@ class SlotRequest(Message, frozen=True, kw_only=True, tag="slot"):
     rank: int
     step: int
     alloc: int
+    retry: bool = False
+    """The worker asks again if refused (the last step of a job waits for a slot): a
+    refusal is not a skip yet."""
 
 
 class Written(Message, frozen=True, kw_only=True, tag="written"):
@@ -340,6 +343,14 @@ class Held(Message, frozen=True, kw_only=True, tag="held"):
     """This node holds ``step`` in ``tier`` for every rank it has there (tier 0: its own
     ranks; tier 1: the ranks it protects) and keeps it until the coordinator commits it
     or a newer step, or releases it. One step per tier is held this way at a time."""
+
+    tier: int
+    step: int
+
+
+class Unheld(Message, frozen=True, kw_only=True, tag="unheld"):
+    """This node no longer holds the step it held in ``tier`` (its slots were made anew
+    for another layout of the state): do not count it for a commit."""
 
     tier: int
     step: int
@@ -651,6 +662,7 @@ AgentToCoordinator = (
     | Ready
     | Beat
     | Held
+    | Unheld
     | Progress
     | Stopped
     | Exited

@@ -563,14 +563,16 @@ class SimWorker:
                 if not isinstance(got, p.Allocated):
                     return (yield from self._leave(gen, rank, "collective", str(got)))
                 alloc = got
-            request = p.SlotRequest(rank=rank, step=step, alloc=alloc.alloc)
-            granted = yield from self._call(request, gen)
-            deadline = sim.now + 60.0  # the last step waits for a slot (Job.steps does)
-            while step == sim.steps - 1 and isinstance(granted, p.SlotGranted):
-                if granted.slot is not None or sim.now > deadline or gen in self.ended:
+            deadline = sim.now + (60.0 if step == sim.steps - 1 else 0.0)  # as Job.steps
+            while True:  # the last step waits for a slot; a refusal then is no skip yet
+                retry = sim.now < deadline
+                request = p.SlotRequest(rank=rank, step=step, alloc=alloc.alloc, retry=retry)
+                granted = yield from self._call(request, gen)
+                if not isinstance(granted, p.SlotGranted) or granted.slot is not None:
+                    break
+                if not retry or gen in self.ended:
                     break
                 yield 0.005
-                granted = yield from self._call(request, gen)
             if isinstance(granted, p.SlotGranted) and granted.slot is not None:
                 seg = sim.segments.get(alloc.segments[granted.slot])
                 if seg is not None and seg.buf is not None:
@@ -621,7 +623,7 @@ class SimWorker:
                         buf = lease.read()
                         if checksum_chunks(lease.layout.chunks(buf)) == lease.checksum:
                             data = bytes(buf[:8])
-                    except CorruptPartError:
+                    except (CorruptPartError, ValueError):  # ValueError: the peer died
                         data = None
                     assert peer is not None
                     peer.ask("replica_unlease", {"rank": rank, "token": lease.token})

@@ -184,6 +184,8 @@ class WorkerTable:
         """Live workers silent past ``lease`` (a hang) or not gone by their deadline."""
         out = []
         for w in self.procs.values():
+            if w.state is WorkerState.FINISHED:
+                continue  # it exits, or has: nothing to beat for
             silent = w.ctl is not None and now - w.seen > lease
             late = w.state is WorkerState.LEAVING and now > w.deadline
             if silent or late:

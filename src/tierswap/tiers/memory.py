@@ -178,6 +178,11 @@ class RankRing(CommitVotes):
         slot.checksum = checksum
         slot.state = SlotState.HELD
 
+    def abandon(self, slot: Slot) -> None:
+        """A slot whose checksum could not be computed: free again, never held."""
+        slot.leases = max(0, slot.leases - 1)
+        slot.state, slot.step, slot.checksum, slot.tree = SlotState.FREE, -1, "", {}
+
     def abandon_writes(self) -> None:
         """The worker died: slots it was writing are free again."""
         if self.alloc is not None:
@@ -263,6 +268,9 @@ class NodeRings:
             ring.discard_after(restart)
             ring.protect(committed)
             ring.peer_committed = peer_committed
+
+    def holds_everywhere(self, step: int) -> bool:
+        return all(step in ring.held() for ring in self.by_rank.values())
 
     def newest_complete(self) -> int:
         """The newest step every ring holds (-1 when there is none)."""

@@ -122,12 +122,13 @@ class ReplicaServer:
         rank, step, layout = msg.rank, msg.step, msg.layout
         layout.check()
         got = self.ask("replica_slot", rank=rank, step=step, layout=layout, generation=generation)
-        chan.send(p.Room(ok=got is not None))
         if got is None:
+            chan.send(p.Room(ok=False))
             return
         token, room = got
         buf = room[: layout.nbytes]
-        try:
+        try:  # from here on the slot is the transfer's: freed if anything goes wrong
+            chan.send(p.Room(ok=True))
             chan.recv_raw_into(buf)
         except BaseException:
             self.ask(

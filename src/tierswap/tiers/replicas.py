@@ -252,6 +252,11 @@ class PeerStore:
             r: {s: k for s, k in d.kinds().items() if k != "base"} for r, d in self.drings.items()
         }
 
+    def holds_everywhere(self, step: int) -> bool:
+        """Whether every protected rank holds ``step``."""
+        held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
+        return all(r in held and step in held[r].held() for r in self.protects)
+
     def newest_complete(self) -> int:
         """The newest step held for every protected rank (-1 when there is none)."""
         held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
