@@ -174,10 +174,16 @@ def train(job):
             gone(f"{out}/rank1.pid")
             time.sleep(2)  # its agent is told to stop meanwhile
         else:
+            appears(f"{out}/rank0.pid")  # rank 0 is done with its steps (and snapshots)
             os._exit(3)
     if job.rank == 1:
         gone(f"{out}/rank0.pid")  # rank 0 has finished and exited
         os._exit(3)  # a crash in the user's own code after the steps, before finishing
+
+def appears(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 def gone(pid_file):
     deadline = time.monotonic() + 60

@@ -334,3 +334,23 @@ def test_a_step_ruled_out_stays_out_when_a_node_holds_it_later() -> None:
     out = c.say(0, p.Held(tier=0, step=9))  # rank 0 got a slot for 9 after all
     assert c.sent(p.Release, out) == [p.Release(tier=0, step=9)], "released at once"
     assert not c.sent(p.Committed, out)
+
+
+def test_a_first_worker_dying_before_it_attaches_stops_the_job_a_replacement_is_retried() -> None:
+    a = Agent()
+    (first,) = a.spawned
+    a.start(0)
+    out = a.core.handle(ae.WorkerExited(first.local, first.incarnation, -9), 0.0)
+    assert p.Exited(rank=0, code=-9) in a.to_coordinator(out)
+    (spawn,) = [c for c in out if isinstance(c, Spawn)]  # its replacement
+    out = a.core.handle(ae.WorkerExited(spawn.local, spawn.incarnation, -9), 0.0)
+    assert [c for c in out if isinstance(c, Spawn)], "killed while it imported: started again"
+    assert not [m for m in a.to_coordinator(out) if isinstance(m, p.StartFailed)]
+
+    # a node whose first worker fails before it attaches
+    core = AgentCore(1, a.core.cfg, rings=a.core.rings, peers=a.core.peers,
+                     replica_address=("h", 9), coord_host="h")  # fmt: skip
+    (boot,) = [c for c in core.handle(ae.Boot(), 0.0) if isinstance(c, Spawn)]
+    out = core.handle(ae.WorkerExited(boot.local, boot.incarnation, 1), 0.0)
+    told = [c.msg for c in out if isinstance(c, ae.ToCoordinator)]
+    assert told == [p.StartFailed(local=0, code=1)], "the script is broken: the job stops"

@@ -34,6 +34,8 @@ EXPLAINED = (
     "no step can be restored",  # every copy of some rank's state was lost with its hosts
     "more than --max-restarts",
     "no spare is left",
+    "before it was ready",  # a worker killed while the job's first workers start: taken
+    # for a script that cannot start (it stops the job rather than retry a broken script)
 )
 """Why a job may stop under the failures it was given; anything else (a timeout above all,
 which is a hang with a deadline) is a bug."""
@@ -60,6 +62,7 @@ def scenario(seed: int) -> Sim:
         worker_kills=rng.choice([0.0, 0.3, 0.6]),
         freezes=rng.choice([0.0, 0.0, 0.1]),
         link_cuts=rng.choice([0.0, 0.0, 0.1]),
+        duplicate=rng.choice([0.0, 0.0, 0.02]),
         until=rng.uniform(1.0, 8.0),
     )
     step_time = rng.choice([0.005, 0.05, 0.2])

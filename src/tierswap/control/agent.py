@@ -67,7 +67,8 @@ class PendingParts:
 
     step: int
     ranks: set[int]
-    parts: list[Any] = field(default_factory=list)
+    parts: dict[int, Any] = field(default_factory=dict)
+    """rank -> its PartInfo, once written."""
     errors: dict[int, str] = field(default_factory=dict)
 
 
@@ -219,8 +220,12 @@ class AgentCore:
 
     def _from_coordinator(self, env: p.Envelope[Any], now: float) -> None:
         match env.msg:
-            case p.Start():
+            case p.Start() if env.gen > self.generation or self.phase == AgentPhase.IDLE:
                 self._start(env.gen, env.msg, now)
+            case p.Start():
+                pass  # this generation's start again: it runs already
+            case p.Stop() if self.phase in (AgentPhase.STOPPING, AgentPhase.STOPPED):
+                pass  # a stop again: it is stopping, or has reported
             case p.Stop():
                 self.phase.move(AgentPhase.STOPPING)
                 self.workers.abort(now + self.cfg.collective_timeout)
@@ -519,6 +524,8 @@ class AgentCore:
         self._maybe_stopped()
 
     def _persist(self, msg: p.Persist) -> None:
+        if msg.token in self.persisting:
+            return  # the same request again: its parts are being written
         pending = PendingParts(msg.step, set(self.ranks))
         self.persisting[msg.token] = pending
         if self.faults.fails_persist(msg.step):
@@ -539,7 +546,7 @@ class AgentCore:
         if pending is None:
             return  # asked before a restart: not wanted any more
         if event.part is not None:
-            pending.parts.append(event.part)
+            pending.parts[event.rank] = event.part
         else:
             pending.errors[event.rank] = event.error or "not written"
         self._maybe_parts(event.token)
@@ -549,7 +556,8 @@ class AgentCore:
         if len(pending.parts) + len(pending.errors) < len(pending.ranks):
             return
         del self.persisting[token]
-        msg = p.Parts(token=token, step=pending.step, parts=pending.parts, errors=pending.errors)
+        parts = [pending.parts[r] for r in sorted(pending.parts)]
+        msg = p.Parts(token=token, step=pending.step, parts=parts, errors=pending.errors)
         self._tell(msg)
 
     def _ask(self, event: Ask) -> None:

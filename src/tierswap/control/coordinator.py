@@ -206,10 +206,7 @@ class CoordinatorCore:
                 self.out.log("worker_hung", node=node, rank=rank, pid=pid, why=why)
                 self.out.say(f"rank {rank} (pid {pid}) killed: {why}")
             case p.StartFailed(code=code):
-                raise JobStopped(
-                    f"a worker of host {host} exited with code {code} before it was ready; "
-                    "the script's output above says why"
-                )
+                self._start_failed(host, code, now)
             case p.SpareWorkerExited(code=code):
                 self.out.log("spare_worker_exited", host=host, code=code)
             case p.ExitedAfterFinish(rank=rank, code=code):
@@ -387,6 +384,18 @@ class CoordinatorCore:
         self.out.log("host_boot_failed", host=host, code=code)
         self.to_revive += 1
         self._maybe_start(now)
+
+    def _start_failed(self, host: int, code: int, now: float) -> None:
+        """A host's worker exited before it was ready, again and again: before the job
+        ever ran, the script is broken and the job stops; once it has run, that host is
+        lost (a spare or a host booting later takes its place, a few times)."""
+        why = f"a worker of host {host} exited with code {code} before it was ready"
+        if self.generation < 0:
+            raise JobStopped(f"{why}; the script's output above says why")
+        self.boot_failures += 1
+        if self.boot_failures > BOOT_RETRIES:
+            raise JobStopped(f"{why}, {self.boot_failures} times; its output above says why")
+        self._host_lost(host, why, now)
 
     def _revive(self, needed: int) -> None:
         """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""

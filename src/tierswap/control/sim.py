@@ -147,9 +147,14 @@ class Link:
     """One direction of a connection: in order, each message after a random latency;
     ``close`` delivers EOF after what was sent before it."""
 
-    def __init__(self, sim: Sim, deliver: Callable[[bytes | None], None]) -> None:
+    def __init__(
+        self, sim: Sim, deliver: Callable[[bytes | None], None], duplicates: bool = False
+    ) -> None:
         self.sim = sim
         self.deliver = deliver
+        self.duplicates = duplicates
+        """Whether chaos may deliver a message twice here (agent <-> coordinator, the
+        messages a reconnecting sender would send again; not request/reply streams)."""
         self.last = 0.0
         self.closed = False
 
@@ -157,7 +162,7 @@ class Link:
         if self.closed:
             return
         self._schedule(data)
-        if self.sim.rng.random() < self.sim.chaos.duplicate:
+        if self.duplicates and self.sim.rng.random() < self.sim.chaos.duplicate:
             self._schedule(data)  # a message delivered twice
 
     def _schedule(self, data: bytes | None) -> None:
@@ -179,7 +184,8 @@ class Chaos:
     freezes: float = 0.0
     link_cuts: float = 0.0
     duplicate: float = 0.0
-    """Probability that a message is delivered twice."""
+    """Probability that a message between an agent and the coordinator is delivered
+    twice (what a sender that reconnects and sends again would cause)."""
     until: float = 30.0
     """No new fault after this simulated time, so every run can end."""
 
@@ -198,8 +204,8 @@ class SimHost:
         self.frozen = False
         self.core: AgentCore | None = None
         self.conn = next(sim.conns)
-        self.up = Link(sim, lambda data: sim.to_coordinator(self, data))
-        self.down = Link(sim, self._from_coordinator)
+        self.up = Link(sim, lambda data: sim.to_coordinator(self, data), duplicates=True)
+        self.down = Link(sim, self._from_coordinator, duplicates=True)
         self.workers: dict[tuple[int, int], SimWorker] = {}
         self.links: dict[int, tuple[Link, SimWorker]] = {}
         """conn -> the link to that worker connection."""
@@ -232,8 +238,8 @@ class SimHost:
             self.feed(ae.CoordinatorClosed())
             return
         env = TO_AGENT.decode(data)
-        if isinstance(env.msg, p.Welcome):
-            self._welcome(env.msg)
+        if isinstance(env.msg, p.Welcome) and self.core is None:
+            self._welcome(env.msg)  # read once, before the core exists (as agent.main does)
             return
         self.feed(ae.FromCoordinator(env))
 
