@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
-from tierswap.demo import job_command
+from tierswap.examples import job_command
 from tierswap.tiers import durable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -295,3 +295,17 @@ def test_a_refused_slot_on_the_last_step_is_retried_and_the_job_finishes(
         sim = Sim(_cfg(replicas=0), seed=seed, steps=steps, step_time=0.05)
         assert sim.run() == "finished"
         assert state["refused"]
+
+
+def test_a_launcher_paused_longer_than_the_lease_renews_leases_and_fences_nobody() -> None:
+    """Issue 14: the launcher was stopped (SIGSTOP) longer than ``--lease``; on waking it
+    blamed every healthy host for the missing heartbeats, fenced them and threw away
+    every memory tier. Now it sees the gap in its own ticks and renews the leases."""
+    for seed in range(5):
+        sim = Sim(_cfg(spares=1), seed=seed, steps=30, step_time=0.05)
+        sim.pause_coordinator(at=2.0, seconds=25.0)  # lease 10 s
+        assert sim.run() == "finished"
+        events = [e for _, e, _ in sim.log]
+        assert "coordinator_paused" in events
+        assert "failure_detected" not in events, "a host fenced for the launcher's pause"
+        assert events.count("generation_started") == 1

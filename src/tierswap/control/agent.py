@@ -154,6 +154,7 @@ class AgentCore:
         self.boot_failures: dict[int, int] = {}
         """local index -> its workers that died before they attached, in a row."""
         self.exiting = False
+        self.last_tick = 0.0
         self.out: list[Any] = []
 
     @property
@@ -193,6 +194,7 @@ class AgentCore:
             case Tick():
                 self._watch(now)
             case Boot():
+                self.last_tick = now
                 for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
                     self.workers.spawn(local, now)
             case CoordinatorClosed():
@@ -501,7 +503,14 @@ class AgentCore:
 
     def _watch(self, now: float) -> None:
         """Kill a worker that is silent past its lease (a hang) or that does not leave its
-        generation in time; its exit is then handled as a crash."""
+        generation in time; its exit is then handled as a crash. After a pause of this
+        process (ticks far apart) its workers get fresh leases instead."""
+        gap, self.last_tick = now - self.last_tick, now
+        if gap > self.cfg.lease / 2:
+            self._tell(p.Paused(seconds=gap))
+            for w in self.workers.procs.values():
+                w.seen = max(w.seen, now)
+                w.deadline += gap
         for w, why in self.workers.overdue(now, self.cfg.lease):
             self._tell(p.Hung(rank=-1 if w.rank is None else w.rank, pid=w.pid or -1, why=why))
             self.out.append(Kill(w.local, w.incarnation))

@@ -127,6 +127,8 @@ class CoordinatorCore:
         self.last_loss: float | None = None
         self.total: int | None = None
         self.deadline = now + cfg.startup_timeout
+        self.last_tick = now
+        """When time was last looked at: a long gap is a pause of this process."""
 
     # ---------------------------------------------------------------- the door
 
@@ -209,6 +211,8 @@ class CoordinatorCore:
                 self._start_failed(host, code, now)
             case p.SpareWorkerExited(code=code):
                 self.out.log("spare_worker_exited", host=host, code=code)
+            case p.Paused(seconds=seconds):
+                self.out.log("agent_paused", node=node, host=host, seconds=seconds)
             case p.ExitedAfterFinish(rank=rank, code=code):
                 self.out.log("worker_exited_after_finish", node=node, rank=rank, code=code)
             case p.PeerMemoryExceeded():
@@ -259,6 +263,15 @@ class CoordinatorCore:
         for conn, at in heard.items():
             if (host := self.hosts.host_of(conn)) is not None:
                 self.hosts.heard[host] = max(self.hosts.heard.get(host, at), at)
+        gap, self.last_tick = now - self.last_tick, now
+        if gap > self.cfg.lease / 2:
+            # Ticks this far apart: this process did not run (SIGSTOP, a suspended VM,
+            # a stalled loop). The hosts' silence is its own: fresh leases, not fencing.
+            self.out.log("coordinator_paused", seconds=gap)
+            self.out.say(f"the coordinator did not run for {gap:.1f} s: hosts' leases renewed")
+            for host in self.hosts.conns:
+                self.hosts.heard[host] = now
+            self.deadline += gap
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
             self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
         if now > self.deadline and not self.done:

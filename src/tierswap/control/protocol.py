@@ -419,6 +419,14 @@ class ExitedAfterFinish(Message, frozen=True, kw_only=True, tag="exited_after_fi
     code: int
 
 
+class Paused(Message, frozen=True, kw_only=True, tag="paused"):
+    """The agent did not run for ``seconds`` (SIGSTOP, a suspended VM): it renewed its
+    workers' leases rather than take them for hung."""
+
+    scoped = False
+    seconds: float
+
+
 class PeerMemoryExceeded(Message, frozen=True, kw_only=True, tag="peer_memory_exceeded"):
     scoped = False
     rank: int
@@ -671,6 +679,7 @@ AgentToCoordinator = (
     | StartFailed
     | SpareWorkerExited
     | ExitedAfterFinish
+    | Paused
     | PeerMemoryExceeded
     | Parts
     | Replicating

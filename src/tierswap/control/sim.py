@@ -696,6 +696,8 @@ class Sim:
         """Workers inside a generation (arrived, not parked), by generation."""
         self.committed: dict[int, int] = {0: -1, 1: -1}
         self.events = 0
+        self.paused_until = 0.0
+        """The coordinator does nothing before this time (``pause_coordinator``)."""
         self.kills: dict[tuple[str, int], int] = {}
         """("rank" or "node", index) -> the step after which it is killed (once)."""
         self.coordinator = CoordinatorCore(
@@ -788,6 +790,9 @@ class Sim:
 
     def _coordinate(self, event: Any) -> None:
         if self.ended is not None:
+            return
+        if self.now < self.paused_until:  # SIGSTOP of the launcher: it reads on later
+            self.at(self.paused_until, lambda: self._coordinate(event))
             return
         for cmd in self.coordinator.handle(event, self.now):
             self._coordinator_does(cmd)
@@ -894,6 +899,11 @@ class Sim:
         """Kill rank ``index``'s worker, or node ``index``'s host, once a worker of it has
         done ``step`` (as ``--inject kill:rank=R:step=S`` does)."""
         self.kills[(what, index)] = step
+
+    def pause_coordinator(self, at: float, seconds: float) -> None:
+        """Freeze the launcher (SIGSTOP) from ``at`` for ``seconds``: what arrives meanwhile
+        waits in its sockets, and no tick runs."""
+        self.at(at, lambda: setattr(self, "paused_until", at + seconds))
 
     def kill_at_generation(self, node: int, generation: int) -> None:
         """Kill the host serving ``node`` as soon as ``generation`` starts."""

@@ -1,0 +1,66 @@
+"""Reliability: the job survives what happens to the launcher itself (issue 14)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments
+from tierswap.examples import job_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _wait_for(run_dir: Path, kind: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists() and events(run_dir, kind):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no {kind} event within {timeout} s")
+
+
+def test_a_launcher_stopped_past_its_lease_fences_nobody(tmp_path: Path, baseline) -> None:
+    """SIGSTOP of the launcher for twice the lease: when it runs again the hosts'
+    silence is its own, their leases are renewed, and the job finishes with no failure."""
+    base = baseline(nodes=2, mode="ddp")
+    run_dir = tmp_path / "paused"
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", "--heartbeat", "0.5", "--lease", "3"],
+        [
+            "--steps",
+            "12",
+            "--mode",
+            "ddp",
+            "--sleep",
+            "0.1",
+            "--out",
+            str(tmp_path / "paused-final"),
+        ],
+    )
+    log = tmp_path / "paused.log"
+    with log.open("w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                               start_new_session=True)  # fmt: skip
+        try:
+            _wait_for(run_dir, "snapshot_committed", 120)
+            os.kill(job.pid, signal.SIGSTOP)  # the launcher only: agents and workers run on
+            time.sleep(6)
+            os.kill(job.pid, signal.SIGCONT)
+            code = job.wait(120)
+        finally:
+            if job.poll() is None:
+                kill_job(job.pid, run_dir)
+                job.wait()
+    assert code == 0, log.read_text()
+    assert events(run_dir, "coordinator_paused")[0]["seconds"] >= 5
+    assert not events(run_dir, "failure_detected"), "a host was fenced for the launcher's pause"
+    assert len(events(run_dir, "generation_started")) == 1
+    assert_same_bits(base, final_state(tmp_path, "paused"))
+    assert not leaked_segments(tmp_path)
