@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import secrets
 import socket
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from tierswap.control import protocol as p
-from tierswap.wire import Channel, reader, serve
+from tierswap.wire import BACKLOG, Channel, reader, serve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -49,7 +50,7 @@ class EchoServer:
 
     def __init__(self) -> None:
         self.secret = secrets.token_bytes(32)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret, backlog=BACKLOG)
         self.address: tuple[str, int] = self.listener.address
         self.got: list[p.Message] = []
         self.closed = threading.Event()
@@ -204,3 +205,69 @@ def test_a_silent_client_does_not_block_the_job() -> None:
         stop()
         for c in got:
             c.close()
+
+
+_FLOODED = """
+import resource, sys, time
+sys.path.insert(0, sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+import test_wire
+srv = test_wire.EchoServer()
+print(srv.address[1], srv.secret.hex(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_server_out_of_descriptors_keeps_accepting_once_they_free(tmp_path: Path) -> None:
+    """Issue 14: a burst of connections up to the process's file limit stopped the
+    servers from ever accepting again (the accept loop ended on any OSError)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FLOODED, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        port, secret = child.stdout.readline().split()
+        flood = []
+        for _ in range(60):
+            with contextlib.suppress(OSError):
+                flood.append(socket.create_connection(("127.0.0.1", int(port)), timeout=2))
+        time.sleep(1.0)  # the server hits EMFILE accepting them
+        for s in flood:
+            s.close()
+        deadline = time.monotonic() + 20
+        while True:  # the handshakes of the closed sockets fail, their descriptors free
+            try:
+                chan = Channel.connect(("127.0.0.1", int(port)), bytes.fromhex(secret), Replies)
+                assert chan.call(Ping(n=1), Pong, timeout=5) == Pong(n=2)
+                chan.close()
+                break
+            except (OSError, EOFError, TimeoutError):
+                assert time.monotonic() < deadline, "the server never accepted again"
+                time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_frame_longer_than_the_bound_closes_the_channel_unread() -> None:
+    from tierswap import wire
+
+    a, b = _pipe()
+
+    def send() -> None:  # the reader refuses it unread: the sender is left blocked
+        with contextlib.suppress(OSError):
+            a.conn.send_bytes(b"\0" * (wire.MAX_FRAME + 1))
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(OSError, match="bad message length"):
+            b.recv(timeout=5)
+    finally:
+        b.close()
+        a.close()

@@ -9,10 +9,12 @@ union it is made for, and anything else is a ``ProtocolError``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import (
     Client,
@@ -27,6 +29,7 @@ from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolE
 
 Address = str | tuple[str, int]
 R = TypeVar("R", bound=Message)
+log = logging.getLogger(__name__)
 
 
 class Channel:
@@ -64,7 +67,7 @@ class Channel:
         ProtocolError for bytes that are not a message of this channel."""
         if timeout is not None and not self.conn.poll(timeout):
             return None
-        return self.codec.decode(self.conn.recv_bytes())
+        return self.codec.decode(self.conn.recv_bytes(MAX_FRAME))
 
     def call(self, msg: Message, reply: type[R] | tuple[type[R], ...], timeout: float = 60.0) -> R:
         """Send a request and wait for its reply (the peer answers calls in order); an
@@ -142,6 +145,11 @@ def serve(
     stopped = threading.Event()
     authkey = secret_of(listener)
 
+    pending = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+    """Connections still proving they know the secret. When that many are, accepting
+    waits (the kernel's backlog holds the next ones): a flood of silent strangers costs
+    a client at most a handshake timeout, never every descriptor and thread."""
+
     def handshake(conn: Connection) -> None:
         # Listener.accept() would run this on the accept thread, where one silent client
         # blocks every later connection: here it runs on its own thread, with a deadline.
@@ -152,26 +160,45 @@ def serve(
                 deliver_challenge(conn, authkey)
                 answer_challenge(conn, authkey)
                 _set_timeout(sock, 0.0)
-        except Exception:  # wrong secret, silence, a wake-up: refused
+        except Exception:  # wrong secret, silence, a wake-up, no descriptor left: refused
             conn.close()
             return
+        finally:
+            pending.release()
         if stopped.is_set():
             conn.close()
             return
         on_channel(Channel(conn, incoming))
 
     def loop() -> None:
+        backoff = 0.0
         while not stopped.is_set():
             inner = listener._listener  # type: ignore[attr-defined]
             if inner is None:  # listener closed: shutting down
                 return
+            if not pending.acquire(timeout=0.5):
+                continue  # every handshake slot is taken: wait for one
             try:
                 conn = inner.accept()
-            except OSError:  # closed while waiting
-                return
-            threading.Thread(
-                target=handshake, args=(conn,), daemon=True, name=f"{name}-handshake"
-            ).start()
+            except OSError as e:
+                pending.release()
+                if stopped.is_set() or listener._listener is None:  # type: ignore[attr-defined]
+                    return  # closed while waiting
+                # no descriptor left (EMFILE, ENFILE), a connection reset before it was
+                # accepted, memory: this server goes on, after a short wait so that a flood
+                # does not spin it
+                backoff = min(ACCEPT_BACKOFF_MAX, max(0.01, backoff * 2))
+                log.warning("%s: accept failed (%s); retrying in %.2f s", name, e, backoff)
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            try:
+                threading.Thread(
+                    target=handshake, args=(conn,), daemon=True, name=f"{name}-handshake"
+                ).start()
+            except RuntimeError:  # no thread can be started: turned away as well
+                pending.release()
+                conn.close()
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
@@ -193,6 +220,16 @@ def serve(
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a connecting process has to prove it knows the job's secret."""
+MAX_UNAUTHENTICATED = 64
+"""Connections a server lets prove themselves at once; the next wait to be accepted."""
+BACKLOG = 1024
+"""Connections the kernel queues for a listener (multiprocessing's default is 1, which
+drops a burst of hosts connecting at a job's start)."""
+ACCEPT_BACKOFF_MAX = 0.5
+"""The longest wait before accepting again after accept failed (no descriptor left)."""
+MAX_FRAME = 64 << 20
+"""The largest message a channel reads (bytes); a longer one closes it unread (bulk bytes
+go raw, outside messages)."""
 
 
 def secret_of(listener: Listener) -> bytes:

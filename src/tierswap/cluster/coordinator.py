@@ -47,7 +47,7 @@ from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
 from tierswap.events import EventLog, Progress
 from tierswap.shm import remove_job_segments
-from tierswap.wire import Channel, reader, serve
+from tierswap.wire import BACKLOG, Channel, reader, serve
 
 
 class Coordinator:
@@ -60,7 +60,7 @@ class Coordinator:
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
         # agents (including hosts that join later) and workers reach both on --bind
-        self.listener = Listener((cfg.bind, 0), authkey=self.secret)
+        self.listener = Listener((cfg.bind, 0), authkey=self.secret, backlog=BACKLOG)
         self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = TCPStore(
             cfg.bind,

@@ -20,7 +20,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout
-from tierswap.wire import Address, Channel, serve
+from tierswap.wire import BACKLOG, Address, Channel, serve
 
 if TYPE_CHECKING:
     from tierswap.tiers.deltas import Base
@@ -83,7 +83,7 @@ class ReplicaServer:
 
     def __init__(self, bind: str, secret: bytes, ask: Ask) -> None:
         self.ask = ask
-        self.listener = Listener((bind, 0), authkey=secret)
+        self.listener = Listener((bind, 0), authkey=secret, backlog=BACKLOG)
         self._stop = serve(self.listener, self._serve, "tierswap-replica-accept", p.AgentToAgent)
 
     @property
