@@ -88,6 +88,8 @@ def _ls(args: argparse.Namespace) -> int:
             state += f", deltas of step {'/'.join(map(str, sorted(s.bases)))}"
         if s.missing_bases:
             state += f"; NOT restorable: base {'/'.join(map(str, s.missing_bases))} is gone"
+        if s.problem:
+            state = f"BAD: {s.problem}"
         ws = "" if s.world_size is None else str(s.world_size)
         table.add_row(str(s.step), state, ws, str(len(s.present_ranks)), f"{s.nbytes:,}")
     console = Console()

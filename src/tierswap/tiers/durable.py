@@ -47,10 +47,13 @@ from tierswap.state import Layout
 from tierswap.tiers.files import (
     Reader,
     fsync_dir,
+    is_folder,
     is_local,
     open_read,
+    parse_json,
     read_exact,
     read_small,
+    regular_file,
     stream,
     url_fs,
     write_atomic,
@@ -61,6 +64,10 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 ST_FORMAT = "tierswap-1"
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
+MAX_JSON = 256 << 20
+"""The largest part .json read (its tree is the state's non-tensor values)."""
+MAX_COMMIT = 64 << 20
+"""The largest COMMIT read (a few hundred bytes per rank)."""
 _STEP_RE = re.compile(r"step-(\d{9,})")
 _PART_RE = re.compile(r"rank-(\d{5,})\.(safetensors|delta)")
 
@@ -107,6 +114,9 @@ class StepInfo:
     """Committed, and every delta part's base is a committed step with a full part."""
     missing_bases: tuple[int, ...] = ()
     """Base steps its delta parts need that are not committed any more."""
+    problem: str | None = None
+    """Why the entry is not a step one can read (a symbolic link, a file, a folder that
+    cannot be listed, a COMMIT that cannot be read); None for a sound one."""
 
     @property
     def bases(self) -> set[int]:
@@ -121,10 +131,19 @@ def _step_dir(base: str, step: int) -> str:
 
 
 def _new_step_dir(root: str, step: int) -> tuple[Any, str]:
-    """The filesystem and folder of ``step`` under ``root``, created if missing."""
+    """The filesystem and folder of ``step`` under ``root``, created if missing. Raises
+    OSError if the name is taken by anything but a folder of the root's own (a symbolic
+    link above all: tier 2 writes nothing outside its root)."""
     fs, base = url_fs(root)
     folder = _step_dir(base, step)
-    fs.makedirs(folder, exist_ok=True)
+    if fs.exists(folder) or (is_local(fs) and os.path.islink(folder)):
+        if not is_folder(fs, folder):
+            raise OSError(
+                f"{folder} is not a folder of {root} (a symbolic link, or a file): tier 2 "
+                "writes only inside its root; remove it or use another --persist"
+            )
+    else:
+        fs.makedirs(folder, exist_ok=True)
     return fs, folder
 
 
@@ -269,11 +288,11 @@ def _read_meta(
     fs: Any, path: str, step: int, rank: int, expected: PartInfo | None
 ) -> tuple[Layout, dict[str, Any], str, dict[str, Any]]:
     """The layout, tree and data checksum in a rank's .json file, and the whole file."""
-    raw = read_small(fs, path)
+    raw = read_small(fs, path, MAX_JSON)
     if expected is not None and checksum_bytes(raw) != expected.json:
         raise CorruptPartError(path, "checksum differs from the one in COMMIT")
+    meta = parse_json(path, raw)
     try:
-        meta = json.loads(raw)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"not a tierswap part (format {FORMAT} expected)")
         if meta.get("step") != step or meta.get("rank") != rank:
@@ -298,10 +317,7 @@ def _check_header(path: str, f: Reader, size: int, layout: Layout) -> None:
         raise CorruptPartError(path, f"header length {n} does not fit the file ({size} bytes)")
     raw = bytearray(n)
     read_exact(f, memoryview(raw))
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise CorruptPartError(path, f"header is not JSON: {e}") from e
+    header = parse_json(path, bytes(raw))
     if not isinstance(header, dict):
         raise CorruptPartError(path, "header is not a JSON object")
     header.pop("__metadata__", None)
@@ -331,9 +347,14 @@ def _read(
         path = f"{folder}/{_part(rank, 'delta')}"
     else:
         path = f"{folder}/{_part(rank, 'safetensors')}"
-        data = populated(layout.nbytes if keep else 0)
+        # the file's size bounds what its json may claim: checked before any allocation
+        size = regular_file(fs, path, 8 + _MAX_HEADER + layout.nbytes)
+        if size < 8 + layout.nbytes:
+            raise CorruptPartError(
+                path, f"is {size:,} bytes, less than the {layout.nbytes:,} its json claims"
+            )
         try:
-            size = int(fs.size(path))
+            data = populated(layout.nbytes if keep else 0)
             with open_read(fs, path) as f:
                 _check_header(path, f, size, layout)
                 if keep:
@@ -345,8 +366,8 @@ def _read(
             raise CorruptPartError(path, "missing") from None
         except EOFError:
             raise CorruptPartError(path, "ends early (truncated?)") from None
-        except OSError as e:
-            raise CorruptPartError(path, f"cannot read: {e}") from e
+        except (OSError, MemoryError) as e:
+            raise CorruptPartError(path, f"cannot read: {type(e).__name__}: {e}") from e
     if got != want:
         raise CorruptPartError(path, "data checksum mismatch (corrupt or truncated?)")
     if expected is not None and got != expected.data:
@@ -370,9 +391,6 @@ def _read_delta(
         raise CorruptPartError(path, f"base {base_step} differs from COMMIT's {expected.base}")
     if not isinstance(base_step, int):
         raise CorruptPartError(path, "a delta part without a base step")
-    raw = read_small(fs, path)
-    if checksum_bytes(raw) != meta.get("delta_checksum"):
-        raise CorruptPartError(path, "delta checksum mismatch (corrupt or truncated?)")
     try:
         _, base_parts = _read_commit(fs, root, base_step)
     except CorruptPartError as e:
@@ -385,6 +403,10 @@ def _read_delta(
     blayout, _, bdata = _read(fs, root, base_step, rank, bpart, keep=True)
     if blayout != layout:
         raise CorruptPartError(path, f"the layout differs from its base's (step {base_step})")
+    # the base's file bounds the layout, and the layout what a delta of it may take
+    raw = read_small(fs, path, 2 * layout.nbytes + (1 << 20))
+    if checksum_bytes(raw) != meta.get("delta_checksum"):
+        raise CorruptPartError(path, "delta checksum mismatch (corrupt or truncated?)")
     out = populated(layout.nbytes)
     delta.decode_into(bdata, delta.Delta.from_bytes(raw, where=path), out, where=path)
     return out
@@ -420,8 +442,9 @@ def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, Part
         "time": time.time(),
         "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
     }
-    fs, base = url_fs(root)
-    write_atomic(fs, f"{_step_dir(base, step)}/COMMIT", [json.dumps(body).encode()])
+    fs, folder = _new_step_dir(root, step)  # refuses a folder that is not the root's own
+    base = posixpath.dirname(folder)
+    write_atomic(fs, f"{folder}/COMMIT", [json.dumps(body).encode()])
     if is_local(fs):
         fsync_dir(base)  # the step folder's own entry
     latest = _read_latest(fs, base)
@@ -430,20 +453,23 @@ def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, Part
 
 
 def _read_latest(fs: Any, base: str) -> int | None:
+    path = f"{base}/LATEST"
     try:
-        return int(fs.cat_file(f"{base}/LATEST").decode().strip())
-    except FileNotFoundError:
+        return int(read_small(fs, path, 64).decode().strip())
+    except CorruptPartError as e:
+        if e.why != "missing":
+            log.warning("ignoring %s: %s; COMMIT files are the truth", path, e.why)
         return None
-    except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable %s/LATEST (%s); COMMIT files are the truth", base, e)
+    except ValueError as e:
+        log.warning("ignoring unreadable %s (%s); COMMIT files are the truth", path, e)
         return None
 
 
 def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo]]:
     path = f"{_step_dir(base, step)}/COMMIT"
-    raw = read_small(fs, path)
+    raw = read_small(fs, path, MAX_COMMIT)
+    body = parse_json(path, raw)
     try:
-        body = json.loads(raw)
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"not a tierswap COMMIT (format {FORMAT} expected)")
         if body["step"] != step:
@@ -464,8 +490,16 @@ def read_commit(root: str, step: int) -> tuple[int, dict[int, PartInfo]]:
 
 
 def _step_info(fs: Any, base: str, step: int) -> StepInfo:
-    files = fs.ls(_step_dir(base, step), detail=True)
-    sizes = {posixpath.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in files}
+    folder = _step_dir(base, step)
+    if not is_folder(fs, folder):
+        why = "is a symbolic link or a file, not a folder of the root: never read or deleted"
+        return StepInfo(step, False, None, {}, [], 0, problem=why)
+    try:
+        files = fs.ls(folder, detail=True)
+    except OSError as e:
+        return StepInfo(step, False, None, {}, [], 0, problem=f"cannot be listed: {e}")
+    regular = [f for f in files if f.get("type") == "file" and not f.get("islink")]
+    sizes = {posixpath.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in regular}
     present = sorted(
         {
             int(m.group(1))
@@ -475,12 +509,17 @@ def _step_info(fs: Any, base: str, step: int) -> StepInfo:
     )
     world_size: int | None = None
     parts: dict[int, PartInfo] = {}
-    if "COMMIT" in sizes:
+    problem = None
+    if any(posixpath.basename(f["name"].rstrip("/")) == "COMMIT" for f in files):
         try:
             world_size, parts = _read_commit(fs, base, step)
         except CorruptPartError as e:
             log.warning("step %d is not committed: %s", step, e)
-    return StepInfo(step, world_size is not None, world_size, parts, present, sum(sizes.values()))
+            problem = f"its COMMIT cannot be read: {e.why}"
+    return StepInfo(
+        step, world_size is not None, world_size, parts, present, sum(sizes.values()),
+        problem=problem,
+    )  # fmt: skip
 
 
 def list_steps(root: str) -> list[StepInfo]:
@@ -491,7 +530,7 @@ def list_steps(root: str) -> list[StepInfo]:
     except FileNotFoundError:
         return []
     steps = []
-    for name in names:
+    for name in names:  # each entry is judged alone: a bad one never hides the others
         m = _STEP_RE.fullmatch(posixpath.basename(str(name).rstrip("/")))
         if m:
             steps.append(_step_info(fs, base, int(m.group(1))))
@@ -529,10 +568,15 @@ def verify(root: str, step: int | None = None) -> list[str]:
     Each problem names the file and what is wrong with it.
     """
     fs, base = url_fs(root)
-    steps = [step] if step is not None else committed_steps(root)
+    listed = list_steps(root)
+    problems = [
+        f"{_step_dir(base, s.step)}: {s.problem}"
+        for s in listed
+        if s.problem is not None and step in (None, s.step)
+    ]
+    steps = [step] if step is not None else [s.step for s in listed if s.committed]
     if not steps:
-        return [f"{root}: no committed step"]
-    problems = []
+        return problems or [f"{root}: no committed step"]
     for s in steps:
         try:
             world_size, parts = _read_commit(fs, base, s)
@@ -562,8 +606,11 @@ def retain(root: str, keep: int) -> list[int]:
     kept |= {b for s in steps if s.step in kept for b in s.bases}  # never a needed base
     doomed = [s.step for s in steps if s.step not in kept and s.step < committed[-1]]
     fs, base = url_fs(root)
-    for s in doomed:
+    for s in list(doomed):
         folder = _step_dir(base, s)
+        if not is_folder(fs, folder):  # a symbolic link or a file: never followed, left
+            doomed.remove(s)
+            continue
         if fs.exists(f"{folder}/COMMIT"):
             fs.rm(f"{folder}/COMMIT")  # first, so a half-deleted step is never "committed"
         fs.rm(folder, recursive=True)

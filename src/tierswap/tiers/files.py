@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import posixpath
 import secrets
+import stat
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -127,14 +129,68 @@ def write_atomic(fs: Any, path: str, pieces: Iterable[Piece]) -> None:
         raise
 
 
-def read_small(fs: Any, path: str) -> bytes:
-    """A whole small file; CorruptPartError naming ``path`` if it is missing or unreadable."""
+def regular_file(fs: Any, path: str, limit: int) -> int:
+    """The size of ``path`` when it is a regular file inside its folder (no symbolic link,
+    no FIFO or device, which a read could follow out of the root or block on) of at most
+    ``limit`` bytes, checked before anything is read or allocated. Raises
+    CorruptPartError naming the file and what is wrong with it."""
     try:
-        return bytes(fs.cat_file(path))
+        if is_local(fs):
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptPartError(path, "is a symbolic link (tier 2 follows none)")
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptPartError(path, "is not a regular file")
+            size = st.st_size
+        else:
+            info = fs.info(path)
+            if info.get("type") != "file":
+                raise CorruptPartError(path, "is not a file")
+            size = int(info.get("size") or 0)
     except FileNotFoundError:
         raise CorruptPartError(path, "missing") from None
     except OSError as e:
         raise CorruptPartError(path, f"cannot read: {e}") from e
+    if size > limit:
+        raise CorruptPartError(path, f"is {size:,} bytes, more than the {limit:,} allowed")
+    return int(size)
+
+
+def is_folder(fs: Any, path: str) -> bool:
+    """Whether ``path`` is a folder of its own (a symbolic link to one is not: tier 2
+    never follows one out of its root)."""
+    if is_local(fs):
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            return False
+    return bool(fs.isdir(path))
+
+
+def read_small(fs: Any, path: str, limit: int = 64 << 20) -> bytes:
+    """A whole small file of at most ``limit`` bytes; CorruptPartError naming ``path`` if
+    it is missing, unreadable, too large or not a regular file."""
+    regular_file(fs, path, limit)
+    try:
+        data = bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        raise CorruptPartError(path, "missing") from None
+    except OSError as e:
+        raise CorruptPartError(path, f"cannot read: {e}") from e
+    if len(data) > limit:  # it grew between the check and the read
+        raise CorruptPartError(path, f"is more than the {limit:,} bytes allowed")
+    return data
+
+
+def parse_json(path: str, raw: bytes) -> Any:
+    """``raw`` parsed; CorruptPartError for bytes that are not JSON or nest too deeply (a
+    RecursionError would crash every reader)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CorruptPartError(path, "JSON nested too deeply") from None
+    except ValueError as e:
+        raise CorruptPartError(path, f"not JSON: {e}") from e
 
 
 def open_read(fs: Any, path: str) -> Any:

@@ -1,0 +1,122 @@
+"""A hostile durable root (issue 14): nothing outside the root is read, written or deleted,
+every bad entry is reported as that entry being bad (never the whole root taken for
+empty), and nothing is read or allocated past what the file itself holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_durable import _write
+from tierswap.errors import CorruptPartError
+from tierswap.tiers import durable
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _step(root: Path, step: int) -> Path:
+    return root / f"step-{step:09d}"
+
+
+def test_a_symlinked_step_folder_is_never_read_written_or_cleaned(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    for s in (1, 2, 3):
+        _write(str(root), s)
+    _write(str(outside), 0)  # a step of another root: its COMMIT must survive
+    os.symlink(_step(outside, 0), _step(root, 0))
+    steps = {s.step: s for s in durable.list_steps(str(root))}
+    assert not steps[0].committed and "symbolic link" in str(steps[0].problem)
+    assert [s for s in steps if steps[s].committed] == [1, 2, 3]
+    assert durable.retain(str(root), keep=1) == [1, 2]
+    assert (_step(outside, 0) / "COMMIT").is_file(), "retention deleted a file outside the root"
+    assert os.path.islink(_step(root, 0))
+    before = sorted(p.name for p in _step(outside, 0).iterdir())
+    with pytest.raises(OSError, match="writes only inside its root"):
+        _write(str(root), 0)
+    assert sorted(p.name for p in _step(outside, 0).iterdir()) == before, "wrote outside"
+    assert any("symbolic link" in p for p in durable.verify(str(root)))
+
+
+def test_a_dangling_link_among_the_steps_hides_no_committed_step(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    for s in (6, 7):
+        _write(str(root), s)
+    os.symlink(tmp_path / "nowhere", _step(root, 8))
+    steps = durable.list_steps(str(root))
+    assert [s.step for s in steps if s.committed] == [6, 7], "committed progress ignored"
+    (bad,) = [s for s in steps if s.problem]
+    assert bad.step == 8
+
+
+def test_a_part_json_claiming_a_huge_size_is_corrupt_before_anything_is_allocated(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    parts = _write(str(root), 4)
+    meta_path = _step(root, 4) / "rank-00001.json"
+    meta = json.loads(meta_path.read_text())
+    last = meta["layout"]["entries"][-1]  # a consistent layout whose last tensor is 4 TiB
+    last["shape"], last["dtype"] = [2**40], "F32"
+    last["nbytes"] = 4 * 2**40
+    meta["nbytes"] = meta["layout"]["nbytes"] = last["offset"] + last["nbytes"]
+    meta_path.write_text(json.dumps(meta))
+    t0 = time.monotonic()
+    with pytest.raises(CorruptPartError, match="less than"):
+        durable.read_part(str(root), 4, 1)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(CorruptPartError):  # the json no longer matches COMMIT either
+        durable.read_part(str(root), 4, 1, parts[1])
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "sparse", "fifo", "nested", "garbage"])
+def test_a_hostile_commit_is_a_bad_step_not_a_crash_or_a_hang(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "root"
+    _write(str(root), 3)
+    _write(str(root), 5)
+    commit = _step(root, 5) / "COMMIT"
+    commit.unlink()
+    if kind == "dev-zero":
+        os.symlink("/dev/zero", commit)
+    elif kind == "sparse":
+        with commit.open("wb") as f:
+            f.truncate(16 << 30)  # 16 GiB of holes: nothing on disk, everything on read
+    elif kind == "fifo":
+        os.mkfifo(commit)
+    elif kind == "nested":
+        commit.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        commit.write_text("{not json")
+    t0 = time.monotonic()
+    steps = {s.step: s for s in durable.list_steps(str(root))}
+    assert steps[3].committed and not steps[5].committed
+    assert steps[5].problem and "COMMIT" in steps[5].problem
+    problems = durable.verify(str(root))
+    assert problems and all("step-000000005" in p for p in problems), problems
+    assert time.monotonic() - t0 < 10, "a reader blocked or read the whole thing"
+
+
+def test_deeply_nested_part_json_is_a_corrupt_part(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _write(str(root), 2)
+    (_step(root, 2) / "rank-00000.json").write_text("{" * 50_000)
+    with pytest.raises(CorruptPartError, match=r"nested too deeply|not JSON"):
+        durable.read_part(str(root), 2, 0)
+
+
+def test_ls_and_verify_name_the_bad_entries(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _write(str(root), 1)
+    _step(root, 2).mkdir()
+    os.mkfifo(_step(root, 2) / "COMMIT")
+    cli = [sys.executable, "-m", "tierswap.cli"]
+    ls = subprocess.run([*cli, "ls", str(root)], capture_output=True, text=True, timeout=30)
+    assert ls.returncode == 0 and "BAD" in ls.stdout and "committed" in ls.stdout
+    verify = subprocess.run([*cli, "verify", str(root)], capture_output=True, text=True, timeout=30)
+    assert verify.returncode == 1 and "step-000000002" in verify.stdout
