@@ -120,3 +120,80 @@ def test_ls_and_verify_name_the_bad_entries(tmp_path: Path) -> None:
     assert ls.returncode == 0 and "BAD" in ls.stdout and "committed" in ls.stdout
     verify = subprocess.run([*cli, "verify", str(root)], capture_output=True, text=True, timeout=30)
     assert verify.returncode == 1 and "step-000000002" in verify.stdout
+
+
+# ---------------------------------------------------------------- one job per root
+
+
+def test_a_second_job_on_a_root_in_use_is_refused_naming_the_first(tmp_path: Path) -> None:
+    from tierswap.tiers.ownership import RootClaim, RootInUseError
+
+    root = str(tmp_path / "root")
+    first = RootClaim(root, None)
+    first.acquire()
+    second = RootClaim(root, None)
+    assert second.job == first.job, "a job started on the root resumes it under its name"
+    with pytest.raises(RootInUseError, match=f"in use by job '{first.job}' .*pid {os.getpid()}"):
+        second.acquire()
+    assert first.renew() is None
+    first.release()
+    second.acquire()
+    second.release()
+
+
+def test_a_lease_whose_holder_died_on_this_host_is_taken_at_once(tmp_path: Path) -> None:
+    """A job killed and started again at once on the same host must not wait out the
+    lease of the one that died."""
+    from tierswap.tiers.ownership import RootClaim
+
+    root = str(tmp_path / "root")
+    code = (
+        "import sys; from tierswap.tiers.ownership import RootClaim; "
+        "RootClaim(sys.argv[1], None).acquire()"
+    )
+    subprocess.run([sys.executable, "-c", code, root], check=True, timeout=60)
+    assert (tmp_path / "root" / "LOCK").is_file(), "the dead job's lease is still there"
+    RootClaim(root, None).acquire()
+
+
+def test_taking_over_a_live_root_on_purpose_tells_the_old_holder(tmp_path: Path) -> None:
+    from tierswap.tiers.ownership import RootClaim
+
+    root = str(tmp_path / "root")
+    old = RootClaim(root, "train-7b")
+    old.acquire()
+    new = RootClaim(root, "train-7b", take_over=True)
+    new.acquire()
+    lost = old.renew()
+    assert lost is not None and "taken over by job 'train-7b'" in lost
+
+
+def test_another_job_name_than_the_roots_is_refused(tmp_path: Path) -> None:
+    from tierswap.tiers.ownership import RootClaim, RootInUseError
+
+    root = str(tmp_path / "root")
+    RootClaim(root, "alpha").acquire()
+    with pytest.raises(RootInUseError, match="holds the steps of job 'alpha', not 'beta'"):
+        RootClaim(root, "beta")
+
+
+def test_a_step_committed_by_another_job_is_never_restored(tmp_path: Path) -> None:
+    """A complete step folder of another job, same world size, copied into the root: it
+    was restored without a word."""
+    import shutil
+
+    from tierswap.control.ports import DurableRoot
+    from tierswap.tiers.ownership import RootClaim
+
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    for root, name, step in ((mine, "mine", 3), (theirs, "theirs", 9)):
+        claim = RootClaim(root, name)
+        claim.acquire()
+        parts = _write(root, step, commit=False)
+        durable.write_commit(root, step, 2, parts, job=name)
+        claim.release()
+    shutil.copytree(_step(Path(theirs), 9), _step(Path(mine), 9))
+    steps = {s.step: s for s in durable.list_steps(mine)}
+    assert steps[3].committed and not steps[9].committed
+    assert "committed by job 'theirs'" in str(steps[9].problem)
+    assert DurableRoot(mine, "mine").restorable_steps(2) == frozenset({3})

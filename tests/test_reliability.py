@@ -64,3 +64,55 @@ def test_a_launcher_stopped_past_its_lease_fences_nobody(tmp_path: Path, baselin
     assert len(events(run_dir, "generation_started")) == 1
     assert_same_bits(base, final_state(tmp_path, "paused"))
     assert not leaked_segments(tmp_path)
+
+
+def test_a_second_job_on_a_root_in_use_is_refused_and_the_first_goes_on(
+    tmp_path: Path, baseline
+) -> None:
+    """Two jobs on one durable root at once both ran, and one resumed the other's steps."""
+    base = baseline(nodes=2, mode="ddp")
+    persist = tmp_path / "ckpt"
+    run_dir = tmp_path / "first"
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2"],
+        [
+            "--steps",
+            "12",
+            "--mode",
+            "ddp",
+            "--sleep",
+            "0.1",
+            "--out",
+            str(tmp_path / "first-final"),
+        ],
+    )
+    with (tmp_path / "first.log").open("w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                               start_new_session=True)  # fmt: skip
+        try:
+            _wait_for(run_dir, "snapshot_committed", 120)
+            second = subprocess.run(
+                job_command(
+                    tmp_path / "second",
+                    ["--nodes", "2", "--persist", str(persist)],
+                    ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "second-final")],
+                ),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=tmp_path,
+            )
+            code = job.wait(120)
+        finally:
+            if job.poll() is None:
+                kill_job(job.pid, run_dir)
+                job.wait()
+    assert second.returncode == 2, second.stderr
+    assert "is in use by job" in second.stderr and f"pid {job.pid}" in second.stderr
+    assert not (tmp_path / "second" / "events.jsonl").exists() or not events(
+        tmp_path / "second", "generation_started"
+    )
+    assert code == 0, (tmp_path / "first.log").read_text()
+    assert_same_bits(base, final_state(tmp_path, "first"))
+    assert not (persist / "LOCK").exists(), "the first job let its lease go"

@@ -27,6 +27,13 @@ class Config:
     """Write the committed step to tier 2 every this many steps."""
     keep: int = 2
     """Committed steps kept in tier 2; the newest committed one is never deleted."""
+    job_name: str | None = None
+    """The job's name in tier 2: a durable root holds one job's steps (its JOB file), and a
+    job started on it resumes them. None takes the root's name (or makes one up for a new
+    root); another name than the root's is refused."""
+    take_over_root: bool = False
+    """Take the durable root although another job's lease on it looks alive (its host is
+    gone for good, say). Two jobs writing one root lose each other's steps."""
     run_dir: str | None = None
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
     slots: int = 4

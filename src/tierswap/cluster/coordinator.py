@@ -31,6 +31,7 @@ from tierswap.control.commands import (
     Begin,
     Broadcast,
     Close,
+    DurableLost,
     End,
     FreeSegments,
     FreezeHost,
@@ -47,6 +48,7 @@ from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
 from tierswap.events import EventLog, Progress
 from tierswap.shm import remove_job_segments
+from tierswap.tiers.ownership import LEASE_S, RootClaim
 from tierswap.wire import BACKLOG, Channel, reader, serve
 
 
@@ -70,6 +72,12 @@ class Coordinator:
             timeout=timedelta(seconds=cfg.startup_timeout),
         )
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
+        self.claim = (
+            None
+            if cfg.persist is None
+            else RootClaim(cfg.persist, cfg.job_name, take_over=cfg.take_over_root)
+        )
+        """This launch's lease on the durable root: one job per root."""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
         self.arrived: dict[int, float] = {}
@@ -81,7 +89,9 @@ class Coordinator:
             script=script,
             address=self.address,
             store=f"{cfg.bind}:{self.store.port}",
-            tier2=None if cfg.persist is None else DurableRoot(cfg.persist),
+            tier2=None
+            if cfg.persist is None or self.claim is None
+            else DurableRoot(cfg.persist, self.claim.job),
             now=time.monotonic(),
         )
         self.code: int | None = None
@@ -96,6 +106,9 @@ class Coordinator:
     def run(self) -> int:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
         warning = check_durable(self.cfg)
+        if self.claim is not None and warning is None:
+            self.claim.acquire()  # RootInUseError names the job that holds the root
+        next_renewal = time.monotonic() + LEASE_S / 3
         self._stop_accepting = serve(
             self.listener, self._on_channel, "tierswap-coord-accept", p.AgentToCoordinator
         )
@@ -114,12 +127,22 @@ class Coordinator:
                     next_tick = now + tick
                     self._carry_out(self.core.handle(Tick(dict(self.arrived)), now))
                     self._check_hosts(now)
+                    if self.claim is not None and now >= next_renewal:
+                        next_renewal = now + LEASE_S / 3
+                        self._renew(now)
                     if isinstance(event, Tick):
                         continue
                 self._carry_out(self.core.handle(event, now))
             return self.code
         finally:
             self.shutdown()
+
+    def _renew(self, now: float) -> None:
+        assert self.claim is not None
+        lost = self.claim.renew()
+        if lost is not None:
+            self.claim = None  # not ours any more: never released by this job
+            self._carry_out(self.core.handle(DurableLost(lost), now))
 
     def _check_hosts(self, now: float) -> None:
         """A simulated host whose agent exited before it said hello."""
@@ -187,6 +210,8 @@ class Coordinator:
                 pass  # its reader reports the loss
 
     def shutdown(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
         exit_msg = p.Codec.encode(p.Exit(), -1)
         for conn in list(self.core.hosts.conns.values()):
             self._send(conn, exit_msg)

@@ -57,7 +57,15 @@ class HostExited:
     code: int
 
 
-CoordinatorEvent = Begin | AgentMessage | AgentClosed | Tick | HostExited
+@dataclass(frozen=True, slots=True)
+class DurableLost:
+    """This job lost its claim on the durable root (another job took it over): it must
+    write no more COMMIT there."""
+
+    why: str
+
+
+CoordinatorEvent = Begin | AgentMessage | AgentClosed | Tick | HostExited | DurableLost
 
 
 # ==================================================================== commands

@@ -27,6 +27,7 @@ from tierswap.control.commands import (
     Broadcast,
     Close,
     CoordinatorEvent,
+    DurableLost,
     End,
     FreeSegments,
     FreezeHost,
@@ -147,6 +148,8 @@ class CoordinatorCore:
                     self._tick(now, heard)
                 case HostExited(host=host, code=code):
                     self._host_exited(host, code, now)
+                case DurableLost(why=why):
+                    self.persister.lost(why)
                 case Begin():
                     self._begin(event, now)
         except JobStopped as e:

@@ -41,6 +41,8 @@ class Persistence:
         self.token = 0
         self.committed = -1
         self.ok = True
+        self.gone: str | None = None
+        """Why tier 2 is not this job's any more (another job took the root over)."""
         self.held: dict[int, dict[int, str]] = {}
         """Steps of this timeline committed in tier 2 and kept by retention, with each full
         part's data checksum: what a delta part may be made against (``--persist-deltas``)."""
@@ -50,6 +52,8 @@ class Persistence:
         every = self.cfg.persist_every
         due = self.last_request < 0 or step // every > self.last_request // every
         if self.tier2 is None or self.inflight is not None or not (due or final):
+            return
+        if self.gone is not None:
             return
         if step <= self.committed:
             return
@@ -98,6 +102,8 @@ class Persistence:
 
     def _commit(self, p: Request) -> int | None:
         assert self.tier2 is not None
+        if self.gone is not None:
+            return None
         try:
             self.tier2.write_commit(p.step, self.cfg.world_size, p.parts)
         except OSError as e:
@@ -124,6 +130,12 @@ class Persistence:
             self.ok = True
             self.out.say(f"durability restored: step {p.step} is in {self.tier2.url}")
         return p.step
+
+    def lost(self, why: str) -> None:
+        """The root is another job's now: nothing more is written there."""
+        self.gone = why
+        self.inflight = None
+        self.failing(f"{why}; no more steps are written there")
 
     def failing(self, why: str) -> None:
         self.ok = False

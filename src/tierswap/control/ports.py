@@ -35,10 +35,11 @@ class Tier2(Protocol):
 
 
 class DurableRoot:
-    """Tier 2 on an fsspec root."""
+    """Tier 2 on an fsspec root, for the job named ``job`` (its COMMITs say so)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, job: str | None = None) -> None:
         self.url = url
+        self.job = job
 
     def restorable_steps(self, world_size: int) -> frozenset[int]:
         return frozenset(
@@ -51,7 +52,7 @@ class DurableRoot:
         return durable.read_commit(self.url, step)[1]
 
     def write_commit(self, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
-        durable.write_commit(self.url, step, world_size, parts)
+        durable.write_commit(self.url, step, world_size, parts, job=self.job)
 
     def retain(self, keep: int) -> list[int]:
         return durable.retain(self.url, keep)

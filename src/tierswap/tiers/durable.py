@@ -116,7 +116,9 @@ class StepInfo:
     """Base steps its delta parts need that are not committed any more."""
     problem: str | None = None
     """Why the entry is not a step one can read (a symbolic link, a file, a folder that
-    cannot be listed, a COMMIT that cannot be read); None for a sound one."""
+    cannot be listed, a COMMIT that cannot be read, another job's); None for a sound one."""
+    job: str | None = None
+    """The job that committed it (COMMIT's ``job``; None for one that names none)."""
 
     @property
     def bases(self) -> set[int]:
@@ -427,8 +429,15 @@ def read_part(
 # ---------------------------------------------------------------- commits and steps
 
 
-def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
-    """Mark ``step`` complete: write COMMIT (all parts' checksums), then LATEST."""
+def write_commit(
+    root: str,
+    step: int,
+    world_size: int,
+    parts: Mapping[int, PartInfo],
+    job: str | None = None,
+) -> None:
+    """Mark ``step`` complete: write COMMIT (all parts' checksums, and the name of the job
+    that wrote it), then LATEST."""
     ranks = set(range(world_size))
     if set(parts) != ranks or any(p.rank != r for r, p in parts.items()):
         raise ValueError(
@@ -441,6 +450,7 @@ def write_commit(root: str, step: int, world_size: int, parts: Mapping[int, Part
         "world_size": world_size,
         "time": time.time(),
         "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
+        **({"job": job} if job is not None else {}),
     }
     fs, folder = _new_step_dir(root, step)  # refuses a folder that is not the root's own
     base = posixpath.dirname(folder)
@@ -466,6 +476,12 @@ def _read_latest(fs: Any, base: str) -> int | None:
 
 
 def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo]]:
+    world_size, parts, _ = _read_commit_job(fs, base, step)
+    return world_size, parts
+
+
+def _read_commit_job(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo], str | None]:
+    """World size, parts, and the job that wrote it (None for a COMMIT that names none)."""
     path = f"{_step_dir(base, step)}/COMMIT"
     raw = read_small(fs, path, MAX_COMMIT)
     body = parse_json(path, raw)
@@ -478,9 +494,12 @@ def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo
         parts = {int(r): PartInfo.from_json(int(r), p) for r, p in body["parts"].items()}
         if world_size < 1 or set(parts) != set(range(world_size)):
             raise ValueError(f"parts {sorted(parts)} do not cover world size {world_size}")
+        job = body.get("job")
+        if job is not None and not isinstance(job, str):
+            raise ValueError("job is not a name")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptPartError(path, f"bad COMMIT: {e}") from e
-    return world_size, parts
+    return world_size, parts, job
 
 
 def read_commit(root: str, step: int) -> tuple[int, dict[int, PartInfo]]:
@@ -509,16 +528,16 @@ def _step_info(fs: Any, base: str, step: int) -> StepInfo:
     )
     world_size: int | None = None
     parts: dict[int, PartInfo] = {}
-    problem = None
+    problem, job = None, None
     if any(posixpath.basename(f["name"].rstrip("/")) == "COMMIT" for f in files):
         try:
-            world_size, parts = _read_commit(fs, base, step)
+            world_size, parts, job = _read_commit_job(fs, base, step)
         except CorruptPartError as e:
             log.warning("step %d is not committed: %s", step, e)
             problem = f"its COMMIT cannot be read: {e.why}"
     return StepInfo(
         step, world_size is not None, world_size, parts, present, sum(sizes.values()),
-        problem=problem,
+        problem=problem, job=job,
     )  # fmt: skip
 
 
@@ -529,11 +548,17 @@ def list_steps(root: str) -> list[StepInfo]:
         names = fs.ls(base, detail=False)
     except FileNotFoundError:
         return []
+    owner = root_job(fs, base)
     steps = []
     for name in names:  # each entry is judged alone: a bad one never hides the others
         m = _STEP_RE.fullmatch(posixpath.basename(str(name).rstrip("/")))
         if m:
             steps.append(_step_info(fs, base, int(m.group(1))))
+    for i, s in enumerate(steps):  # a step another job committed is not this root's
+        if owner is not None and s.committed and s.job is not None and s.job != owner:
+            why = f"committed by job {s.job!r}, and this root is job {owner!r}'s: never restored"
+            steps[i] = dataclasses.replace(s, committed=False, world_size=None, parts={},
+                                           problem=why)  # fmt: skip
     full = {s.step: {r for r, p in s.parts.items() if p.base is None} for s in steps}
     out = []
     for s in sorted(steps, key=lambda s: s.step):
@@ -550,6 +575,23 @@ def list_steps(root: str) -> list[StepInfo]:
             )
         )
     return out
+
+
+JOB_FILE = "JOB"
+"""At the root: the name of the job whose steps it holds (``ownership.py``)."""
+
+
+def root_job(fs: Any, base: str) -> str | None:
+    """The job the root at ``base`` belongs to, from its JOB file (None without one)."""
+    path = f"{base}/{JOB_FILE}"
+    try:
+        body = parse_json(path, read_small(fs, path, 1 << 16))
+    except CorruptPartError as e:
+        if e.why != "missing":
+            log.warning("ignoring %s: %s", path, e.why)
+        return None
+    name = body.get("job") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def committed_steps(root: str) -> list[int]:
