@@ -309,3 +309,15 @@ def test_a_launcher_paused_longer_than_the_lease_renews_leases_and_fences_nobody
         assert "coordinator_paused" in events
         assert "failure_detected" not in events, "a host fenced for the launcher's pause"
         assert events.count("generation_started") == 1
+
+
+def test_chaos_kills_nodes_and_workers_and_the_job_ends_bit_exact() -> None:
+    """``--chaos SEED:RATE:COUNT`` in the simulation: ten strikes at random moments, every
+    invariant after every event, and the numbers of a run without failures at the end."""
+    for seed in range(3):
+        cfg = _cfg(spares=1, chaos=f"{seed}:60:10", max_restarts=40, persist="sim://tier2")
+        sim = Sim(cfg, seed=seed, steps=400, step_time=0.1)
+        assert sim.run(horizon=3000) == "finished"
+        strikes = [f["spec"] for _, e, f in sim.log if e == "fault_injected"]
+        assert len(strikes) == 10, strikes
+        assert {s.split("=")[0] for s in strikes} == {"chaos:kill:node", "chaos:kill:rank"}

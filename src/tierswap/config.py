@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tierswap.faults import Injection
+from tierswap.faults import Chaos, Injection
 
 ENV_PREFIX = "TIERSWAP_"
 
@@ -43,6 +43,11 @@ class Config:
     another, snapshots are skipped, and the nodes may never hold a common step again."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo (``tierswap.faults`` lists the forms)."""
+    chaos: str | None = None
+    """``SEED[:RATE[:COUNT]]``: kill random nodes and workers of this machine at random
+    moments, about RATE a minute (default 6), COUNT in all (no end by default), each
+    logged as a ``fault_injected``; for soak tests. Spares or revived nodes keep the job
+    going; raise --max-restarts to match."""
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
     a job with fewer nodes uses what it has)."""
@@ -154,6 +159,8 @@ class Config:
             )
         if self.on_no_spare not in ("wait", "fail"):
             raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
+        if self.chaos is not None:
+            Chaos.parse(self.chaos)  # refused here, with the forms, rather than mid-run
         for inj in self.inject:
             limit = self.nodes if inj.target == "node" else self.world_size
             if inj.index >= limit:

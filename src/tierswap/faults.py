@@ -177,3 +177,28 @@ class FaultPlan:
             for f in self.faults
             if f.action in ("kill", "stop") and f.target == "rank" and f.index == rank
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class Chaos:
+    """``--chaos SEED[:RATE[:COUNT]]``: kill random nodes and workers at random moments,
+    about RATE a minute (default 6), COUNT in all (default: no end), each logged. The
+    choices come from SEED; the moments from the clock, so two runs differ in their
+    timing, not in what they choose."""
+
+    seed: int
+    rate: float = 6.0
+    count: int | None = None
+
+    @staticmethod
+    def parse(spec: str) -> Chaos:
+        m = re.fullmatch(rf"(\d+)(?::{_NUMBER})?(?::(\d+))?", spec.strip())
+        if m is None or (m.group(2) is not None and float(m.group(2)) <= 0):
+            raise ValueError(
+                f"--chaos {spec!r}: expected SEED[:RATE[:COUNT]] (RATE failures a minute > 0)"
+            )
+        rate = 6.0 if m.group(2) is None else float(m.group(2))
+        return Chaos(int(m.group(1)), rate, None if m.group(3) is None else int(m.group(3)))
+
+    def __str__(self) -> str:
+        return f"{self.seed}:{self.rate!r}" + ("" if self.count is None else f":{self.count}")

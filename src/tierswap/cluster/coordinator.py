@@ -9,10 +9,12 @@ job's state has a single writer.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import queue
+import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,6 +39,7 @@ from tierswap.control.commands import (
     FreezeHost,
     HostExited,
     KillHost,
+    KillProcess,
     Log,
     Say,
     Send,
@@ -190,6 +193,9 @@ class Coordinator:
                     self.nodes.start(host, self.address)
                 case KillHost(host=host):
                     self.nodes.kill(host)
+                case KillProcess(pid=pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 case FreezeHost(host=host):
                     self.nodes.freeze(host)
                 case FreeSegments(pid=pid):

@@ -107,6 +107,13 @@ class KillHost:
 
 
 @dataclass(frozen=True, slots=True)
+class KillProcess:
+    """SIGKILL one worker process (chaos), by its id."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
 class FreezeHost:
     """SIGSTOP a host's process group (an injected hang)."""
 
@@ -159,6 +166,7 @@ CoordinatorCommand = (
     | StartHost
     | KillHost
     | FreezeHost
+    | KillProcess
     | FreeSegments
     | Log
     | Say

@@ -14,6 +14,7 @@ a host fails, a spare host takes its node, and the survivors keep their processe
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from tierswap.control.commands import (
     FreezeHost,
     HostExited,
     KillHost,
+    KillProcess,
     Out,
     Send,
     ShowProgress,
@@ -47,7 +49,7 @@ from tierswap.control.recovery import RecoveryClock
 from tierswap.control.restore import Reports, lost_message, memory_lost
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
-from tierswap.faults import FaultPlan, Injection
+from tierswap.faults import Chaos, FaultPlan, Injection
 from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import peer
 
@@ -99,6 +101,11 @@ class CoordinatorCore:
         """Hosts started in place of lost ones that exited before they joined."""
         self.clock = RecoveryClock(cfg.world_size)
         self.faults = FaultPlan(cfg.inject)
+        self.chaos = None if cfg.chaos is None else Chaos.parse(cfg.chaos)
+        self.chaos_rng = random.Random(None if self.chaos is None else self.chaos.seed)
+        self.chaos_kills = 0
+        self.chaos_step = -1
+        """The newest step when chaos last struck: it waits for training to go on."""
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
         self.generation = -1
         self.restarts = 0
@@ -277,6 +284,7 @@ class CoordinatorCore:
             self.deadline += gap
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
             self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
+        self._chaos(min(gap, 1.0), now)
         if now > self.deadline and not self.done:
             raise JobStopped(f"timed out {self._waiting_for()}")
 
@@ -748,6 +756,36 @@ class CoordinatorCore:
             self.out.add(
                 ShowProgress(msg.step, self.last_loss, msg.stall, self._committed(), self.total)
             )
+
+    def _chaos(self, seconds: float, now: float) -> None:
+        """``--chaos``: strike, at about ``rate`` a minute, while training goes on (a
+        step done since the last strike): a random node of this machine, or one worker."""
+        c = self.chaos
+        if c is None or self.phase != Phase.RUNNING or self.last_step <= self.chaos_step:
+            return
+        if c.count is not None and self.chaos_kills >= c.count:
+            return
+        if self.chaos_rng.random() >= min(1.0, c.rate / 60.0 * seconds):
+            return
+        local = {n: h for n, h in self.hosts.members.items() if h in self.local}
+        workers = {
+            r: pid for r, pid in self.clock.pids.items() if r // self.cfg.nproc_per_node in local
+        }
+        if not local:
+            return
+        self.chaos_kills += 1
+        self.chaos_step = self.last_step
+        self.clock.fault(now)
+        if self.chaos_rng.random() < 0.5 or not workers:
+            node = self.chaos_rng.choice(sorted(local))
+            spec = f"chaos:kill:node={node}"
+            self.out.log("fault_injected", spec=spec, host=local[node], step=self.last_step)
+            self.out.add(KillHost(local[node]))
+        else:
+            rank = self.chaos_rng.choice(sorted(workers))
+            spec = f"chaos:kill:rank={rank}"
+            self.out.log("fault_injected", spec=spec, pid=workers[rank], step=self.last_step)
+            self.out.add(KillProcess(workers[rank]))
 
     def _inject_nodes(self, due: list[Injection], now: float) -> None:
         """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""

@@ -825,6 +825,11 @@ class Sim:
             case cc.KillHost(host=host):
                 if host in self.hosts:
                     self.hosts[host].die()
+            case cc.KillProcess(pid=pid):
+                for host in self.hosts.values():
+                    for w in list(host.workers.values()):
+                        if w.pid == pid:
+                            w.die(-9)
             case cc.FreezeHost(host=host):
                 if host in self.hosts:
                     self.hosts[host].frozen = True
