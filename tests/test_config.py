@@ -271,3 +271,13 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("tierswap 0.")
+
+
+def test_chaos_is_parsed_once_and_refused_with_its_form() -> None:
+    from tierswap.faults import Chaos
+
+    assert Chaos.parse("7") == Chaos(7) and Chaos.parse("7:30:10") == Chaos(7, 30.0, 10)
+    assert str(Chaos.parse("7:30:10")) == "7:30.0:10"
+    for bad in ("x", "7:0", "7:-1", "7:1:x"):
+        with pytest.raises(ValueError, match=r"SEED\[:RATE\[:COUNT\]\]"):
+            Config(chaos=bad)

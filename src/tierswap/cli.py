@@ -214,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
             "recovery",
             "delta",
             "control-plane",
+            "soak",
         ],
     )
     bench.add_argument(
@@ -232,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--ranks-per-node", type=int, default=8, help="control-plane: ranks per node (default 8)"
+    )
+    bench.add_argument(
+        "--failures", type=int, default=100, help="soak: random failures in all (default 100)"
     )
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)

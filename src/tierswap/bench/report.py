@@ -105,6 +105,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import delta
 
         return delta.main(args)
+    if args.what == "soak":
+        from tierswap.bench import soak
+
+        return soak.main(args)
     if args.what == "control-plane":
         from tierswap.bench import controlplane
 

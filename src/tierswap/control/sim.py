@@ -826,8 +826,8 @@ class Sim:
                 if host in self.hosts:
                     self.hosts[host].die()
             case cc.KillProcess(pid=pid):
-                for host in self.hosts.values():
-                    for w in list(host.workers.values()):
+                for sim_host in self.hosts.values():
+                    for w in list(sim_host.workers.values()):
                         if w.pid == pid:
                             w.die(-9)
             case cc.FreezeHost(host=host):
