@@ -738,7 +738,7 @@ class Codec:
     def decode(self, data: bytes) -> Envelope[Any]:
         try:
             return self._decoder.decode(data)
-        except msgspec.DecodeError as e:  # ValidationError is one
+        except (msgspec.DecodeError, ValueError) as e:  # a ValidationError; bad UTF-8
             raise ProtocolError(f"not a message of this channel: {e}") from None
 
 
