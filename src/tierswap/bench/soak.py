@@ -11,6 +11,7 @@ lost), and processes or shared-memory segments left behind.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def _job(work: Path, name: str, steps: int, run_args: list[str]) -> tuple[int, f
 
 def one_seed(work: Path, seed: int, failures: int) -> dict[str, Any]:
     steps = max(200, 20 * failures)
-    base_code, _ = _job(work, f"base{seed}", steps, [])
+    base_code, base_seconds = _job(work, f"base{seed}", steps, [])
     persist = work / f"ckpt{seed}"
     code, seconds = _job(
         work,
@@ -75,6 +76,8 @@ def one_seed(work: Path, seed: int, failures: int) -> dict[str, Any]:
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     diff = differing(load_final(work / f"base{seed}-final"), load_final(work / f"soak{seed}-final"))
+    resumed = _events(run_dir, "resumed")
+    redone = [int(r["redone"]) for r in resumed]
     agents = [e["pid"] for e in _events(run_dir, "node_joined")]
     left = [p for p in agents if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     return {
@@ -83,10 +86,13 @@ def one_seed(work: Path, seed: int, failures: int) -> dict[str, Any]:
         "baseline_exit_code": base_code,
         "steps": steps,
         "seconds": seconds,
+        "baseline_seconds": base_seconds,
         "failures_injected": len(_events(run_dir, "fault_injected")),
         "failures_detected": len(_events(run_dir, "failure_detected")),
-        "recoveries": len(_events(run_dir, "resumed")),
-        "steps_redone": sum(int(r["redone"]) for r in _events(run_dir, "resumed")),
+        "recoveries": len(resumed),
+        "steps_redone": sum(redone),
+        "most_redone_in_one_recovery": max(redone, default=0),
+        "recovery_seconds": sorted(round(float(r["seconds"]), 3) for r in resumed),
         "bit_exact": code == 0 and base_code == 0 and not diff,
         "tensors_differing": len(diff),
         "tier2_problems": [] if verify.returncode == 0 else verify.stdout.splitlines(),
@@ -106,17 +112,22 @@ def main(args: Any) -> int:
             runs.append(r)
             print(
                 f"seed {seed}: {r['failures_injected']} failures injected, "
-                f"{r['recoveries']} recoveries, {r['steps_redone']} steps redone, "
+                f"{r['recoveries']} recoveries, {r['steps_redone']} steps redone "
+                f"(at most {r['most_redone_in_one_recovery']} in one), "
                 f"bit-exact {r['bit_exact']}, tier-2 problems {len(r['tier2_problems'])}, "
                 f"processes left {len(r['processes_left'])}, {r['seconds']:.0f} s",
                 flush=True,
             )
     left_segments = sorted({p.name for p in SHM_DIR.glob(f"{PREFIX}*")} - before)
+    every = sorted(t for r in runs for t in r["recovery_seconds"])
     total = {
         "seeds": seeds,
         "failures_injected": sum(r["failures_injected"] for r in runs),
         "recoveries": sum(r["recoveries"] for r in runs),
         "steps_redone": sum(r["steps_redone"] for r in runs),
+        "most_redone_in_one_recovery": max(r["most_redone_in_one_recovery"] for r in runs),
+        "recovery_seconds_median": statistics.median(every) if every else None,
+        "recovery_seconds_max": max(every, default=None),
         "all_bit_exact": all(r["bit_exact"] for r in runs),
         "tier2_problems": sum(len(r["tier2_problems"]) for r in runs),
         "processes_left": sum(len(r["processes_left"]) for r in runs),
