@@ -140,15 +140,19 @@ class _Agent:
 
 
 class _Server:
-    def __init__(self, agent: _Agent, server: peer.ReplicaServer, secret: bytes) -> None:
-        self.agent, self.server, self.secret = agent, server, secret
+    def __init__(
+        self, agent: _Agent, server: peer.ReplicaServer, secret: bytes, tls: str = "off"
+    ) -> None:
+        self.agent, self.server, self.secret, self.tls = agent, server, secret, tls
 
     @property
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def push(self, rank: int, step: int, replica: _Replica) -> bool:
-        chan = peer.connect(self.address, self.secret)
+    def push(
+        self, rank: int, step: int, replica: _Replica, address: tuple[str, int] | None = None
+    ) -> bool:
+        chan = peer.connect(address or self.address, self.secret, self.tls)
         try:
             return peer.push(
                 chan, rank, step, replica.layout, replica.tree, replica.checksum, replica.view
@@ -164,13 +168,13 @@ def server() -> Iterator[_Server]:
     yield from serve_store("full")
 
 
-def serve_store(mode: str) -> Iterator[_Server]:
+def serve_store(mode: str, tls: str = "off") -> Iterator[_Server]:
     job_id = f"test-{uuid.uuid4().hex[:12]}"
     agent = _Agent(job_id, mode)
     secret = secrets.token_bytes(16)
-    srv = peer.ReplicaServer("127.0.0.1", secret, agent.ask)
+    srv = peer.ReplicaServer("127.0.0.1", secret, agent.ask, tls=tls)
     try:
-        yield _Server(agent, srv, secret)
+        yield _Server(agent, srv, secret, tls)
     finally:
         srv.close()
         with agent.lock:
@@ -330,3 +334,30 @@ def test_bench_replication_measures_every_section_and_cleans_up(tmp_path: Path) 
     assert set(threading.enumerate()) <= threads
     pid = res["config"]["server_pid"]
     assert not Path(f"/proc/{pid}").exists(), "the peer server process is still there"
+
+
+@pytest.mark.parametrize("tls", ["off", "on"])
+def test_replicas_over_tls_arrive_whole_and_cannot_be_read_on_the_way(tls: str) -> None:
+    """Issue 14: replica bytes crossed the network in the clear. With TLS a host on the
+    path sees none of them; without it (the control: the test can see them) it does."""
+    from test_wire import _Proxy
+
+    for srv in serve_store("full", tls):
+        replica = _Replica(_state(7))
+        proxy = _Proxy(srv.address)
+        try:
+            assert srv.push(rank=0, step=7, replica=replica, address=proxy.address)
+        finally:
+            proxy.close()
+        _, _, buf = peer.fetch(srv.address, srv.secret, rank=0, step=7, tls=tls)
+        assert bytes(buf) == bytes(replica.view)
+        sample = bytes(replica.view[1024:1088])  # 64 bytes of the replica's tensors
+        assert (sample in proxy.seen) == (tls == "off")
+        with pytest.raises(multiprocessing.AuthenticationError, match=r"another --tls|same --tls"):
+            peer.connect(srv.address, srv.secret, "off" if tls == "on" else "on").close()
+
+
+def test_a_tls_server_without_the_secret_is_refused_by_its_certificate() -> None:
+    for srv in serve_store("full", "on"):
+        with pytest.raises(multiprocessing.AuthenticationError, match="not this job's"):
+            peer.connect(srv.address, b"another job's secret", "on")

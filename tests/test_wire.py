@@ -9,15 +9,15 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing import AuthenticationError, Pipe
-from multiprocessing.connection import Client, Listener
+from multiprocessing import AuthenticationError
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tierswap import wire
 from tierswap.control import protocol as p
-from tierswap.wire import BACKLOG, Channel, reader, serve
+from tierswap.wire import Channel, Listener, reader, serve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -50,8 +50,8 @@ class EchoServer:
 
     def __init__(self) -> None:
         self.secret = secrets.token_bytes(32)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret, backlog=BACKLOG)
-        self.address: tuple[str, int] = self.listener.address
+        self.listener = Listener(("127.0.0.1", 0), self.secret)
+        self.address = self.listener.tcp_address
         self.got: list[p.Message] = []
         self.closed = threading.Event()
         serve(self.listener, self._on_channel, "test-accept", Requests)
@@ -142,12 +142,12 @@ class _Boom:
 
 def test_pickle_from_a_peer_is_never_unpickled(server: EchoServer, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    conn = Client(server.address, authkey=server.secret)
+    chan = _connect(server)  # a peer of the job, authenticated, that sends a pickle
     try:
-        conn.send_bytes(pickle.dumps(_Boom(marker)))
-        conn.send_bytes(p.Codec.encode(Ping(n=0), 0))  # not read: the channel is closed
+        chan.send_encoded(pickle.dumps(_Boom(marker)))
+        chan.send(Ping(n=0))  # not read: the channel is closed
     finally:
-        conn.close()
+        chan.close()
     assert server.closed.wait(10)
     assert server.got == [] and not marker.exists()
 
@@ -165,7 +165,7 @@ def test_pickle_from_a_peer_is_never_unpickled(server: EchoServer, tmp_path: Pat
 def test_malformed_messages_are_rejected(raw: bytes) -> None:
     a, b = _pipe()
     try:
-        a.conn.send_bytes(raw)
+        a.send_encoded(raw)  # sealed as a frame of the channel: the codec refuses it
         with pytest.raises(p.ProtocolError, match="not a message of this channel"):
             b.recv(timeout=5)
     finally:
@@ -184,18 +184,17 @@ def test_recv_raises_eof_when_peer_is_gone() -> None:
 
 
 def _pipe() -> tuple[Channel, Channel]:
-    x, y = Pipe()
-    return Channel(x, Replies), Channel(y, Requests)
+    return wire.pair(Replies, Requests)
 
 
 def test_a_silent_client_does_not_block_the_job() -> None:
     """An outsider that connects and says nothing must not stop peers from connecting."""
     got: list[Channel] = []
-    listener = Listener(("127.0.0.1", 0), authkey=b"job-secret")
+    listener = Listener(("127.0.0.1", 0), b"job-secret")
     stop = serve(listener, got.append, "test-silent", Requests)
     try:
-        with socket.create_connection(listener.address):  # connects, sends nothing
-            chan = Channel.connect(listener.address, b"job-secret", Replies)
+        with socket.create_connection(listener.tcp_address):  # connects, sends nothing
+            chan = Channel.connect(listener.tcp_address, b"job-secret", Replies)
             deadline = time.monotonic() + 5
             while not got and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -255,13 +254,11 @@ def test_a_server_out_of_descriptors_keeps_accepting_once_they_free(tmp_path: Pa
 
 
 def test_a_frame_longer_than_the_bound_closes_the_channel_unread() -> None:
-    from tierswap import wire
-
     a, b = _pipe()
 
     def send() -> None:  # the reader refuses it unread: the sender is left blocked
         with contextlib.suppress(OSError):
-            a.conn.send_bytes(b"\0" * (wire.MAX_FRAME + 1))
+            a.sock.sendall((wire.MAX_FRAME + 1).to_bytes(4, "big") + b"\0" * (1 << 20))
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
@@ -271,3 +268,192 @@ def test_a_frame_longer_than_the_bound_closes_the_channel_unread() -> None:
     finally:
         b.close()
         a.close()
+
+
+# ------------------------------------------------------------------ frames under attack
+
+Both = Requests | Replies
+"""Both ends take every message, so that only the frame's MAC can refuse a frame."""
+
+
+class _Tap:
+    """Two channels with a man in the middle: what ``a`` sends arrives on ``wire_in``, raw,
+    and what the test writes to ``wire_out`` is what ``b`` reads."""
+
+    def __init__(self) -> None:
+        server_keys, client_keys = wire.frame_keys(
+            secrets.token_bytes(32), secrets.token_bytes(32), secrets.token_bytes(32)
+        )
+        x, self.wire_in = socket.socketpair()
+        y, self.wire_out = socket.socketpair()
+        self.a = Channel(x, Both, client_keys)
+        self.b = Channel(y, Both, server_keys)
+
+    def frame_of(self, msg: p.Message) -> bytes:
+        """What ``a`` puts on the wire when it sends ``msg``."""
+        self.a.send(msg)
+        n = int.from_bytes(_read(self.wire_in, 4), "big")
+        return n.to_bytes(4, "big") + _read(self.wire_in, n)
+
+    def close(self) -> None:
+        for c in (self.a, self.b):
+            c.close()
+        self.wire_in.close()
+        self.wire_out.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        out += sock.recv(n - len(out))
+    return out
+
+
+@pytest.fixture
+def tap() -> Iterator[_Tap]:
+    t = _Tap()
+    yield t
+    t.close()
+
+
+def test_frames_relayed_unchanged_are_read(tap: _Tap) -> None:
+    f1, f2 = tap.frame_of(Ping(n=1)), tap.frame_of(Ping(n=2))
+    tap.wire_out.sendall(f1 + f2)
+    got = [tap.b.recv(timeout=5), tap.b.recv(timeout=5)]
+    assert [e.msg for e in got if e is not None] == [Ping(n=1), Ping(n=2)]
+
+
+def _refused(chan: Channel) -> None:
+    with pytest.raises(p.ProtocolError, match="failed authentication"):
+        chan.recv(timeout=5)
+
+
+def test_a_replayed_frame_is_refused(tap: _Tap) -> None:
+    f1 = tap.frame_of(Ping(n=1))
+    tap.wire_out.sendall(f1 + f1)
+    env = tap.b.recv(timeout=5)
+    assert env is not None and env.msg == Ping(n=1)
+    _refused(tap.b)
+
+
+def test_frames_out_of_order_are_refused(tap: _Tap) -> None:
+    f1, f2 = tap.frame_of(Ping(n=1)), tap.frame_of(Ping(n=2))
+    tap.wire_out.sendall(f2 + f1)
+    _refused(tap.b)
+
+
+@pytest.mark.parametrize("where", [4, 8, -17, -1])  # payload start, middle, its end, the MAC
+def test_a_flipped_bit_is_refused(tap: _Tap, where: int) -> None:
+    frame = bytearray(tap.frame_of(Ping(n=1, echo="a payload of some length")))
+    frame[where] ^= 0x01
+    tap.wire_out.sendall(frame)
+    _refused(tap.b)
+
+
+def test_a_frame_reflected_to_its_sender_is_refused(tap: _Tap) -> None:
+    # b's first frame has the sequence number b expects first: only the direction's own
+    # key tells it from a frame of a
+    tap.b.send(Ping(n=1))
+    n = int.from_bytes(_read(tap.wire_out, 4), "big")
+    tap.wire_out.sendall(n.to_bytes(4, "big") + _read(tap.wire_out, n))
+    _refused(tap.b)
+
+
+def test_an_injected_frame_and_everything_after_it_is_refused(tap: _Tap) -> None:
+    forged = wire.Direction(secrets.token_bytes(32)).seal(p.Codec.encode(Ping(n=666), 0))
+    good = tap.frame_of(Ping(n=1))
+    tap.wire_out.sendall(forged + good)
+    _refused(tap.b)
+    with pytest.raises(p.ProtocolError, match="failed authentication"):  # it stays refused
+        tap.b.recv(timeout=5)
+
+
+def test_a_frame_shorter_than_its_mac_is_refused(tap: _Tap) -> None:
+    tap.wire_out.sendall((3).to_bytes(4, "big") + b"abc")
+    with pytest.raises(p.ProtocolError, match="shorter than its MAC"):
+        tap.b.recv(timeout=5)
+
+
+class _Proxy:
+    """A host on the path between a client and a server: relays every byte both ways,
+    and can put bytes of its own into the stream to the server."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.listen = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = self.listen.getsockname()[:2]
+        self.upstream = upstream
+        self.to_server: socket.socket | None = None
+        self.seen = bytearray()
+        """Every byte that passed, both ways."""
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.listen.accept()
+        server = socket.create_connection(self.upstream)
+        self.to_server = server
+        self.ready.set()
+        for src, dst in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                self.seen += data
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listen.close()
+        if self.to_server is not None:
+            self.to_server.close()
+
+
+def test_a_host_on_the_path_cannot_inject_requests(server: EchoServer) -> None:
+    """Issue 14: after the handshake, frames carried no MAC, so a host on the path could
+    inject requests into an authenticated connection."""
+    proxy = _Proxy(server.address)
+    try:
+        chan = Channel.connect(proxy.address, server.secret, Replies)  # relayed handshake
+        assert chan.call(Ping(n=1), Pong, timeout=10) == Pong(n=2)  # the relay works
+        assert proxy.ready.wait(5) and proxy.to_server is not None
+        forged = wire.Direction(secrets.token_bytes(32)).seal(p.Codec.encode(Ping(n=666), 0))
+        proxy.to_server.sendall(forged)
+        assert server.closed.wait(10), "the server kept a connection that carried a forgery"
+        assert server.got == [Ping(n=1)]
+        chan.close()
+    finally:
+        proxy.close()
+
+
+def test_a_stranger_that_is_not_a_tierswap_server_is_named() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        address = srv.getsockname()[:2]
+
+        def answer() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"\0" * 40)
+                time.sleep(0.5)
+
+        threading.Thread(target=answer, daemon=True).start()
+        with pytest.raises(AuthenticationError, match="is not a tierswap endpoint"):
+            Channel.connect(address, b"job-secret", Replies)
+
+
+def test_a_client_with_the_wrong_secret_is_told_why(server: EchoServer) -> None:
+    with pytest.raises(AuthenticationError, match="same secret"):
+        _connect(server, secrets.token_bytes(32))
+
+
+def test_tls_is_wanted_off_loopback_unless_turned_off() -> None:
+    from tierswap.tls import wanted
+
+    assert not wanted("auto", "127.0.0.1") and not wanted("auto", "::1")
+    assert not wanted("auto", "localhost") and not wanted("auto", None)  # None: Unix socket
+    assert wanted("auto", "10.1.2.3") and wanted("auto", "node7.cluster")
+    assert wanted("on", "127.0.0.1") and not wanted("on", None)
+    assert not wanted("off", "10.1.2.3")
+    with pytest.raises(ValueError, match="tls mode must be one of auto, on, off"):
+        wanted("yes", "10.1.2.3")

@@ -64,6 +64,11 @@ class Config:
     """Address the job's first host listens on and is reached at: the coordinator, its
     store and the replica servers of the nodes it simulates. Hosts that join from other
     machines listen on their own address."""
+    tls: Literal["auto", "on", "off"] = "auto"
+    """TLS (1.3, with a certificate every process derives from the job's secret) for
+    replica traffic: "auto" for every connection that leaves loopback, "on" for every
+    one, "off" for none (a fabric that is private already; then a host on the path can
+    read replicas, though never inject a message: every frame carries a MAC)."""
     max_restarts: int = 10
     """Failures the job recovers from before it gives up."""
     startup_timeout: float = 120.0

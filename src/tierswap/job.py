@@ -35,6 +35,7 @@ class Job:
         chan: Channel | None = None,
         faults: list[Injection] | None = None,
         secret: bytes = b"",
+        tls: str = "off",
         ended: threading.Event | None = None,
         tier1: snapshot.Watermark | None = None,
         max_redo: int = 0,
@@ -45,6 +46,7 @@ class Job:
         self.generation = generation
         self._chan = chan
         self._secret = secret
+        self._tls = tls
         self._faults = list(faults or ())
         """This rank's injected kills and freezes (``FaultPlan.of_rank``)."""
         self._ended = ended if ended is not None else threading.Event()
@@ -150,7 +152,7 @@ class Job:
             seg.close()
 
     def _load_peer(self, state: MutableMapping[str, Any], source: p.FromPeer, step: int) -> None:
-        layout, tree, buf = peer.fetch(source.address, self._secret, self.rank, step)
+        layout, tree, buf = peer.fetch(source.address, self._secret, self.rank, step, self._tls)
         views = [tensor_view(memoryview(buf), e) for e in layout.entries]
         load(state, tree, views, layout, what=f"node {source.node}'s replica of step {step}")
 

@@ -1,73 +1,333 @@
 """Messages between workers, agents and the coordinator over authenticated sockets.
 
-``multiprocessing.connection`` gives framing and an HMAC handshake with a per-job secret,
-so a process outside the job cannot connect. Payloads are the typed messages of
-``control/protocol.py`` (msgpack, never pickle); a channel decodes the messages of the
-union it is made for, and anything else is a ``ProtocolError``.
+A connection starts with a handshake in which each end proves it knows the job's secret
+(HMAC-SHA256 over both ends' fresh nonces), so a process outside the job cannot connect.
+The same nonces give each direction its own frame key: every frame after the handshake
+carries a MAC over its bytes and its sequence number in that direction, so a frame that
+was injected, altered, replayed, reordered or reflected back to its sender is refused and
+the connection dropped. Payloads are the typed messages of ``control/protocol.py``
+(msgpack, never pickle); a channel decodes the messages of the union it is made for, and
+anything else is a ``ProtocolError``.
+
+Bulk bytes (``send_raw``) follow a message that announced their length and checksum; they
+carry no MAC of their own (a MAC would cost a pass over every replica): an xxh3 checksum
+finds corruption, not forgery, so bulk traffic between hosts is trusted only as far as
+the network it crosses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
+import multiprocessing
 import os
+import secrets
+import select
 import socket
-import struct
+import ssl
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import (
-    Client,
-    Connection,
-    Listener,
-    answer_challenge,
-    deliver_challenge,
-)
+from types import TracebackType
 from typing import Any, TypeVar
 
+from tierswap import tls as _tls
 from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolError, tag_of
 
 Address = str | tuple[str, int]
 R = TypeVar("R", bound=Message)
 log = logging.getLogger(__name__)
 
+MAGIC = b"tierswap wire 1\n"
+"""What a server says first: the protocol and its version."""
+NONCE = 32
+TAG = 16
+"""Bytes of each frame's MAC."""
+HEADER = 4
+"""Bytes of each frame's length (big-endian), before its payload and MAC."""
+
+
+class AuthenticationError(multiprocessing.AuthenticationError):
+    """The other end does not know the job's secret (or is not a tierswap endpoint)."""
+
+
+class Direction:
+    """One direction of a connection: its key and the sequence number of its next frame."""
+
+    __slots__ = ("key", "seq")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.seq = 0
+
+    def tag(self, payload: bytes | bytearray | memoryview) -> bytes:
+        """The MAC of the next frame in this direction; each call moves to the next."""
+        h = hashlib.blake2b(self.seq.to_bytes(8, "big"), key=self.key, digest_size=TAG)
+        h.update(payload)
+        self.seq += 1
+        return h.digest()
+
+    def seal(self, payload: bytes) -> bytes:
+        """The next frame: its length, the payload, its MAC."""
+        return (len(payload) + TAG).to_bytes(HEADER, "big") + payload + self.tag(payload)
+
+
+def frame_keys(
+    secret: bytes, server_nonce: bytes, client_nonce: bytes
+) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """(server's (send, receive) keys, client's (send, receive) keys) of one connection."""
+    base = hmac.digest(secret, b"tierswap frames" + server_nonce + client_nonce, "sha256")
+    to_client = hmac.digest(base, b"server to client", "sha256")
+    to_server = hmac.digest(base, b"client to server", "sha256")
+    return (to_client, to_server), (to_server, to_client)
+
+
+def _proof(secret: bytes, who: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.digest(secret, b"tierswap " + who + server_nonce + client_nonce, "sha256")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 24))
+        if k == 0:
+            raise EOFError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _server_handshake(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
+    """Prove each other; the (send, receive) keys of the server's end. The client speaks
+    first, so a server that expects something else (TLS, another protocol) closes at once
+    instead of both ends waiting for the other."""
+    hello = _recv_exact(sock, len(MAGIC) + NONCE)
+    if not hello.startswith(MAGIC):
+        raise AuthenticationError("a client that is not a tierswap endpoint of this version")
+    nc, ns = bytes(hello[len(MAGIC) :]), secrets.token_bytes(NONCE)
+    sock.sendall(MAGIC + ns)
+    proof = bytes(_recv_exact(sock, 32))
+    if not hmac.compare_digest(proof, _proof(secret, b"client", ns, nc)):
+        sock.sendall(b"\0" * 32)  # a refusal the client can name, never a valid proof
+        raise AuthenticationError("a client's proof does not match the job's secret")
+    sock.sendall(_proof(secret, b"server", ns, nc))
+    return frame_keys(secret, ns, nc)[0]
+
+
+def _client_handshake(sock: socket.socket, secret: bytes, address: Address) -> tuple[bytes, bytes]:
+    nc = secrets.token_bytes(NONCE)
+    try:
+        sock.sendall(MAGIC + nc)
+        hello = _recv_exact(sock, len(MAGIC) + NONCE)
+    except (EOFError, ConnectionResetError):
+        raise AuthenticationError(
+            f"{address} closed the connection in the handshake: it is not a tierswap endpoint "
+            "of this version, or it runs with another --tls"
+        ) from None
+    if not hello.startswith(MAGIC):
+        raise AuthenticationError(
+            f"{address} is not a tierswap endpoint of this version (it said {bytes(hello)[:24]!r})"
+        )
+    ns = bytes(hello[len(MAGIC) :])
+    sock.sendall(_proof(secret, b"client", ns, nc))
+    try:
+        proof = bytes(_recv_exact(sock, 32))
+    except (EOFError, ConnectionResetError):
+        proof = b""
+    if not hmac.compare_digest(proof, _proof(secret, b"server", ns, nc)):
+        raise AuthenticationError(
+            f"{address} refused this process, or does not know the job's secret: both ends "
+            "must be given the same secret (TIERSWAP_SECRET or --secret-file)"
+        )
+    return frame_keys(secret, ns, nc)[1]
+
+
+def _host(address: Address) -> str | None:
+    return None if isinstance(address, str) else address[0]
+
+
+def _family(address: Address) -> socket.AddressFamily:
+    if isinstance(address, str):
+        return socket.AF_UNIX
+    return socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+
+
+def _start_tls(sock: socket.socket, secret: bytes, address: Address) -> ssl.SSLSocket:
+    try:
+        return _tls.client_context(secret).wrap_socket(sock)
+    except ssl.SSLCertVerificationError as e:
+        raise AuthenticationError(
+            f"{address} presented a TLS certificate that is not this job's: it does not "
+            f"know the job's secret ({e.verify_message})"
+        ) from None
+    except (ssl.SSLError, ConnectionResetError) as e:
+        why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
+        raise AuthenticationError(
+            f"TLS with {address} failed ({why or e}): both ends must run with the same "
+            "--tls, and the server must be a tierswap endpoint"
+        ) from None
+
+
+class Listener:
+    """A server socket of the job: TCP on ``(host, port)`` (port 0: one the OS picks), or
+    a Unix socket at a path (removed again on close). ``tls`` (``tls.MODES``) says which
+    connections are served over TLS, by where they come from."""
+
+    def __init__(
+        self, address: Address, secret: bytes, backlog: int | None = None, tls: str = "off"
+    ) -> None:
+        if not isinstance(secret, bytes) or not secret:
+            raise ValueError("tierswap listeners need the job's secret (non-empty bytes)")
+        _tls.wanted(tls, None)  # a bad mode is refused here, not at the first connection
+        self.secret = secret
+        self.tls = tls
+        self._sock: socket.socket | None = socket.socket(_family(address), socket.SOCK_STREAM)
+        try:
+            if not isinstance(address, str):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(address)
+            self._sock.listen(BACKLOG if backlog is None else backlog)
+        except OSError:
+            self._sock.close()
+            raise
+        self._path = address if isinstance(address, str) else None
+        name = self._sock.getsockname()
+        self.address: Address = name if isinstance(name, str) else (str(name[0]), int(name[1]))
+
+    def accept(self) -> socket.socket:
+        """The next connection, not yet authenticated (``handshake`` does that)."""
+        if self._sock is None:
+            raise OSError("listener is closed")
+        sock, _ = self._sock.accept()
+        return sock
+
+    def handshake(self, sock: socket.socket, incoming: Any) -> Channel:
+        """Authenticate an accepted connection within ``HANDSHAKE_TIMEOUT``; its channel.
+        Raises (AuthenticationError, OSError, EOFError) for a client that cannot."""
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        peer = sock.getpeername()
+        if _tls.wanted(self.tls, peer[0] if isinstance(peer, tuple) else None):
+            sock = _tls.server_context(self.secret).wrap_socket(sock, server_side=True)
+        keys = _server_handshake(sock, self.secret)
+        sock.settimeout(None)
+        return Channel(sock, incoming, keys)
+
+    @property
+    def tcp_address(self) -> tuple[str, int]:
+        """(host, port) of a TCP listener."""
+        if isinstance(self.address, str):
+            raise ValueError(f"listener at {self.address} is a Unix socket, not TCP")
+        return self.address
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        sock.close()
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
 
 class Channel:
-    """One connection; ``send`` is thread-safe, ``call`` is a request and its reply.
+    """One authenticated connection; ``send`` is thread-safe, ``call`` is a request and
+    its reply.
 
-    ``incoming`` is the union of message classes this end receives; ``gen`` the
-    generation stamped on what it sends unless a send names another."""
+    ``incoming`` is the union of message classes this end receives; ``keys`` this end's
+    (send, receive) frame keys from the handshake; ``gen`` the generation stamped on what
+    it sends unless a send names another."""
 
-    def __init__(self, conn: Connection, incoming: Any) -> None:
-        self.conn = conn
+    def __init__(self, sock: socket.socket, incoming: Any, keys: tuple[bytes, bytes]) -> None:
+        self.sock = sock
         self.codec = Codec(incoming)
         self.gen = -1
+        self._out = Direction(keys[0])
+        self._in = Direction(keys[1])
+        self._refused = ""
+        """Why this channel stopped reading (a frame failed its MAC): it stays stopped."""
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._call_lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        sock = self._socket()
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # small requests go out at once (else Nagle + delayed ACK add ~40 ms)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @classmethod
-    def connect(cls, address: Address, secret: bytes, incoming: Any) -> Channel:
-        return cls(Client(address, authkey=secret), incoming)
+    def connect(cls, address: Address, secret: bytes, incoming: Any, tls: str = "off") -> Channel:
+        """Connect to a server of the job and prove it (within ``HANDSHAKE_TIMEOUT``);
+        over TLS where ``tls`` (``tls.MODES``) wants it for this address."""
+        sock = socket.socket(_family(address), socket.SOCK_STREAM)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            sock.connect(address)
+            if _tls.wanted(tls, _host(address)):
+                sock = _start_tls(sock, secret, address)
+            keys = _client_handshake(sock, secret, address)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, incoming, keys)
 
     def send(self, msg: Message, gen: int | None = None) -> None:
         self.send_encoded(Codec.encode(msg, self.gen if gen is None else gen))
 
     def send_encoded(self, data: bytes) -> None:
         """Send a message encoded once for many channels (``Codec.encode``)."""
+        if len(data) + TAG > MAX_FRAME:
+            raise ValueError(f"a message of {len(data)} bytes is over the bound {MAX_FRAME}")
         with self._send_lock:
-            self.conn.send_bytes(data)
+            self.sock.sendall(self._out.seal(data))
+
+    def poll(self, timeout: float) -> bool:
+        """Whether a frame (or EOF) is there to read within ``timeout`` seconds."""
+        if self.sock.fileno() < 0:
+            raise EOFError("channel is closed")
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True  # decrypted already, waiting in the TLS layer
+        return bool(self._poll.poll(max(0, int(timeout * 1000))))
 
     def recv(self, timeout: float | None = None) -> Envelope[Any] | None:
         """The next message; None on timeout. Raises EOFError when the peer is gone and
-        ProtocolError for bytes that are not a message of this channel."""
-        if timeout is not None and not self.conn.poll(timeout):
+        ProtocolError for a frame that fails its MAC or is not a message of this channel."""
+        if timeout is not None and not self.poll(timeout):
             return None
-        return self.codec.decode(self.conn.recv_bytes(MAX_FRAME))
+        with self._recv_lock:
+            if self._refused:
+                raise ProtocolError(self._refused)
+            n = int.from_bytes(_recv_exact(self.sock, HEADER), "big")
+            if n > MAX_FRAME:
+                self._refused = f"bad message length: a frame of {n} bytes, over the bound"
+                raise OSError(self._refused)
+            if n < TAG:
+                self._refused = f"a frame of {n} bytes is shorter than its MAC"
+                raise ProtocolError(self._refused)
+            frame = _recv_exact(self.sock, n)
+            payload = memoryview(frame)[:-TAG]
+            if not hmac.compare_digest(self._in.tag(payload), frame[-TAG:]):
+                self._refused = (
+                    f"frame {self._in.seq - 1} failed authentication (injected, altered, "
+                    "replayed or out of order)"
+                )
+                raise ProtocolError(self._refused)
+        return self.codec.decode(payload)
 
     def call(self, msg: Message, reply: type[R] | tuple[type[R], ...], timeout: float = 60.0) -> R:
         """Send a request and wait for its reply (the peer answers calls in order); an
@@ -88,17 +348,14 @@ class Channel:
         """Send bulk bytes after a message that announced their length: no framing, no
         copy, at the speed of the socket."""
         with self._send_lock:
-            self._socket().sendall(data)
+            self.sock.sendall(data)
 
     def recv_raw_into(self, buf: memoryview) -> None:
-        """Receive exactly ``len(buf)`` announced bulk bytes straight into ``buf``.
-
-        The socket stays blocking (its flags are shared with the framed connection); a
-        dead peer ends the wait with EOF or a reset."""
-        sock = self._socket()
+        """Receive exactly ``len(buf)`` announced bulk bytes straight into ``buf``; a dead
+        peer ends the wait with EOF or a reset."""
         got = 0
         while got < len(buf):
-            n = sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24))
+            n = self.sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24))
             if n == 0:
                 raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
             got += n
@@ -112,28 +369,28 @@ class Channel:
         if option is None:
             return
         with contextlib.suppress(OSError):
-            self._socket().setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
+            self.sock.setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
 
     def local_address(self) -> tuple[str, int]:
         """This end's address: the interface the connection leaves from."""
-        host, port = self._socket().getsockname()[:2]
+        host, port = self.sock.getsockname()[:2]
         return str(host), int(port)
-
-    def _socket(self) -> socket.socket:
-        if self._sock is None:
-            self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        return self._sock
 
     def close(self) -> None:
         """Close; a thread blocked reading this channel wakes up with EOF."""
-        try:
-            sock = self._socket()
-            sock.shutdown(socket.SHUT_RDWR)  # a plain close does not wake a poll()
-            sock.close()
-        except OSError:
-            pass
-        self._sock = None
-        self.conn.close()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # a plain close does not wake a poll()
+        self.sock.close()
+
+
+def pair(a_incoming: Any, b_incoming: Any) -> tuple[Channel, Channel]:
+    """Two connected channels in this process (tests, benches), keyed as a handshake
+    would key them."""
+    x, y = socket.socketpair()
+    server, client = frame_keys(
+        secrets.token_bytes(32), secrets.token_bytes(NONCE), secrets.token_bytes(NONCE)
+    )
+    return Channel(x, a_incoming, server), Channel(y, b_incoming, client)
 
 
 def serve(
@@ -143,46 +400,38 @@ def serve(
     receives ``incoming``). Returns the function that stops it: closing a listener does
     not wake a thread blocked in accept."""
     stopped = threading.Event()
-    authkey = secret_of(listener)
 
     pending = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
     """Connections still proving they know the secret. When that many are, accepting
     waits (the kernel's backlog holds the next ones): a flood of silent strangers costs
     a client at most a handshake timeout, never every descriptor and thread."""
 
-    def handshake(conn: Connection) -> None:
-        # Listener.accept() would run this on the accept thread, where one silent client
-        # blocks every later connection: here it runs on its own thread, with a deadline.
+    def handshake(sock: socket.socket) -> None:
+        # on its own thread, with a deadline: one silent client must not block the others
         try:
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.settimeout(None)
-                _set_timeout(sock, HANDSHAKE_TIMEOUT)
-                deliver_challenge(conn, authkey)
-                answer_challenge(conn, authkey)
-                _set_timeout(sock, 0.0)
+            chan = listener.handshake(sock, incoming)
         except Exception:  # wrong secret, silence, a wake-up, no descriptor left: refused
-            conn.close()
+            sock.close()
             return
         finally:
             pending.release()
         if stopped.is_set():
-            conn.close()
+            chan.close()
             return
-        on_channel(Channel(conn, incoming))
+        on_channel(chan)
 
     def loop() -> None:
         backoff = 0.0
         while not stopped.is_set():
-            inner = listener._listener  # type: ignore[attr-defined]
-            if inner is None:  # listener closed: shutting down
+            if listener.closed:  # shutting down
                 return
             if not pending.acquire(timeout=0.5):
                 continue  # every handshake slot is taken: wait for one
             try:
-                conn = inner.accept()
+                sock = listener.accept()
             except OSError as e:
                 pending.release()
-                if stopped.is_set() or listener._listener is None:  # type: ignore[attr-defined]
+                if stopped.is_set() or listener.closed:
                     return  # closed while waiting
                 # no descriptor left (EMFILE, ENFILE), a connection reset before it was
                 # accepted, memory: this server goes on, after a short wait so that a flood
@@ -194,11 +443,11 @@ def serve(
             backoff = 0.0
             try:
                 threading.Thread(
-                    target=handshake, args=(conn,), daemon=True, name=f"{name}-handshake"
+                    target=handshake, args=(sock,), daemon=True, name=f"{name}-handshake"
                 ).start()
             except RuntimeError:  # no thread can be started: turned away as well
                 pending.release()
-                conn.close()
+                sock.close()
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
@@ -206,9 +455,8 @@ def serve(
     def stop() -> None:
         stopped.set()
         address = listener.address
-        family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
         try:
-            with socket.socket(family, socket.SOCK_STREAM) as wake:
+            with socket.socket(_family(address), socket.SOCK_STREAM) as wake:
                 wake.connect(address)
         except OSError:
             pass
@@ -223,29 +471,13 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_UNAUTHENTICATED = 64
 """Connections a server lets prove themselves at once; the next wait to be accepted."""
 BACKLOG = 1024
-"""Connections the kernel queues for a listener (multiprocessing's default is 1, which
-drops a burst of hosts connecting at a job's start)."""
+"""Connections the kernel queues for a listener (a burst of hosts connecting at a job's
+start must not be dropped)."""
 ACCEPT_BACKOFF_MAX = 0.5
 """The longest wait before accepting again after accept failed (no descriptor left)."""
 MAX_FRAME = 64 << 20
-"""The largest message a channel reads (bytes); a longer one closes it unread (bulk bytes
-go raw, outside messages)."""
-
-
-def secret_of(listener: Listener) -> bytes:
-    key = listener._authkey  # type: ignore[attr-defined]
-    if not isinstance(key, bytes) or not key:
-        raise ValueError("tierswap listeners must have an authkey (the job's secret)")
-    return key
-
-
-def _set_timeout(sock: socket.socket, seconds: float) -> None:
-    """Receive/send timeout on the socket itself (SO_RCVTIMEO), which a blocking read of
-    the connection's file descriptor obeys; 0 removes it."""
-    whole = int(seconds)
-    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+"""The largest frame a channel reads (bytes); a longer one closes it unread (bulk bytes
+go raw, outside frames)."""
 
 
 def reader(chan: Channel, deliver: Callable[[Envelope[Any] | None], None], name: str) -> None:

@@ -167,6 +167,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             chan=chan,
             faults=FaultPlan.parse(a.inject).of_rank(rank),
             secret=secret,
+            tls=env.get("TIERSWAP_TLS", "auto"),
             ended=control.event(generation),
             tier1=control.watermark(generation),
             max_redo=a.max_redo,

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Listener
 
 from tierswap.bench.rig import (
     NSLOTS,
@@ -30,7 +29,7 @@ from tierswap.control import protocol as p
 from tierswap.state import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.memory import RankRing, Slot
-from tierswap.wire import Channel
+from tierswap.wire import Channel, Listener
 
 
 class _Agent:
@@ -134,9 +133,9 @@ def main(argv: list[str]) -> None:
     """Serve the one connection made to ``SOCKET``; the secret comes from the env."""
     address, job_id = argv
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
-    with Listener(address, family="AF_UNIX", authkey=secret) as listener:
-        conn = listener.accept()
-    _Agent(Channel(conn, p.WorkerToAgent | BenchRequest), job_id).serve()
+    with Listener(address, secret) as listener:
+        chan = listener.handshake(listener.accept(), p.WorkerToAgent | BenchRequest)
+    _Agent(chan, job_id).serve()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 The real coordinator core and codec, in one process, with N simulated agents of
 ``--ranks-per-node`` ranks each (no training): every message an agent would send is
 encoded, decoded by the coordinator's codec and handled by its core; every message the
-core sends is encoded and written to a socket (a pool of socketpairs, drained by another
-thread), as the coordinator's shell does. Measured on the coordinator's thread alone
+core sends is encoded, framed with its MAC and written to a socket (a pool of
+socketpairs, drained by another thread), as the coordinator's shell does; each incoming
+frame's MAC is checked, as a channel checks it. Measured on the coordinator's thread alone
 (``time.thread_time``):
 
 - **per step**: what one training step costs it, tiers 0 and 1 (each node's progress, its
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hmac
 import json
 import resource
+import secrets
 import socket
 import statistics
 import threading
@@ -34,6 +37,7 @@ from tierswap.config import Config
 from tierswap.control import commands as cc
 from tierswap.control import protocol as p
 from tierswap.control.coordinator import CoordinatorCore
+from tierswap.wire import HEADER, TAG, Direction
 
 TARGETS = {
     2048: {"step_ms": 50.0, "failover_s": 0.5},
@@ -49,13 +53,18 @@ class Wires:
 
     def __init__(self, pairs: int = 16) -> None:
         self.pairs = [socket.socketpair() for _ in range(pairs)]
+        self.directions: dict[int, Direction] = {}
+        """conn -> its key and sequence number."""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
 
     def send(self, conn: int, data: bytes) -> None:
-        sock = self.pairs[conn % len(self.pairs)][0]
-        sock.sendall(len(data).to_bytes(4, "big") + data)  # framing, as Connection does
+        """Frame, MAC and write ``data`` as a channel to ``conn`` does."""
+        out = self.directions.get(conn)
+        if out is None:
+            out = self.directions[conn] = Direction(secrets.token_bytes(32))
+        self.pairs[conn % len(self.pairs)][0].sendall(out.seal(data))
 
     def _drain(self) -> None:
         import selectors
@@ -107,6 +116,9 @@ class Cluster:
         self.starts = 0
         self.generation = -1
         self.commits: list[tuple[int, int]] = []
+        self.agent_out: dict[int, Direction] = {}
+        self.coordinator_in: dict[int, Direction] = {}
+        """conn -> each end's key and sequence number for the agent's frames."""
         self.conn_of: dict[int, int] = {}
         """host -> its connection."""
         self._handle(cc.Begin())
@@ -134,27 +146,41 @@ class Cluster:
                     raise RuntimeError(f"the simulated job ended: {reason}")
 
     def send(self, conn: int, msg: p.Message, gen: int) -> None:
-        """An agent's message: encoded as it would be, decoded by the coordinator."""
-        data = p.Codec.encode(msg, gen)
-        self.deliver(conn, data)
+        """An agent's message: encoded and framed as it would be, read by the coordinator."""
+        self.deliver(conn, self.frame(conn, p.Codec.encode(msg, gen)))
 
-    def deliver(self, conn: int, data: bytes) -> None:
+    def frame(self, conn: int, data: bytes) -> bytes:
+        """``data`` as the agent on ``conn`` puts it on the wire (its work, not timed)."""
+        if conn not in self.agent_out:
+            key = secrets.token_bytes(32)
+            self.agent_out[conn], self.coordinator_in[conn] = Direction(key), Direction(key)
+        return self.agent_out[conn].seal(data)
+
+    def deliver(self, conn: int, frame: bytes) -> None:
+        """The coordinator reads one frame: its MAC checked, its message decoded, handled."""
         self.now += 1e-6
-        self._handle(cc.AgentMessage(conn, self.codec.decode(data), self.now))
+        payload = memoryview(frame)[HEADER:-TAG]
+        if not hmac.compare_digest(self.coordinator_in[conn].tag(payload), frame[-TAG:]):
+            raise RuntimeError(f"a frame on connection {conn} failed its MAC")
+        self._handle(cc.AgentMessage(conn, self.codec.decode(payload), self.now))
 
     def members(self) -> dict[int, int]:
         """node -> its connection."""
         return {n: self.conn_of[h] for n, h in self.core.hosts.members.items()}
 
     def step_messages(self, step: int) -> list[tuple[int, bytes]]:
-        """What every node sends in one step, encoded (the agents' work, not timed)."""
+        """What every node sends in one step, framed (the agents' work, not timed)."""
         g, out = self.generation, []
         for node, conn in sorted(self.members().items()):
             stall = 0.001 if node == 0 else None
-            out.append((conn, p.Codec.encode(p.Progress(step=step, stall=stall), g)))
+            out.append(
+                (conn, self.frame(conn, p.Codec.encode(p.Progress(step=step, stall=stall), g)))
+            )
         for tier in (0, 1):
             for _, conn in sorted(self.members().items()):
-                out.append((conn, p.Codec.encode(p.Held(tier=tier, step=step), g)))
+                out.append(
+                    (conn, self.frame(conn, p.Codec.encode(p.Held(tier=tier, step=step), g)))
+                )
         return out
 
     def stopped_messages(self, steps: list[int]) -> list[tuple[int, bytes]]:
@@ -171,7 +197,7 @@ class Cluster:
                 r: {s: f"{r:08x}{s:08x}" for s in steps} for r, t in targets.items() if node in t
             }
             msg = p.Stopped(holdings=own, peer=held, peer_deltas={})
-            out.append((conn, p.Codec.encode(msg, g)))
+            out.append((conn, self.frame(conn, p.Codec.encode(msg, g))))
         return out
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 :class:`PeerStore`, served as the agent serves it, and a plain TCP sink to compare it with.
 
 ``python -m tierswap.bench.peerserver JOB_ID``, with the job's secret (hex) in
-``TIERSWAP_BENCH_SECRET``. It prints its two addresses as one JSON line on stdout, serves
+``TIERSWAP_BENCH_SECRET``. It prints its addresses as one JSON line on stdout, serves
 until its stdin closes (the bench is done, or gone), then unlinks its segments and exits.
 
 The sink reads frames of an 8-byte little-endian length and that many bytes, received
@@ -120,6 +120,8 @@ class PeerServer:
             self.close()
             raise
         self.replica = (str(ready["replica"][0]), int(ready["replica"][1]))
+        self.replica_tls = (str(ready["replica_tls"][0]), int(ready["replica_tls"][1]))
+        """The same store, served over TLS (what ``--tls auto`` does off loopback)."""
         self.stream = (str(ready["stream"][0]), int(ready["stream"][1]))
 
     def _ready_line(self, timeout: float) -> dict[str, Any]:
@@ -152,17 +154,24 @@ def main(argv: list[str]) -> None:
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
     agent = _Agent(job_id)
     server = ReplicaServer("127.0.0.1", secret, agent.ask)
+    over_tls = ReplicaServer("127.0.0.1", secret, agent.ask, tls="on")  # the same store
     sink = socket.create_server(("127.0.0.1", 0))
     try:
         threading.Thread(
             target=_sink, args=(sink,), daemon=True, name="tierswap-bench-accept"
         ).start()
-        ready = {"replica": server.address, "stream": sink.getsockname()[:2], "pid": os.getpid()}
+        ready = {
+            "replica": server.address,
+            "replica_tls": over_tls.address,
+            "stream": sink.getsockname()[:2],
+            "pid": os.getpid(),
+        }
         print(json.dumps(ready), flush=True)
         sys.stdin.buffer.read()  # EOF: the bench is done, or gone
     finally:
         sink.close()
         server.close()
+        over_tls.close()
         agent.close()
 
 

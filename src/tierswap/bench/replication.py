@@ -8,7 +8,8 @@ flattened into a replica as a rank's snapshot is, against a real
 1. replication throughput: ``peer.push`` of the replica (one request, the bytes, the
    server's checksum, its answer) against a plain TCP stream of as many bytes between the
    same two processes (``sendall``, ``recv_into`` a reused buffer, a one-byte answer),
-   A B / B A rounds;
+   and ``peer.push`` over TLS (what ``--tls auto`` does between hosts), in alternating
+   rounds;
 2. restore of a lost rank: ``peer.fetch`` of the replica (checksum verified) and
    ``state.load`` of it into the live state, against ``durable.read_part`` of the same
    snapshot from a local disk with the part's pages dropped from the page cache first (a
@@ -94,9 +95,12 @@ def _bench_replication(
     with contextlib.ExitStack() as stack:
         chan = peer.connect(server.replica, server.secret)
         stack.callback(chan.close)
+        chan_tls = peer.connect(server.replica_tls, server.secret, "on")
+        stack.callback(chan_tls.close)
         sock = stack.enter_context(socket.create_connection(server.stream, timeout=300))
         methods: dict[str, Callable[[], Sample]] = {
             "push": lambda: _push_once(chan, replica, steps),
+            "push_tls": lambda: _push_once(chan_tls, replica, steps),
             "stream": lambda: _stream_once(sock, replica.view),
         }
         res = interleave(methods, repeats, lambda: None, alternate=True)
@@ -166,6 +170,7 @@ def ratios(res: Mapping[str, Any]) -> dict[str, float]:
     peer_s = rest["peer"]["total"]["median"]
     return {
         "push/stream": rep["push"]["bps"]["median"] / rep["stream"]["bps"]["median"],
+        "push_tls/push": rep["push_tls"]["bps"]["median"] / rep["push"]["bps"]["median"],
         "restore durable_cold/peer": rest["durable_cold"]["total"]["median"] / peer_s,
         "restore durable_warm/peer": rest["durable_warm"]["total"]["median"] / peer_s,
     }
@@ -196,6 +201,7 @@ def run(size_mib: int, repeats: int) -> dict[str, Any]:
 
 _ROWS = (  # section, measure, path to its stats, unit
     ("replication", "peer.push: request, bytes, server checksum", "replication/push/bps", "GiB/s"),
+    ("", "peer.push over TLS (--tls auto off loopback)", "replication/push_tls/bps", "GiB/s"),
     ("", "plain TCP stream: sendall, recv_into", "replication/stream/bps", "GiB/s"),
     ("restore", "peer.fetch + load", "restore/peer/total", "ms"),
     ("", "  fetch, checksum verified", "restore/peer/read", "ms"),

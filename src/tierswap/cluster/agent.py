@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.tiers.replicas import PeerStore
-from tierswap.wire import BACKLOG, Channel, reader, serve
+from tierswap.wire import Channel, Listener, reader, serve
 
 ASK_LIMIT_S = 120.0
 """How long a replica-server thread waits for the loop to answer it."""
@@ -81,7 +80,7 @@ class Agent:
         # tier-2 writes get their own threads: a slow disk must not hold up checksums
         self.writer = PartWriter(cfg, self.events.put)
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
-        self.listener = Listener(self.sock, family="AF_UNIX", authkey=secret, backlog=BACKLOG)
+        self.listener = Listener(self.sock, secret)
         env = worker_env(address, dict(os.environ, **cfg.to_env()))
         env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_SECRET=secret.hex(), TIERSWAP_HOST=str(host))
         self.processes = Processes(script, env, self.events.put)
@@ -99,8 +98,9 @@ class Agent:
             base_root,
             cfg.world_size,
             announce=self._announce,
+            tls=cfg.tls,
         )
-        self.server = ReplicaServer(address, secret, self._ask)
+        self.server = ReplicaServer(address, secret, self._ask, tls=cfg.tls)
         peers = PeerStore(
             job_id,
             cfg.slots,

@@ -18,7 +18,6 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from tierswap.control.ports import DurableRoot
 from tierswap.events import EventLog, Progress
 from tierswap.shm import remove_job_segments
 from tierswap.tiers.ownership import LEASE_S, RootClaim
-from tierswap.wire import BACKLOG, Channel, reader, serve
+from tierswap.wire import Channel, Listener, reader, serve
 
 
 class Coordinator:
@@ -65,7 +64,7 @@ class Coordinator:
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
         # agents (including hosts that join later) and workers reach both on --bind
-        self.listener = Listener((cfg.bind, 0), authkey=self.secret, backlog=BACKLOG)
+        self.listener = Listener((cfg.bind, 0), self.secret)
         self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = TCPStore(
             cfg.bind,
@@ -101,8 +100,7 @@ class Coordinator:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.listener.address
-        return str(host), int(port)
+        return self.listener.tcp_address
 
     # ---------------------------------------------------------------- main loop
 

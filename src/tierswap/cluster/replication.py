@@ -47,8 +47,10 @@ class Replicator:
         base_root: str | None = None,
         world_size: int = 0,
         announce: Callable[[p.Replicating, int], None] | None = None,
+        tls: str = "off",
     ) -> None:
         self.secret = secret
+        self.tls = tls
         self.keeper = keeper
         """Set for ``--memory-tiers delta``: each rank's base, and when to renew it."""
         self.base_root = base_root
@@ -195,7 +197,7 @@ class Replicator:
             return cached[1]
         if cached is not None:
             cached[1].close()
-        chan = connect(address, self.secret)
+        chan = connect(address, self.secret, self.tls)
         chan.give_up_after(SEND_LIMIT_S)
         with self._lock:
             self._chans[(rank, node)] = (address, chan)

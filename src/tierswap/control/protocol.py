@@ -735,7 +735,7 @@ class Codec:
     def encode(cls, msg: Message, gen: int) -> bytes:
         return cls._encoder.encode(Envelope(gen, msg))
 
-    def decode(self, data: bytes) -> Envelope[Any]:
+    def decode(self, data: bytes | bytearray | memoryview) -> Envelope[Any]:
         try:
             return self._decoder.decode(data)
         except (msgspec.DecodeError, ValueError) as e:  # a ValidationError; bad UTF-8

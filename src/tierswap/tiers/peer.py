@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Listener
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierswap import delta
@@ -20,7 +19,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout
-from tierswap.wire import BACKLOG, Address, Channel, serve
+from tierswap.wire import Address, Channel, Listener, serve
 
 if TYPE_CHECKING:
     from tierswap.tiers.deltas import Base
@@ -81,15 +80,14 @@ class Lease:
 class ReplicaServer:
     """Receives replicas from peers and serves them to restoring workers."""
 
-    def __init__(self, bind: str, secret: bytes, ask: Ask) -> None:
+    def __init__(self, bind: str, secret: bytes, ask: Ask, tls: str = "off") -> None:
         self.ask = ask
-        self.listener = Listener((bind, 0), authkey=secret, backlog=BACKLOG)
+        self.listener = Listener((bind, 0), secret, tls=tls)
         self._stop = serve(self.listener, self._serve, "tierswap-replica-accept", p.AgentToAgent)
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.listener.address
-        return str(host), int(port)
+        return self.listener.tcp_address
 
     def close(self) -> None:
         self._stop()
@@ -227,9 +225,9 @@ class ReplicaServer:
             self.ask("replica_unlease", rank=rank, token=lease.token)
 
 
-def connect(address: Address, secret: bytes) -> Channel:
-    """A channel to a peer's replica server."""
-    return Channel.connect(address, secret, p.AgentToAgent)
+def connect(address: Address, secret: bytes, tls: str = "off") -> Channel:
+    """A channel to a peer's replica server (over TLS where ``tls`` wants it)."""
+    return Channel.connect(address, secret, p.AgentToAgent, tls=tls)
 
 
 def push(
@@ -301,12 +299,12 @@ def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
 
 
 def fetch(
-    address: Address, secret: bytes, rank: int, step: int
+    address: Address, secret: bytes, rank: int, step: int, tls: str = "off"
 ) -> tuple[Layout, dict[str, Any], memoryview]:
     """A worker pulls its replica of ``step`` from a peer; the checksum is verified."""
     where = f"tier-1 replica of rank {rank} step {step} at {address}"
     try:
-        chan = connect(address, secret)
+        chan = connect(address, secret, tls)
     except (OSError, EOFError) as e:
         raise CorruptPartError(where, f"peer unreachable: {e}") from e
     try:
