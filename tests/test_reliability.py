@@ -26,6 +26,20 @@ def _wait_for(run_dir: Path, kind: str, timeout: float) -> None:
     raise TimeoutError(f"no {kind} event within {timeout} s")
 
 
+def _listening(launcher: int) -> list[str]:
+    """The addresses the launcher (coordinator, store) and its agents listen on. Issue 14:
+    torch's TCPStore listened on every interface although --bind was 127.0.0.1."""
+    import psutil
+
+    top = psutil.Process(launcher)
+    out = []
+    for proc in [top, *top.children()]:  # the agents; their workers are a level below
+        for c in proc.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                out.append(c.laddr.ip)
+    return out
+
+
 def test_a_launcher_stopped_past_its_lease_fences_nobody(tmp_path: Path, baseline) -> None:
     """SIGSTOP of the launcher for twice the lease: when it runs again the hosts'
     silence is its own, their leases are renewed, and the job finishes with no failure."""
@@ -51,6 +65,9 @@ def test_a_launcher_stopped_past_its_lease_fences_nobody(tmp_path: Path, baselin
                                start_new_session=True)  # fmt: skip
         try:
             _wait_for(run_dir, "snapshot_committed", 120)
+            assert _listening(job.pid) and set(_listening(job.pid)) == {"127.0.0.1"}, (
+                "the launcher or an agent listens beyond --bind (127.0.0.1)"
+            )
             os.kill(job.pid, signal.SIGSTOP)  # the launcher only: agents and workers run on
             time.sleep(6)
             os.kill(job.pid, signal.SIGCONT)

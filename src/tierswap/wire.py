@@ -480,6 +480,41 @@ MAX_FRAME = 64 << 20
 go raw, outside frames)."""
 
 
+class Server:
+    """A TCP server of the job on ``(bind, port 0)``: each authenticated connection is
+    served by ``handle`` on a thread of its own, and closed when it returns or the peer
+    goes (EOF, a reset, a message not of ``incoming``). ``close`` stops accepting."""
+
+    incoming: Any
+    """The union of messages its connections receive."""
+    name = "tierswap-server"
+
+    def __init__(self, bind: str, secret: bytes, tls: str = "off") -> None:
+        self.listener = Listener((bind, 0), secret, tls=tls)
+        self._stop = serve(self.listener, self._start, f"{self.name}-accept", self.incoming)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.tcp_address
+
+    def close(self) -> None:
+        self._stop()
+
+    def handle(self, chan: Channel) -> None:
+        raise NotImplementedError
+
+    def _start(self, chan: Channel) -> None:
+        threading.Thread(target=self._run, args=(chan,), daemon=True, name=self.name).start()
+
+    def _run(self, chan: Channel) -> None:
+        try:
+            self.handle(chan)
+        except (EOFError, OSError, ValueError):  # ProtocolError is a ValueError
+            pass
+        finally:
+            chan.close()
+
+
 def reader(chan: Channel, deliver: Callable[[Envelope[Any] | None], None], name: str) -> None:
     """Read ``chan`` in a daemon thread; ``deliver(None)`` once when it closes, or when it
     sends something that is not a message of its channel (the peer is then cut off)."""

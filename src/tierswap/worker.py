@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
+from torch._C._distributed_c10d import HashStore, PrefixStore
 
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
 from tierswap.job import Job
 from tierswap.snapshot import Watermark
+from tierswap.store import StoreClient
 from tierswap.wire import Channel
 
 EXIT_USAGE = 3
@@ -154,7 +155,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     # how long a failed collective waits for the generation to end before it counts as
     # this worker's own error: a failure elsewhere is found within a lease
     grace = float(env.get("TIERSWAP_LEASE", "10")) + heartbeat
-    stores: dict[str, TCPStore] = {}
+    stores: dict[str, StoreClient] = {}
     while True:
         generation, a = control.assignments.get()
         rank = a.rank
@@ -175,7 +176,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         t0 = time.monotonic()
         if a.store not in stores:
             host, port = a.store.rsplit(":", 1)
-            stores[a.store] = TCPStore(host, int(port), is_master=False, timeout=startup)
+            stores[a.store] = StoreClient((host, int(port)), secret, startup)
         store = PrefixStore(f"gen{generation}/", stores[a.store])
         if not _rendezvous(store, job.world_size, control.event(generation), startup):
             parked = p.Parked(

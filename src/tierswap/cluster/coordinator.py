@@ -1,7 +1,8 @@
 """The coordinator process: the shell around ``control/coordinator.py``'s core.
 
-It runs in the launcher. It owns the listener agents connect to, the ``TCPStore`` workers
-rendezvous on (each generation uses the prefix ``gen<g>/``), the simulated hosts' agent
+It runs in the launcher. It owns the listener agents connect to, the store workers
+rendezvous on (``store.py``, behind the job's secret; each generation uses the prefix
+``gen<g>/``), the simulated hosts' agent
 processes, the event log and the console. One reader thread per agent connection feeds a
 queue; one loop hands each event to the core and carries out what it returns, so the
 job's state has a single writer.
@@ -17,11 +18,8 @@ import queue
 import signal
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-from torch._C._distributed_c10d import TCPStore
 
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
 from tierswap.config import Config
@@ -50,6 +48,7 @@ from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
 from tierswap.events import EventLog, Progress
 from tierswap.shm import remove_job_segments
+from tierswap.store import StoreServer
 from tierswap.tiers.ownership import LEASE_S, RootClaim
 from tierswap.wire import Channel, Listener, reader, serve
 
@@ -66,13 +65,7 @@ class Coordinator:
         # agents (including hosts that join later) and workers reach both on --bind
         self.listener = Listener((cfg.bind, 0), self.secret)
         self._stop_accepting: Callable[[], None] = self.listener.close
-        self.store = TCPStore(
-            cfg.bind,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=cfg.startup_timeout),
-        )
+        self.store = StoreServer(cfg.bind, self.secret)
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         self.claim = (
             None
@@ -90,7 +83,7 @@ class Coordinator:
             job_id=self.job_id,
             script=script,
             address=self.address,
-            store=f"{cfg.bind}:{self.store.port}",
+            store=f"{cfg.bind}:{self.store.address[1]}",
             tier2=None
             if cfg.persist is None or self.claim is None
             else DurableRoot(cfg.persist, self.claim.job),
@@ -221,6 +214,7 @@ class Coordinator:
             self._send(conn, exit_msg)
         self.nodes.stop_all(told=set(self.core.hosts.conns))
         self._stop_accepting()
+        self.store.close()
         n = remove_job_segments(self.job_id)
         if n:
             self.log.emit("memory_released", segments=n)

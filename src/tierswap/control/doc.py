@@ -15,6 +15,8 @@ WHO = {
     "agent -> coordinator": ("agent core", "coordinator core"),
     "coordinator -> agent": ("coordinator core", "agent core"),
     "agent <-> agent": ("replicator, worker (fetch), replica server", "replica server"),
+    "worker -> store": ("worker (its process group's store)", "store server (launcher)"),
+    "store -> worker": ("store server (launcher)", "worker"),
 }
 
 

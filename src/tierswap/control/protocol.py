@@ -11,8 +11,9 @@ request connection, attach / parked / beat on its control connection), agent -> 
 (``AgentToWorker``: replies and the control messages), agent -> coordinator
 (``AgentToCoordinator``), coordinator -> agent (``CoordinatorToAgent``) and agent <-> agent
 (``AgentToAgent``: replicas pushed to peers and fetched by restoring workers, and their
-replies). The wire is msgpack (``tierswap bench control-plane`` measures it against JSON),
-never pickle.
+replies), worker <-> store (``WorkerToStore``, ``StoreToWorker``: the rendezvous store's
+operations and their replies). The wire is msgpack (``tierswap bench control-plane``
+measures it against JSON), never pickle.
 """
 
 from __future__ import annotations
@@ -644,6 +645,86 @@ class Missing(Message, frozen=True, kw_only=True, tag="missing"):
     why: str = "the peer no longer holds it"
 
 
+# ============================================================ worker <-> store
+# The rendezvous store workers build their process groups on (``store.py``): torch's
+# c10d store operations, each a call answered by one reply (or Error).
+
+
+class StoreSet(Message, frozen=True, kw_only=True, tag="store_set"):
+    scoped = False
+    call = True
+    key: str
+    value: bytes
+
+
+class StoreGet(Message, frozen=True, kw_only=True, tag="store_get"):
+    """``key``'s value once it is set, waiting up to ``timeout`` seconds."""
+
+    scoped = False
+    call = True
+    key: str
+    timeout: float
+
+
+class StoreAdd(Message, frozen=True, kw_only=True, tag="store_add"):
+    scoped = False
+    call = True
+    key: str
+    amount: int
+
+
+class StoreCompareSet(Message, frozen=True, kw_only=True, tag="store_compare_set"):
+    """Set ``desired`` if the value is ``expected`` (or the key is unset and ``expected``
+    empty); the reply is the value after."""
+
+    scoped = False
+    call = True
+    key: str
+    expected: bytes
+    desired: bytes
+
+
+class StoreWait(Message, frozen=True, kw_only=True, tag="store_wait"):
+    scoped = False
+    call = True
+    keys: list[str]
+    timeout: float
+
+
+class StoreCheck(Message, frozen=True, kw_only=True, tag="store_check"):
+    scoped = False
+    call = True
+    keys: list[str]
+
+
+class StoreDelete(Message, frozen=True, kw_only=True, tag="store_delete"):
+    scoped = False
+    call = True
+    key: str
+
+
+class StoreCount(Message, frozen=True, kw_only=True, tag="store_count"):
+    """How many keys the store holds."""
+
+    scoped = False
+    call = True
+
+
+class StoreValue(Message, frozen=True, kw_only=True, tag="store_value"):
+    scoped = False
+    value: bytes
+
+
+class StoreNumber(Message, frozen=True, kw_only=True, tag="store_number"):
+    scoped = False
+    value: int
+
+
+class StoreFlag(Message, frozen=True, kw_only=True, tag="store_flag"):
+    scoped = False
+    ok: bool
+
+
 # ==================================================================== the channels
 
 WorkerToAgent = (
@@ -704,12 +785,26 @@ AgentToCoordinator = (
 CoordinatorToAgent = Welcome | Start | Stop | Committed | Release | Settled | Persist | Exit
 AgentToAgent = Replica | ReplicaDelta | Fetch | Room | Accepted | Serving | Missing | Error
 
+WorkerToStore = (
+    StoreSet
+    | StoreGet
+    | StoreAdd
+    | StoreCompareSet
+    | StoreWait
+    | StoreCheck
+    | StoreDelete
+    | StoreCount
+)
+StoreToWorker = StoreValue | StoreNumber | StoreFlag | Ack | Error
+
 CHANNELS: dict[str, Any] = {
     "worker -> agent": WorkerToAgent,
     "agent -> worker": AgentToWorker,
     "agent -> coordinator": AgentToCoordinator,
     "coordinator -> agent": CoordinatorToAgent,
     "agent <-> agent": AgentToAgent,
+    "worker -> store": WorkerToStore,
+    "store -> worker": StoreToWorker,
 }
 
 

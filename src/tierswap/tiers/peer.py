@@ -19,7 +19,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
 from tierswap.state import Layout
-from tierswap.wire import Address, Channel, Listener, serve
+from tierswap.wire import Address, Channel, Server
 
 if TYPE_CHECKING:
     from tierswap.tiers.deltas import Base
@@ -77,44 +77,27 @@ class Lease:
     base_step: int = -1
 
 
-class ReplicaServer:
+class ReplicaServer(Server):
     """Receives replicas from peers and serves them to restoring workers."""
+
+    incoming = p.AgentToAgent
+    name = "tierswap-replica"
 
     def __init__(self, bind: str, secret: bytes, ask: Ask, tls: str = "off") -> None:
         self.ask = ask
-        self.listener = Listener((bind, 0), secret, tls=tls)
-        self._stop = serve(self.listener, self._serve, "tierswap-replica-accept", p.AgentToAgent)
+        super().__init__(bind, secret, tls)
 
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.listener.tcp_address
-
-    def close(self) -> None:
-        self._stop()
-
-    def _serve(self, chan: Channel) -> None:
-        import threading
-
-        threading.Thread(
-            target=self._loop, args=(chan,), daemon=True, name="tierswap-replica"
-        ).start()
-
-    def _loop(self, chan: Channel) -> None:
-        try:
-            while (env := chan.recv()) is not None:
-                match env.msg:
-                    case p.Replica():
-                        self._receive(chan, env.msg, env.gen)
-                    case p.ReplicaDelta():
-                        self._receive_delta(chan, env.msg, env.gen)
-                    case p.Fetch():
-                        self._send(chan, env.msg)
-                    case _:
-                        chan.send(p.Error(message=f"unexpected {p.tag_of(env.msg)!r}"))
-        except (EOFError, OSError, ValueError):
-            pass
-        finally:
-            chan.close()
+    def handle(self, chan: Channel) -> None:
+        while (env := chan.recv()) is not None:
+            match env.msg:
+                case p.Replica():
+                    self._receive(chan, env.msg, env.gen)
+                case p.ReplicaDelta():
+                    self._receive_delta(chan, env.msg, env.gen)
+                case p.Fetch():
+                    self._send(chan, env.msg)
+                case _:
+                    chan.send(p.Error(message=f"unexpected {p.tag_of(env.msg)!r}"))
 
     def _receive(self, chan: Channel, msg: p.Replica, generation: int) -> None:
         rank, step, layout = msg.rank, msg.step, msg.layout

@@ -1,0 +1,145 @@
+"""The rendezvous store: torch's store semantics, on --bind only, behind the job's secret."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from multiprocessing import AuthenticationError
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from tierswap.store import StoreClient, StoreServer
+
+pytestmark = pytest.mark.timeout(60)
+WAIT = timedelta(seconds=5)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[StoreServer, bytes]]:
+    secret = secrets.token_bytes(32)
+    srv = StoreServer("127.0.0.1", secret)
+    yield srv, secret
+    srv.close()
+
+
+def test_every_operation_keeps_torchs_semantics(server: tuple[StoreServer, bytes]) -> None:
+    srv, secret = server
+    a, b = (StoreClient(srv.address, secret, WAIT) for _ in range(2))
+    try:
+        a.set("k", b"\x00\xffbinary")
+        assert b.get("k") == b"\x00\xffbinary"
+        a.set("s", "text")
+        assert b.get("s") == b"text"
+        assert a.add("n", 3) == 3 and b.add("n", 4) == 7 and a.add("n", 0) == 7
+        assert a.compare_set("c", b"", b"first") == b"first"  # unset and expected empty
+        assert b.compare_set("c", b"other", b"second") == b"first"  # no match: unchanged
+        assert b.compare_set("c", b"first", b"second") == b"second"
+        assert a.check(["k", "n"]) and not a.check(["k", "absent"])
+        a.wait(["k", "c"])
+        assert a.num_keys() == 4
+        assert b.delete_key("k") and not b.delete_key("k")
+        assert not a.check(["k"]) and a.num_keys() == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_get_waits_for_another_workers_set(server: tuple[StoreServer, bytes]) -> None:
+    srv, secret = server
+    a, b = (StoreClient(srv.address, secret, WAIT) for _ in range(2))
+    try:
+        threading.Timer(0.3, lambda: a.set("late", b"here")).start()
+        t0 = time.monotonic()
+        assert b.get("late") == b"here"
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_wait_past_its_timeout_fails_naming_the_store(server: tuple[StoreServer, bytes]) -> None:
+    srv, secret = server
+    a = StoreClient(srv.address, secret, WAIT)
+    try:
+        with pytest.raises(dist.DistStoreError, match=r"store at .*'store_wait' failed"):
+            a.wait(["never"], timedelta(seconds=0.2))
+        with pytest.raises(dist.DistStoreError, match="'store_get' failed"):
+            a.set_timeout(timedelta(seconds=0.2))
+            a.default_timeout = timedelta(seconds=0.2)
+            a.get("never")
+        assert a.add("after", 1) == 1  # the connection is still good
+    finally:
+        a.close()
+
+
+def test_a_process_without_the_secret_reaches_no_key(server: tuple[StoreServer, bytes]) -> None:
+    """Issue 14: torch's TCPStore took reads and writes from anyone who connected."""
+    srv, secret = server
+    a = StoreClient(srv.address, secret, WAIT)
+    try:
+        a.set("nccl-id", b"secret bytes")
+        with pytest.raises(AuthenticationError):
+            StoreClient(srv.address, secrets.token_bytes(32), WAIT)
+        with pytest.raises((RuntimeError, dist.DistError)):  # torch's client: no handshake
+            dist.TCPStore(*srv.address, is_master=False, timeout=timedelta(seconds=2))
+        assert a.num_keys() == 1 and a.get("nccl-id") == b"secret bytes"
+    finally:
+        a.close()
+
+
+def test_the_store_listens_on_its_bind_address_only(server: tuple[StoreServer, bytes]) -> None:
+    srv, _ = server
+    port = srv.address[1]
+    mine = [
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    assert mine == ["127.0.0.1"]
+
+
+_WORKER = """
+import sys, datetime, torch, torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
+from tierswap.store import StoreClient
+host, port, secret = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+rank = int(sys.argv[4])
+client = StoreClient((host, port), secret, datetime.timedelta(seconds=30))  # kept referenced
+store = PrefixStore("gen0/", client)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+dist.barrier()
+print(t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_workers_build_a_process_group_on_it(server: tuple[StoreServer, bytes]) -> None:
+    srv, secret = server
+    host, port = srv.address
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, host, str(port), secret.hex(), str(rank)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=50)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [float(o.split()[-1]) for o in outs] == [3.0, 3.0]
