@@ -158,6 +158,17 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("delay:node=0:seconds=.5", Injection("delay", "node", 0, -1, seconds=0.5)),
         ("delay:node=0:seconds=1e-05", Injection("delay", "node", 0, -1, seconds=1e-05)),
         ("delay:node=0:seconds=2e+06", Injection("delay", "node", 0, -1, seconds=2e6)),
+        ("kill:node=1:step=4:during=commit", Injection("kill", "node", 1, 4, during="commit")),
+        (
+            "kill:rank=0:step=5:during=snapshot",
+            Injection("kill", "rank", 0, 5, during="snapshot"),
+        ),
+        (
+            "kill:rank=1:gen=2:during=restore",
+            Injection("kill", "rank", 1, -1, gen=2, during="restore"),
+        ),
+        ("slow:rank=1:seconds=0.2", Injection("slow", "rank", 1, -1, seconds=0.2)),
+        ("slow:persist:seconds=1.5", Injection("slow", "persist", -1, -1, seconds=1.5)),
     ],
 )
 def test_injection_parse_and_str(spec: str, expected: Injection) -> None:
@@ -177,6 +188,10 @@ def test_injection_parse_and_str(spec: str, expected: Injection) -> None:
         "kill:rank=x:step=2",
         "kill:node=1:step=2:extra",
         "KILL:node=1:step=2",
+        "kill:rank=1:step=2:during=commit",  # a worker's kill has no commit to wait for
+        "kill:node=1:gen=2:during=restore",
+        "slow:node=1:seconds=1",
+        "slow:persist:step=3",
     ],
 )
 def test_injection_parse_rejects_bad_specs(spec: str) -> None:
@@ -281,3 +296,24 @@ def test_chaos_is_parsed_once_and_refused_with_its_form() -> None:
     for bad in ("x", "7:0", "7:-1", "7:1:x"):
         with pytest.raises(ValueError, match=r"SEED\[:RATE\[:COUNT\]\]"):
             Config(chaos=bad)
+
+
+def test_each_new_fault_point_is_asked_where_it_fires() -> None:
+    from tierswap.faults import FaultPlan
+
+    plan = FaultPlan.parse(
+        [
+            "kill:node=1:step=4:during=commit",
+            "kill:rank=0:step=5:during=snapshot",
+            "kill:rank=0:gen=2:during=restore",
+            "slow:rank=1:seconds=0.2",
+            "slow:persist:seconds=1.5",
+        ]
+    )
+    assert plan.at_step(10) == [] and plan.at_generation(2) == []  # neither fires them
+    assert plan.at_parts(1, 3) == [] and plan.at_parts(0, 4) == []
+    assert [str(f) for f in plan.at_parts(1, 6)] == ["kill:node=1:step=4:during=commit"]
+    assert plan.at_parts(1, 8) == [], "a fault fires once"
+    assert [f.during for f in plan.of_rank(0)] == ["snapshot", "restore"]
+    assert [f.action for f in plan.of_rank(1)] == ["slow"]
+    assert plan.persist_delay() == 1.5 and not plan.fails_persist(4)

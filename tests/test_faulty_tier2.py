@@ -50,8 +50,8 @@ def test_a_full_store_fails_the_part_and_leaves_no_half_file(faults: faulty.Faul
     assert [s.step for s in durable.list_steps(ROOT) if s.committed] == []
 
 
-def _coordinator() -> CoordinatorCore:
-    cfg = Config(nodes=2, console=False, persist=ROOT, persist_every=1, keep=1)
+def _coordinator(keep: int = 1) -> CoordinatorCore:
+    cfg = Config(nodes=2, console=False, persist=ROOT, persist_every=1, keep=keep)
     core = CoordinatorCore(cfg, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
                            tier2=DurableRoot(ROOT), now=0.0)  # fmt: skip
     core.handle(cc.Begin(), 0.0)
@@ -115,3 +115,36 @@ def test_a_store_that_went_away_leaves_training_on_the_memory_tiers(
         out += core.handle(cc.AgentMessage(host + 1, p.Envelope(0, parts), 0), 0)
     assert any(isinstance(c, cc.Log) and c.event == "durability_failing" for c in out)
     assert core.phase.state.value == "running" and core.tiers[0].committed == 0
+
+
+def test_a_full_root_leaves_no_half_step_and_tier_2_moves_on(faults: faulty.Faults) -> None:
+    """Issue 14: a full durable root left its half-written step behind, and tier 2 stayed
+    at the last step that fit. Now the half step goes, older steps beyond the newest make
+    room, and the next step is committed."""
+    core = _coordinator(keep=2)
+    _persist(core, 0)
+    _persist(core, 1)
+    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [0, 1]
+    fs = faulty.FaultyFileSystem()
+    faults.capacity = fs.used() + (fs.used() // 4) * 3 // 2  # one more part, not two
+
+    out: list[object] = []
+    for host in (0, 1):
+        out += core.handle(cc.AgentMessage(host + 1, p.Envelope(0, p.Held(tier=0, step=2)), 0), 0)
+    (persist,) = [
+        c.msg for c in out if isinstance(c, cc.Broadcast) and isinstance(c.msg, p.Persist)
+    ]
+    written = _part(2, 0)
+    with pytest.raises(OSError) as full:
+        _part(2, 1)
+    logged: list[object] = []
+    for host, parts, errors in ((0, [written], {}), (1, [], {1: f"OSError: {full.value}"})):
+        msg = p.Parts(token=persist.token, step=2, parts=parts, errors=errors)
+        logged += core.handle(cc.AgentMessage(host + 1, p.Envelope(0, msg), 0), 0)
+    events = {c.event: c.fields for c in logged if isinstance(c, cc.Log)}
+    assert events["durable_root_full"] == {"step": 2, "discarded": True, "deleted": [0]}
+    assert [s.step for s in durable.list_steps(ROOT)] == [1], "no half step, step 1 kept"
+
+    logged = _persist(core, 3)  # there is room for one step now
+    assert {"event": "snapshot_committed", "tier": 2, "step": 3, "deleted": []} in logged
+    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [1, 3]

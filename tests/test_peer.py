@@ -361,3 +361,21 @@ def test_a_tls_server_without_the_secret_is_refused_by_its_certificate() -> None
     for srv in serve_store("full", "on"):
         with pytest.raises(multiprocessing.AuthenticationError, match="not this job's"):
             peer.connect(srv.address, b"another job's secret", "on")
+
+
+def test_a_peer_that_dies_as_a_worker_connects_is_a_corrupt_source_not_a_crash() -> None:
+    """A peer that accepts and then closes (it died): the restore falls back on another
+    tier (CorruptPartError), as for any unreachable peer."""
+    import socket
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        address = srv.getsockname()[:2]
+
+        def die() -> None:
+            conn, _ = srv.accept()
+            conn.close()
+
+        threading.Thread(target=die, daemon=True).start()
+        with pytest.raises(CorruptPartError, match="peer unreachable"):
+            peer.fetch(address, b"job-secret", rank=0, step=1)

@@ -33,11 +33,12 @@ def _strategy(tp: Any) -> st.SearchStrategy[Any]:
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
         return _json
-    if tp in (int, float, str, bool):
+    if tp in (int, float, str, bool, bytes):
         small: dict[Any, st.SearchStrategy[Any]] = {
             int: st.integers(-(2**62), 2**62),
             float: st.floats(allow_nan=False),
             str: st.text(max_size=12),
+            bytes: st.binary(max_size=12),
             bool: st.booleans(),
         }
         return small[tp]
@@ -112,9 +113,14 @@ def _all_subclasses(cls: type[Any]) -> set[type[Any]]:
 
 
 def test_calls_are_requests_a_worker_waits_for() -> None:
-    calls = sorted(p.tag_of(c) for c in ALL if c.call)
+    calls = sorted(p.tag_of(c) for c in ALL if c.call and not _store(c))
     assert calls == ["alloc", "corrupt", "fatal", "finished", "inject_fired", "plan", "slot"]
-    assert all(c in get_args(p.WorkerToAgent) for c in ALL if c.call)
+    assert all(c in get_args(p.WorkerToAgent) for c in ALL if c.call and not _store(c))
+    assert all(c.call for c in get_args(p.WorkerToStore)), "every store operation is a call"
+
+
+def _store(cls: Any) -> bool:
+    return cls in get_args(p.WorkerToStore)
 
 
 @pytest.mark.parametrize(

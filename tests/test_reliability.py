@@ -34,9 +34,11 @@ def _listening(launcher: int) -> list[str]:
     top = psutil.Process(launcher)
     out = []
     for proc in [top, *top.children()]:  # the agents; their workers are a level below
-        for c in proc.net_connections(kind="inet"):
-            if c.status == psutil.CONN_LISTEN:
-                out.append(c.laddr.ip)
+        try:
+            conns = proc.net_connections(kind="inet")
+        except psutil.NoSuchProcess:  # a node that just ended
+            continue
+        out += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
     return out
 
 
@@ -176,3 +178,121 @@ def test_soak_ten_random_failures_end_bit_exact_with_nothing_lost_or_left(
     alive = [p for p in agents if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive, f"agents left running: {alive}"
     assert not leaked_segments(tmp_path)
+
+
+def _verify(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "verify", str(root)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def _start(tmp_path: Path, name: str, launcher: list[str], steps: int) -> subprocess.Popen[bytes]:
+    cmd = job_command(
+        tmp_path / name,
+        ["--nodes", "2", *launcher],
+        ["--steps", str(steps), "--mode", "ddp", "--sleep", "0.05",
+         "--out", str(tmp_path / f"{name}-final")],
+    )  # fmt: skip
+    with (tmp_path / f"{name}.log").open("w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                start_new_session=True)  # fmt: skip
+
+
+def _finish(job: subprocess.Popen[bytes], run_dir: Path, timeout: float) -> int:
+    try:
+        return job.wait(timeout)
+    finally:
+        if job.poll() is None:
+            kill_job(job.pid, run_dir)
+            job.wait()
+
+
+def test_a_kill_at_each_named_fault_point_ends_bit_exact(tmp_path: Path, baseline) -> None:
+    """Issue 14's named fault points in one job: a worker killed half way through its
+    snapshot copy, a node killed between writing its tier-2 parts and their COMMIT, a
+    worker killed while it restores, a slow worker and slow storage throughout. Every one
+    fires, and the job ends with the bits of a run without them."""
+    base = baseline(nodes=2, mode="ddp", steps=30)
+    persist, run_dir = tmp_path / "ckpt", tmp_path / "points"
+    specs = ["kill:rank=0:step=4:during=snapshot", "kill:node=1:step=10:during=commit",
+             "kill:rank=1:gen=2:during=restore", "slow:rank=1:seconds=0.02",
+             "slow:persist:seconds=0.3"]  # fmt: skip
+    launcher = ["--persist", str(persist), "--persist-every", "3"]
+    for spec in specs:
+        launcher += ["--inject", spec]
+    code = _finish(_start(tmp_path, "points", launcher, 30), run_dir, 240)
+    log = (tmp_path / "points.log").read_text()
+    assert code == 0, log[-3000:]
+    fired = [e["spec"] for e in events(run_dir, "fault_injected")]
+    assert sorted(fired) == sorted(specs[:3]), fired
+    assert len(events(run_dir, "generation_started")) == 4
+    assert_same_bits(base, final_state(tmp_path, "points"))
+    assert _verify(persist).returncode == 0
+    assert not leaked_segments(tmp_path)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A 26 MiB tmpfs: two steps of the example GPT's tier 2 fit, a third does not."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_durable_root_that_fills_up_moves_on_and_leaves_no_half_step(
+    tmp_path: Path, baseline, small_tmpfs: Path
+) -> None:
+    """Issue 14: a full durable root left its half-written step behind and tier 2 stayed
+    at the last step that fit. On a real full filesystem, the half step goes, an older
+    step makes room, and tier 2 keeps committing newer steps."""
+    base = baseline(nodes=2, mode="ddp", steps=30)
+    root, run_dir = small_tmpfs / "ckpt", tmp_path / "full"
+    launcher = ["--persist", str(root), "--persist-every", "3", "--keep", "2"]
+    code = _finish(_start(tmp_path, "full", launcher, 30), run_dir, 180)
+    assert code == 0, (tmp_path / "full.log").read_text()[-3000:]
+    full = events(run_dir, "durable_root_full")
+    assert full and all(e["discarded"] for e in full), full
+    committed = [e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2]
+    assert max(committed) >= 24, f"tier 2 stopped at step {max(committed)}: {committed}"
+    assert len(committed) >= 4
+    assert_same_bits(base, final_state(tmp_path, "full"))
+    steps = sorted(p.name for p in root.glob("step-*"))
+    assert all((root / s / "COMMIT").exists() for s in steps), f"a half step is left: {steps}"
+    assert _verify(root).returncode == 0
+
+
+def test_a_durable_root_that_turns_read_only_and_back_loses_nothing(
+    tmp_path: Path, baseline, small_tmpfs: Path
+) -> None:
+    """The root is remounted read-only mid-run: training goes on in memory, durability is
+    reported failing; remounted writable, tier 2 commits again; the run ends bit exact."""
+    base = baseline(nodes=2, mode="ddp", steps=30)
+    root, run_dir = small_tmpfs / "ckpt", tmp_path / "ro"
+    launcher = ["--persist", str(root), "--persist-every", "3", "--keep", "1"]
+    job = _start(tmp_path, "ro", launcher, 30)
+    try:
+        _wait_for(run_dir, "snapshot_committed", 120)
+        deadline = time.monotonic() + 60
+        while not [e for e in events(run_dir, "snapshot_committed") if e["tier"] == 2]:
+            assert time.monotonic() < deadline, "no tier-2 commit"
+            time.sleep(0.05)
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+        _wait_for(run_dir, "durability_failing", 60)
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=False)
+        code = _finish(job, run_dir, 180)
+    assert code == 0, (tmp_path / "ro.log").read_text()[-3000:]
+    failing = events(run_dir, "durability_failing")
+    assert any("Read-only file system" in str(e["reason"]) for e in failing), failing
+    committed = [e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2]
+    assert committed and max(committed) == 29, f"tier 2 never wrote again: {committed}"
+    assert_same_bits(base, final_state(tmp_path, "ro"))
+    assert _verify(root).returncode == 0

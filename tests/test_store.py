@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -70,13 +71,42 @@ def test_a_wait_past_its_timeout_fails_naming_the_store(server: tuple[StoreServe
     try:
         with pytest.raises(dist.DistStoreError, match=r"store at .*'store_wait' failed"):
             a.wait(["never"], timedelta(seconds=0.2))
+        a.set_timeout(timedelta(seconds=0.2))  # as torch's PrefixStore forwards it
         with pytest.raises(dist.DistStoreError, match="'store_get' failed"):
-            a.set_timeout(timedelta(seconds=0.2))
-            a.default_timeout = timedelta(seconds=0.2)
             a.get("never")
         assert a.add("after", 1) == 1  # the connection is still good
     finally:
         a.close()
+
+
+def test_a_reply_that_comes_too_late_is_never_read_as_the_next_ones(
+    server: tuple[StoreServer, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call the client gave up on (the server slower than the client waits) must not
+    leave its reply to be read as the answer to the next call."""
+    from tierswap import store
+
+    srv, secret = server
+    a = StoreClient(srv.address, secret, WAIT)
+    try:
+        monkeypatch.setattr(store, "SLACK_S", -0.2)  # the client waits 0.1 s of the 0.3
+        with pytest.raises(dist.DistStoreError, match="TimeoutError"):
+            a.wait(["never"], timedelta(seconds=0.3))
+        monkeypatch.setattr(store, "SLACK_S", 30.0)
+        time.sleep(0.4)  # the server's own timeout has sent its (late) error reply by now
+        assert a.add("n", 5) == 5 and a.add("m", 1) == 1, "a late reply was misread"
+    finally:
+        a.close()
+
+
+def test_a_store_that_cannot_be_reached_is_a_network_error_after_retrying() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = s.getsockname()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match="cannot be reached"):
+        StoreClient(address, b"secret", timedelta(seconds=1))
+    assert 0.8 <= time.monotonic() - t0 < 5, "it retried for its timeout, then gave up"
 
 
 def test_a_process_without_the_secret_reaches_no_key(server: tuple[StoreServer, bytes]) -> None:

@@ -245,7 +245,7 @@ def test_a_server_out_of_descriptors_keeps_accepting_once_they_free(tmp_path: Pa
                 assert chan.call(Ping(n=1), Pong, timeout=5) == Pong(n=2)
                 chan.close()
                 break
-            except (OSError, EOFError, TimeoutError):
+            except (OSError, EOFError, TimeoutError, AuthenticationError):  # reset mid-way
                 assert time.monotonic() < deadline, "the server never accepted again"
                 time.sleep(0.2)
     finally:
@@ -457,3 +457,32 @@ def test_tls_is_wanted_off_loopback_unless_turned_off() -> None:
     assert not wanted("off", "10.1.2.3")
     with pytest.raises(ValueError, match="tls mode must be one of auto, on, off"):
         wanted("yes", "10.1.2.3")
+
+
+def test_a_client_trickling_its_handshake_is_cut_off_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger that sends one byte just inside each read's timeout must not hold a
+    handshake slot past the deadline of the whole handshake."""
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT", 0.5)
+    got: list[Channel] = []
+    listener = Listener(("127.0.0.1", 0), b"job-secret")
+    stop = serve(listener, got.append, "test-trickle", Requests)
+    try:
+        with socket.create_connection(listener.tcp_address) as s:
+            t0 = time.monotonic()
+            cut = False
+            for byte in wire.MAGIC * 4:
+                try:
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.3)  # under 0.5 s between bytes
+                except OSError:
+                    cut = True
+                    break
+            s.settimeout(3)
+            with contextlib.suppress(OSError):
+                cut = cut or s.recv(1) == b""  # the server closed it
+            assert cut and time.monotonic() - t0 < 3, "the trickle held the handshake"
+        assert got == []
+    finally:
+        stop()

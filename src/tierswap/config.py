@@ -153,6 +153,8 @@ class Config:
             )
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.tls not in ("auto", "on", "off"):
+            raise ValueError(f"tls must be 'auto', 'on' or 'off', got {self.tls!r}")
         if self.memory_tiers not in ("full", "delta"):
             raise ValueError(f"memory_tiers must be 'full' or 'delta', got {self.memory_tiers!r}")
         if self.base_every < 1:

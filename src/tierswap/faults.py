@@ -7,7 +7,13 @@
   over, say);
 - ``kill:node=I:step=S:during=replication``: kill it while a replica of step S or later
   is in flight to or from it;
+- ``kill:node=I:step=S:during=commit``: kill it once its tier-2 parts of step S or later
+  are written, before they are reported (so before that step's COMMIT);
 - ``kill:rank=R:step=S``: kill one worker after step S;
+- ``kill:rank=R:step=S:during=snapshot``: kill it half way through the background copy
+  of its snapshot of step S;
+- ``kill:rank=R:gen=G:during=restore``: kill it as it restores at the start of
+  generation G (it has its plan; the other ranks are restoring);
 - ``stop:rank=R:step=S``, ``stop:node=I:step=S``: freeze a worker or a whole node with
   SIGSTOP (a hang);
 - ``corrupt:rank=R:step=S:where=flight|memory|base``: flip a byte of every tier-1
@@ -16,14 +22,22 @@
 - ``delay:node=I:seconds=F``: hold every tier-1 transfer from node I for F seconds
   before it is sent (a slow network);
 - ``fail:persist:step=S``: node agents fail their tier-2 writes of step S (a store that
-  refuses them), so that step never gets a COMMIT.
+  refuses them), so that step never gets a COMMIT;
+- ``slow:rank=R:seconds=F``: the worker of rank R takes F seconds more for every step (a
+  slow node: the others wait for it in their collectives);
+- ``slow:persist:seconds=F``: every tier-2 part write waits F seconds first (slow
+  storage).
+
+A durable root that fills up or turns read-only is a real filesystem's doing: the tests
+mount a small ``tmpfs`` as the root, and remount it read-only mid-run.
 
 Hooks, and who asks them: the coordinator at a step reached (:meth:`FaultPlan.at_step`),
-at a generation's start (:meth:`FaultPlan.at_generation`) and at a replica transfer
-(:meth:`FaultPlan.at_transfer`); an agent for the replicas it stores
-(:meth:`FaultPlan.corruptions`) and sends (:meth:`FaultPlan.delay_of`,
-:meth:`FaultPlan.watches_transfers`) and for the parts it persists
-(:meth:`FaultPlan.fails_persist`); a worker after each step (:meth:`FaultPlan.of_rank`).
+at a generation's start (:meth:`FaultPlan.at_generation`), at a replica transfer
+(:meth:`FaultPlan.at_transfer`) and at a node's tier-2 parts (:meth:`FaultPlan.at_parts`);
+an agent for the replicas it stores (:meth:`FaultPlan.corruptions`) and sends
+(:meth:`FaultPlan.delay_of`, :meth:`FaultPlan.watches_transfers`) and for the parts it
+persists (:meth:`FaultPlan.fails_persist`, :meth:`FaultPlan.persist_delay`); a worker
+after each step, in its snapshot copy and in its restore (:meth:`FaultPlan.of_rank`).
 A fault fires once: the coordinator drops it from the plan it hands to the next
 generation.
 """
@@ -38,12 +52,17 @@ FORMS = (
     "kill:node=I:step=S",
     "kill:node=I:gen=G",
     "kill:node=I:step=S:during=replication",
+    "kill:node=I:step=S:during=commit",
     "kill:rank=R:step=S",
+    "kill:rank=R:step=S:during=snapshot",
+    "kill:rank=R:gen=G:during=restore",
     "stop:node=I:step=S",
     "stop:rank=R:step=S",
     "corrupt:rank=R:step=S:where=flight|memory|base",
     "delay:node=I:seconds=F",
     "fail:persist:step=S",
+    "slow:rank=R:seconds=F",
+    "slow:persist:seconds=F",
 )
 
 _NUMBER = r"(\d*\.?\d+(?:[eE][-+]?\d+)?|\d+\.)"
@@ -54,9 +73,9 @@ class Injection:
     """One fault of the plan (see the module's text for the forms)."""
 
     action: str
-    """kill, stop, corrupt or delay."""
+    """kill, stop, corrupt, delay, fail or slow."""
     target: str
-    """node or rank."""
+    """node, rank or persist."""
     index: int
     step: int
     where: str = ""
@@ -65,17 +84,28 @@ class Injection:
     """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
     during: str = ""
     """For ``during=replication``: fire only as a replica of step S or later is being sent
-    to or from node I, so the kill cuts a transfer in flight."""
+    to or from node I, so the kill cuts a transfer in flight; ``commit``, ``snapshot``,
+    ``restore``: at that moment (see the forms)."""
     seconds: float = 0.0
-    """For delay: how long each transfer is held."""
+    """For delay and slow: how long each transfer, step or write is held."""
 
     @staticmethod
     def parse(spec: str) -> Injection:
         text = spec.strip()
         if m := re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", text):
             return Injection(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))
-        if m := re.fullmatch(r"kill:node=(\d+):step=(\d+):during=replication", text):
-            return Injection("kill", "node", int(m.group(1)), int(m.group(2)), during="replication")
+        if m := re.fullmatch(r"kill:node=(\d+):step=(\d+):during=(replication|commit)", text):
+            node, step = int(m.group(1)), int(m.group(2))
+            return Injection("kill", "node", node, step, during=m.group(3))
+        if m := re.fullmatch(r"kill:rank=(\d+):step=(\d+):during=snapshot", text):
+            return Injection("kill", "rank", int(m.group(1)), int(m.group(2)), during="snapshot")
+        if m := re.fullmatch(r"kill:rank=(\d+):gen=(\d+):during=restore", text):
+            rank, gen = int(m.group(1)), int(m.group(2))
+            return Injection("kill", "rank", rank, -1, gen=gen, during="restore")
+        if m := re.fullmatch(rf"slow:rank=(\d+):seconds={_NUMBER}", text):
+            return Injection("slow", "rank", int(m.group(1)), -1, seconds=float(m.group(2)))
+        if m := re.fullmatch(rf"slow:persist:seconds={_NUMBER}", text):
+            return Injection("slow", "persist", -1, -1, seconds=float(m.group(1)))
         if m := re.fullmatch(r"kill:node=(\d+):gen=(\d+)", text):
             return Injection("kill", "node", int(m.group(1)), -1, gen=int(m.group(2)))
         if m := re.fullmatch(rf"delay:node=(\d+):seconds={_NUMBER}", text):
@@ -90,7 +120,11 @@ class Injection:
         if self.action == "delay":
             return f"delay:node={self.index}:seconds={self.seconds!r}"
         if self.target == "persist":
+            if self.action == "slow":
+                return f"slow:persist:seconds={self.seconds!r}"
             return f"fail:persist:step={self.step}"
+        if self.action == "slow":
+            return f"slow:{self.target}={self.index}:seconds={self.seconds!r}"
         where = f":where={self.where}" if self.where else ""
         when = f"gen={self.gen}" if self.gen >= 0 else f"step={self.step}"
         during = f":during={self.during}" if self.during else ""
@@ -150,6 +184,15 @@ class FaultPlan:
 
     # ---------------------------------------------------------------- an agent's hooks
 
+    def at_parts(self, node: int | None, step: int) -> list[Injection]:
+        """Node faults due as node ``node`` reports its tier-2 parts of ``step``."""
+        due = [
+            f
+            for f in self.faults
+            if f.on_node and f.during == "commit" and step >= f.step and f.index == node
+        ]
+        return self._take(due)
+
     def corruptions(self) -> list[Injection]:
         return [f for f in self.faults if f.action == "corrupt"]
 
@@ -162,7 +205,16 @@ class FaultPlan:
 
     def fails_persist(self, step: int) -> bool:
         """Whether this node's tier-2 writes of ``step`` fail."""
-        return any(f.target == "persist" and f.step == step for f in self.faults)
+        return any(
+            f.target == "persist" and f.action == "fail" and f.step == step for f in self.faults
+        )
+
+    def persist_delay(self) -> float:
+        """Seconds each tier-2 part write waits first (slow storage)."""
+        return max(
+            (f.seconds for f in self.faults if f.target == "persist" and f.action == "slow"),
+            default=0.0,
+        )
 
     def watches_transfers(self) -> bool:
         """Whether agents must announce each transfer (a fault waits for one)."""
@@ -171,11 +223,11 @@ class FaultPlan:
     # ---------------------------------------------------------------- a worker's hook
 
     def of_rank(self, rank: int) -> list[Injection]:
-        """The kills and freezes a worker of ``rank`` carries out itself."""
+        """The kills, freezes and slowness a worker of ``rank`` carries out itself."""
         return [
             f
             for f in self.faults
-            if f.action in ("kill", "stop") and f.target == "rank" and f.index == rank
+            if f.action in ("kill", "stop", "slow") and f.target == "rank" and f.index == rank
         ]
 
 

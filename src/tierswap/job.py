@@ -73,6 +73,8 @@ class Job:
             dist.barrier()  # nobody trains until every rank holds the same step
         if self._chan is not None and self._snap is None:
             self._snap = snapshot.Snapshotter(self._chan, self.rank, self._tier1, self._max_redo)
+            if any(f.during == "snapshot" for f in self._faults):
+                self._snap.midway = self._in_copy
         for step in range(start, total):
             self._check()
             yield step
@@ -119,6 +121,9 @@ class Job:
             return 0
         t0 = time.monotonic()
         plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
+        for fault in self._faults:
+            if fault.during == "restore" and fault.gen == self.generation:
+                self._fire(fault)
         step, source = plan.step, plan.source
         if step is None or source is None:
             return 0
@@ -165,8 +170,22 @@ class Job:
 
     def _maybe_inject(self, step: int) -> None:
         for fault in self._faults:
-            if fault.step == step and self._chan is not None:
+            if fault.action == "slow":
+                time.sleep(fault.seconds)  # every step: a slow node
+            elif fault.step == step and not fault.during:
                 self.fence()
-                self._chan.call(p.InjectFired(rank=self.rank, spec=str(fault)), p.Ack)
-                sig = signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP
-                os.kill(os.getpid(), sig)
+                self._fire(fault)
+
+    def _in_copy(self, step: int) -> None:
+        """The copy thread is half way through ``step``'s snapshot."""
+        for fault in self._faults:
+            if fault.during == "snapshot" and fault.step == step:
+                self._fire(fault)
+
+    def _fire(self, fault: Injection) -> None:
+        """Report the fault (the coordinator logs it and drops it from the plan), then
+        carry it out on this process."""
+        if self._chan is None:
+            return
+        self._chan.call(p.InjectFired(rank=self.rank, spec=str(fault)), p.Ack)
+        os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +170,9 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream: Any = None
+        self.midway: Callable[[int], None] | None = None
+        """Called by the copy thread with the step when half of a snapshot's background
+        copy is done (fault injection: a kill during the copy)."""
         self._thread = threading.Thread(target=self._run, name="tierswap-copy", daemon=True)
         self._thread.start()
         _install_hook()
@@ -313,11 +316,14 @@ class Snapshotter:
     def _copy(self, job: _Job) -> None:
         t0 = time.monotonic()
         views = job.alloc.slot_views(job.slot)
+        entries = job.alloc.layout.entries
+        half = sum(1 for e in entries if e.deferred) // 2
         with torch.no_grad():
-            for entry, src, dst in zip(
-                job.alloc.layout.entries, job.flat.tensors, views, strict=True
-            ):
+            for entry, src, dst in zip(entries, job.flat.tensors, views, strict=True):
                 if entry.deferred and not src.is_cuda:
+                    if half == 0 and self.midway is not None:
+                        self.midway(job.step)
+                    half -= 1
                     dst.copy_(src)
         if job.event is not None:
             job.event.synchronize()

@@ -14,6 +14,8 @@ One connection per worker process, one thread per connection on the server: a bl
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, Store
 
 from tierswap.control import protocol as p
-from tierswap.wire import Address, Channel, Server
+from tierswap.wire import Address, AuthenticationError, Channel, HandshakeCut, Server
 
 SLACK_S = 30.0
 """Seconds a call waits for its reply beyond the wait it asks the server for."""
@@ -41,6 +43,9 @@ class StoreServer(Server):
 
     def __init__(self, bind: str, secret: bytes) -> None:
         self.data = HashStore()
+        # every wait names its own timeout; a get whose key went between its wait and its
+        # read fails after this, instead of holding its worker for torch's 300 s
+        self.data.set_timeout(timedelta(seconds=1))
         super().__init__(bind, secret)
 
     def handle(self, chan: Channel) -> None:
@@ -52,7 +57,8 @@ class StoreServer(Server):
             chan.send(reply)
 
     def answer(self, msg: p.Message) -> p.Message:
-        """The reply to one request, from this store's keys."""
+        """The reply to one request, from this store's keys. A timeout of 0 waits for
+        ever, as in torch."""
         d = self.data
         match msg:
             case p.StoreSet(key=key, value=value):
@@ -64,7 +70,7 @@ class StoreServer(Server):
             case p.StoreAdd(key=key, amount=amount):
                 return p.StoreNumber(value=int(d.add(key, amount)))
             case p.StoreCompareSet(key=key, expected=expected, desired=desired):
-                value = d.compare_set(key, expected, desired)  # type: ignore[arg-type]  # bytes work
+                value = d.compare_set(key, expected, desired)  # type: ignore[arg-type]
                 return p.StoreValue(value=_bytes(value))
             case p.StoreWait(keys=keys, timeout=timeout):
                 d.wait(keys, timedelta(seconds=timeout))
@@ -82,6 +88,10 @@ class StoreClient(Store):
     """A worker's end of the job's store: a ``torch.distributed.Store`` for
     ``init_process_group``; every operation is one call to the :class:`StoreServer`.
 
+    Failures are torch's: ``DistStoreError`` for a wait that timed out,
+    ``DistNetworkError`` for a store that cannot be reached (the connection is then made
+    again at the next call, so that a late reply is never read as another call's).
+
     Keep it referenced for as long as a process group uses it: torch holds the C++ side
     only, and once the Python object is collected its methods are gone ("Not
     implemented" from inside ``init_process_group``)."""
@@ -89,26 +99,64 @@ class StoreClient(Store):
     def __init__(self, address: Address, secret: bytes, timeout: timedelta) -> None:
         super().__init__()
         self.set_timeout(timeout)
-        self.default_timeout = timeout
-        """How long a get or a wait without its own timeout waits."""
         self.address = address
-        self.chan = Channel.connect(address, secret, p.StoreToWorker)
+        self._secret = secret
+        self._chan: Channel | None = None
+        self._lock = threading.Lock()
+        self._channel(deadline=time.monotonic() + timeout.total_seconds())
 
-    def _call(self, msg: p.Message, reply: Any, wait: float = 0.0) -> Any:
-        try:
-            return self.chan.call(msg, reply, timeout=wait + SLACK_S)
-        except RuntimeError as e:  # the server's Error: a wait that timed out, say
-            raise dist.DistStoreError(f"store at {self.address}: {e}") from None
+    def _channel(self, deadline: float) -> Channel:
+        """The connection, made (again) if need be; retried until ``deadline``, as torch's
+        client retries (the launcher may still be starting)."""
+        if self._chan is not None:
+            return self._chan
+        wait = 0.05
+        while True:
+            try:
+                self._chan = Channel.connect(self.address, self._secret, p.StoreToWorker)
+                return self._chan
+            except (OSError, EOFError) as e:
+                if isinstance(e, AuthenticationError) and not isinstance(e, HandshakeCut):
+                    raise  # another secret: retrying cannot help
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistNetworkError(
+                        f"the job's store at {self.address} cannot be reached: {e}"
+                    ) from None
+                time.sleep(min(wait, left))
+                wait = min(1.0, wait * 2)
 
-    def _wait_s(self, timeout: timedelta | None) -> float:
-        return (self.default_timeout if timeout is None else timeout).total_seconds()
+    def _call(self, msg: p.Message, reply: Any, wait: float | None = 0.0) -> Any:
+        """One request and its reply; ``wait``: the server may take that long (None: for
+        ever)."""
+        with self._lock:
+            chan = self._channel(deadline=time.monotonic() + self._timeout_s())
+            try:
+                return chan.call(msg, reply, timeout=None if wait is None else wait + SLACK_S)
+            except RuntimeError as e:  # the server's Error: a wait that timed out, say
+                raise dist.DistStoreError(f"store at {self.address}: {e}") from None
+            except (OSError, EOFError, ValueError) as e:  # a late reply would be misread
+                chan.close()
+                self._chan = None
+                kind = dist.DistStoreError if isinstance(e, TimeoutError) else dist.DistNetworkError
+                raise kind(f"store at {self.address}: {type(e).__name__}: {e}") from None
+
+    def _timeout_s(self) -> float:
+        seconds: float = self.timeout.total_seconds()  # type: ignore[attr-defined]
+        return seconds
+
+    def _wait_s(self, timeout: timedelta | None) -> float | None:
+        """Seconds the server may wait; None (0 in torch's terms) is for ever."""
+        seconds = self._timeout_s() if timeout is None else timeout.total_seconds()
+        return None if seconds == 0 else seconds
 
     def set(self, key: str, value: Any) -> None:
         self._call(p.StoreSet(key=key, value=_bytes(value)), p.Ack)
 
     def get(self, key: str) -> bytes:
         wait = self._wait_s(None)
-        value: bytes = self._call(p.StoreGet(key=key, timeout=wait), p.StoreValue, wait).value
+        msg = p.StoreGet(key=key, timeout=wait or 0.0)
+        value: bytes = self._call(msg, p.StoreValue, wait).value
         return value
 
     def add(self, key: str, amount: int) -> int:
@@ -122,7 +170,7 @@ class StoreClient(Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         wait = self._wait_s(timeout)
-        self._call(p.StoreWait(keys=list(keys), timeout=wait), p.Ack, wait)
+        self._call(p.StoreWait(keys=list(keys), timeout=wait or 0.0), p.Ack, wait)
 
     def check(self, keys: list[str]) -> bool:
         ok: bool = self._call(p.StoreCheck(keys=list(keys)), p.StoreFlag).ok
@@ -137,4 +185,7 @@ class StoreClient(Store):
         return value
 
     def close(self) -> None:
-        self.chan.close()
+        with self._lock:
+            if self._chan is not None:
+                self._chan.close()
+                self._chan = None

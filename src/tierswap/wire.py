@@ -53,6 +53,35 @@ class AuthenticationError(multiprocessing.AuthenticationError):
     """The other end does not know the job's secret (or is not a tierswap endpoint)."""
 
 
+class HandshakeCut(AuthenticationError, ConnectionError):
+    """The other end closed (or reset) the connection before proving itself: a peer that
+    died, or one that speaks another protocol or another ``--tls``. An ``OSError``, so
+    that callers which fall back on a dead peer fall back on this one too."""
+
+
+class _Deadline:
+    """The whole handshake of one connection within ``seconds``: a peer that trickles a
+    byte just inside each read's timeout is cut off all the same (a watchdog shuts the
+    socket down; a blocked read then ends)."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.expired = False
+        self._watch = socket.socket(fileno=os.dup(sock.fileno()))  # outlives a TLS wrap
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+        sock.settimeout(seconds)  # and each read on its own, as a backstop
+        self._timer.start()
+
+    def _cut(self) -> None:
+        self.expired = True
+        with contextlib.suppress(OSError):
+            self._watch.shutdown(socket.SHUT_RDWR)
+
+    def end(self) -> None:
+        self._timer.cancel()
+        self._watch.close()
+
+
 class Direction:
     """One direction of a connection: its key and the sequence number of its next frame."""
 
@@ -122,21 +151,21 @@ def _client_handshake(sock: socket.socket, secret: bytes, address: Address) -> t
     try:
         sock.sendall(MAGIC + nc)
         hello = _recv_exact(sock, len(MAGIC) + NONCE)
-    except (EOFError, ConnectionResetError):
-        raise AuthenticationError(
-            f"{address} closed the connection in the handshake: it is not a tierswap endpoint "
-            "of this version, or it runs with another --tls"
+    except (EOFError, ConnectionResetError, BrokenPipeError):
+        raise HandshakeCut(
+            f"{address} closed the connection in the handshake: it died, it is not a tierswap "
+            "endpoint of this version, or it runs with another --tls"
         ) from None
     if not hello.startswith(MAGIC):
         raise AuthenticationError(
             f"{address} is not a tierswap endpoint of this version (it said {bytes(hello)[:24]!r})"
         )
     ns = bytes(hello[len(MAGIC) :])
-    sock.sendall(_proof(secret, b"client", ns, nc))
     try:
+        sock.sendall(_proof(secret, b"client", ns, nc))
         proof = bytes(_recv_exact(sock, 32))
-    except (EOFError, ConnectionResetError):
-        proof = b""
+    except (EOFError, ConnectionResetError, BrokenPipeError):
+        raise HandshakeCut(f"{address} closed the connection before proving itself") from None
     if not hmac.compare_digest(proof, _proof(secret, b"server", ns, nc)):
         raise AuthenticationError(
             f"{address} refused this process, or does not know the job's secret: both ends "
@@ -165,7 +194,7 @@ def _start_tls(sock: socket.socket, secret: bytes, address: Address) -> ssl.SSLS
         ) from None
     except (ssl.SSLError, ConnectionResetError) as e:
         why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
-        raise AuthenticationError(
+        raise HandshakeCut(
             f"TLS with {address} failed ({why or e}): both ends must run with the same "
             "--tls, and the server must be a tierswap endpoint"
         ) from None
@@ -199,20 +228,28 @@ class Listener:
 
     def accept(self) -> socket.socket:
         """The next connection, not yet authenticated (``handshake`` does that)."""
-        if self._sock is None:
+        listening = self._sock
+        if listening is None:
             raise OSError("listener is closed")
-        sock, _ = self._sock.accept()
+        sock, _ = listening.accept()
         return sock
 
     def handshake(self, sock: socket.socket, incoming: Any) -> Channel:
-        """Authenticate an accepted connection within ``HANDSHAKE_TIMEOUT``; its channel.
-        Raises (AuthenticationError, OSError, EOFError) for a client that cannot."""
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        peer = sock.getpeername()
-        if _tls.wanted(self.tls, peer[0] if isinstance(peer, tuple) else None):
-            sock = _tls.server_context(self.secret).wrap_socket(sock, server_side=True)
-        keys = _server_handshake(sock, self.secret)
-        sock.settimeout(None)
+        """Authenticate an accepted connection within ``HANDSHAKE_TIMEOUT`` in all; its
+        channel. Raises (AuthenticationError, OSError, EOFError) for a client that cannot,
+        with the connection closed."""
+        deadline = _Deadline(sock, HANDSHAKE_TIMEOUT)
+        try:
+            peer = sock.getpeername()
+            if _tls.wanted(self.tls, peer[0] if isinstance(peer, tuple) else None):
+                sock = _tls.server_context(self.secret).wrap_socket(sock, server_side=True)
+            keys = _server_handshake(sock, self.secret)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()  # the TLS socket, once wrapped: the plain one is detached then
+            raise
+        finally:
+            deadline.end()
         return Channel(sock, incoming, keys)
 
     @property
@@ -250,7 +287,9 @@ class Channel:
 
     ``incoming`` is the union of message classes this end receives; ``keys`` this end's
     (send, receive) frame keys from the handshake; ``gen`` the generation stamped on what
-    it sends unless a send names another."""
+    it sends unless a send names another. Over TLS a channel must not be read and written
+    by two threads at once (OpenSSL's rule): tierswap's TLS channels (replica traffic) are
+    request and reply on one thread."""
 
     def __init__(self, sock: socket.socket, incoming: Any, keys: tuple[bytes, bytes]) -> None:
         self.sock = sock
@@ -263,8 +302,6 @@ class Channel:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._call_lock = threading.Lock()
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # small requests go out at once (else Nagle + delayed ACK add ~40 ms)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -277,13 +314,24 @@ class Channel:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+        deadline = _Deadline(sock, HANDSHAKE_TIMEOUT)
+        try:
             if _tls.wanted(tls, _host(address)):
                 sock = _start_tls(sock, secret, address)
             keys = _client_handshake(sock, secret, address)
             sock.settimeout(None)
-        except BaseException:
+        except BaseException as e:
             sock.close()
+            if deadline.expired and not isinstance(e, TimeoutError):
+                raise TimeoutError(
+                    f"the handshake with {address} took longer than {HANDSHAKE_TIMEOUT:g} s"
+                ) from None
             raise
+        finally:
+            deadline.end()
         return cls(sock, incoming, keys)
 
     def send(self, msg: Message, gen: int | None = None) -> None:
@@ -302,7 +350,9 @@ class Channel:
             raise EOFError("channel is closed")
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return True  # decrypted already, waiting in the TLS layer
-        return bool(self._poll.poll(max(0, int(timeout * 1000))))
+        poller = select.poll()  # one per call: two threads may wait on one channel
+        poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
 
     def recv(self, timeout: float | None = None) -> Envelope[Any] | None:
         """The next message; None on timeout. Raises EOFError when the peer is gone and
@@ -329,15 +379,18 @@ class Channel:
                 raise ProtocolError(self._refused)
         return self.codec.decode(payload)
 
-    def call(self, msg: Message, reply: type[R] | tuple[type[R], ...], timeout: float = 60.0) -> R:
-        """Send a request and wait for its reply (the peer answers calls in order); an
-        Error reply raises RuntimeError, one of another kind ProtocolError."""
+    def call(
+        self, msg: Message, reply: type[R] | tuple[type[R], ...], timeout: float | None = 60.0
+    ) -> R:
+        """Send a request and wait for its reply (the peer answers calls in order; None
+        waits for ever); an Error reply raises RuntimeError, one of another kind
+        ProtocolError."""
         with self._call_lock:
             self.send(msg)
             env = self.recv(timeout)
         what = tag_of(msg)
         if env is None:
-            raise TimeoutError(f"no reply to {what!r} within {timeout:g} s")
+            raise TimeoutError(f"no reply to {what!r} within {timeout} s")
         if isinstance(env.msg, Error):
             raise RuntimeError(f"{what!r} failed: {env.msg.message}")
         if not isinstance(env.msg, reply):
@@ -379,7 +432,9 @@ class Channel:
     def close(self) -> None:
         """Close; a thread blocked reading this channel wakes up with EOF."""
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # a plain close does not wake a poll()
+            # a plain close does not wake a poll(); the socket's own shutdown, not TLS's,
+            # which would pull the TLS state from under a thread still using it
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         self.sock.close()
 
 

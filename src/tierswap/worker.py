@@ -208,14 +208,23 @@ def _rendezvous(
     """Wait until every rank of the generation has arrived, or until it ended (a member
     died while the others were gathering): False then. torch's own rendezvous inside
     ``init_process_group`` cannot be interrupted, so it only starts once all are here."""
-    store.add("arrived", 1)
+    if store.add("arrived", 1) == world_size:
+        store.set("all arrived", "1")  # the last one in says so
     deadline = time.monotonic() + timeout.total_seconds()
-    while store.add("arrived", 0) < world_size:
-        if ended.wait(0.005):
+    while True:
+        try:  # the store wakes this wait the moment the last rank arrives
+            store.wait(["all arrived"], RENDEZVOUS_POLL)
+            return True
+        except dist.DistStoreError:  # not all here yet
+            pass
+        if ended.is_set():
             return False
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {store.add('arrived', 0)} of {world_size} ranks arrived")
-    return True
+
+
+RENDEZVOUS_POLL = timedelta(seconds=0.05)
+"""How often a rank waiting for the others checks whether its generation ended."""
 
 
 WARM_UP = ("torch._dynamo",)

@@ -213,8 +213,8 @@ class Agent:
                     self.replicator.submit(cmd)
                 case ConfigureReplication():
                     self.replicator.configure(cmd)
-                case WritePart(part=part, bases=bases):
-                    self.writer.submit(part, bases)
+                case WritePart(part=part, bases=bases, delay=delay):
+                    self.writer.submit(part, bases, delay)
                 case AnswerAsk(answer=answer, value=value, error=error):
                     answer(value, error)
                 case Spawn(local=local, incarnation=incarnation):

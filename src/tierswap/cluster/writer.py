@@ -4,6 +4,7 @@ own (a slow disk must not hold up checksums or replication), full or, with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,11 +26,12 @@ class PartWriter:
         self.bases = DurableBases(cfg.base_every, cfg.delta_threshold)
         self.deltas = cfg.persist_deltas
 
-    def submit(self, part: Part, bases: Bases) -> None:
-        self.pool.submit(self._write, part, bases)
+    def submit(self, part: Part, bases: Bases, delay: float = 0.0) -> None:
+        self.pool.submit(self._write, part, bases, delay)
 
-    def _write(self, p: Part, bases: Bases) -> None:
+    def _write(self, p: Part, bases: Bases, delay: float = 0.0) -> None:
         try:
+            time.sleep(delay)  # injected slow storage
             if self.deltas:
                 info = self.bases.write(p, bases)
             else:

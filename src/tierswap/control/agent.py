@@ -546,7 +546,7 @@ class AgentCore:
                 pending.errors[rank] = "tier 0 no longer holds it"
                 continue
             part = Part(msg.root, msg.step, rank, msg.world_size, ring.layout(), slot, msg.token)
-            self.out.append(WritePart(part, msg.bases))
+            self.out.append(WritePart(part, msg.bases, self.faults.persist_delay()))
         self._maybe_parts(msg.token)
 
     def _part_written(self, event: PartWritten) -> None:

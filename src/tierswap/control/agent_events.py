@@ -191,6 +191,8 @@ class ConfigureReplication:
 class WritePart:
     part: Part
     bases: dict[int, dict[int, str]]
+    delay: float = 0.0
+    """Seconds to wait first (``slow:persist`` fault injection: slow storage)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ class CoordinatorCore:
         self.address = address
         """Where agents reach this coordinator (for the console's --join hint)."""
         self.store = store
-        """host:port of the TCPStore workers rendezvous on."""
+        """host:port of the store workers rendezvous on (``store.py``)."""
         self.out = Out()
         self.door = p.Door()
         self.hosts = Hosts(cfg.nodes, cfg.spares)
@@ -206,7 +206,10 @@ class CoordinatorCore:
                     self._never(step, tiers=(1,))
             case p.Stopped() if node is not None:
                 self._stopped(node, msg, now)
-            case p.Parts(token=token, parts=parts, errors=errors):
+            case p.Parts(token=token, step=step, parts=parts, errors=errors):
+                if due := self.faults.at_parts(node, step):
+                    self._inject_nodes(due, now)  # the parts are written; no COMMIT comes
+                    return
                 self._parts(token, parts, errors)
             case p.Exited(rank=rank, code=code):
                 if not (code == 0 and rank in self.finished) and self.phase == Phase.RUNNING:

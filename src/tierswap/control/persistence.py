@@ -7,6 +7,8 @@ they are reported as ``durability_failing`` until a later step makes it.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +17,9 @@ from tierswap.control.commands import Out
 from tierswap.control.ports import Tier2
 from tierswap.control.protocol import Persist
 from tierswap.tiers.durable import PartInfo
+
+NO_SPACE = os.strerror(errno.ENOSPC)
+"""How an agent's error names a full root ("No space left on device")."""
 
 
 @dataclass(slots=True)
@@ -97,8 +102,39 @@ class Persistence:
         self.inflight = None
         if p.errors:
             self.failing(f"step {p.step} not persisted: {p.errors[0]}")
+            self._clean_up_after(p)
             return None
         return self._commit(p)
+
+    def _clean_up_after(self, p: Request) -> None:
+        """A step that failed leaves nothing behind: the parts that were written would take
+        room for nothing. On a full root, older committed steps beyond the newest go too,
+        so that the next step fits: tier 2 moves on instead of staying at the last step
+        that fit (the newest committed step is never deleted)."""
+        assert self.tier2 is not None
+        try:
+            discarded = self.tier2.discard(p.step)
+        except OSError as e:
+            self.out.log("discard_failed", step=p.step, error=str(e))
+            return
+        if not any(NO_SPACE in e or f"[Errno {errno.ENOSPC}]" in e for e in p.errors):
+            if discarded:
+                self.out.log("step_discarded", step=p.step, tier=2)
+            return
+        try:
+            deleted = self.tier2.retain(1) if self.committed >= 0 else []
+        except OSError as e:
+            deleted = []
+            self.out.log("retention_failed", error=str(e))
+        for gone in deleted:
+            self.held.pop(gone, None)
+        self.out.log("durable_root_full", step=p.step, discarded=discarded, deleted=deleted)
+        if deleted:
+            self.out.say(
+                f"durable root full: step {p.step} discarded, older step(s) "
+                f"{', '.join(map(str, deleted))} deleted to make room (step {self.committed} "
+                "is kept)"
+            )
 
     def _commit(self, p: Request) -> int | None:
         assert self.tier2 is not None

@@ -33,6 +33,9 @@ class Tier2(Protocol):
         """Delete all but the newest ``keep`` restorable steps; the steps deleted. Raises
         OSError."""
 
+    def discard(self, step: int) -> bool:
+        """Delete what was written of ``step`` unless it is committed. Raises OSError."""
+
 
 class DurableRoot:
     """Tier 2 on an fsspec root, for the job named ``job`` (its COMMITs say so)."""
@@ -56,3 +59,6 @@ class DurableRoot:
 
     def retain(self, keep: int) -> list[int]:
         return durable.retain(self.url, keep)
+
+    def discard(self, step: int) -> bool:
+        return durable.discard(self.url, step)

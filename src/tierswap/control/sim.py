@@ -125,6 +125,13 @@ class FakeTier2:
             raise OSError(f"{self.url}: COMMIT refused (injected)")
         self.commits[step] = (world_size, dict(parts))
 
+    def discard(self, step: int) -> bool:
+        if step in self.commits:
+            return False
+        before = len(self.parts)
+        self.parts = {k: v for k, v in self.parts.items() if k[0] != step}
+        return len(self.parts) < before
+
     def retain(self, keep: int) -> list[int]:
         gone = sorted(self.commits)[:-keep]
         for step in gone:

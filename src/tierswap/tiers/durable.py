@@ -659,6 +659,18 @@ def retain(root: str, keep: int) -> list[int]:
     return doomed
 
 
+def discard(root: str, step: int) -> bool:
+    """Delete what was written of ``step`` if it has no COMMIT (a step that failed half
+    way: its parts would take room for nothing). A committed step, or a folder that is a
+    link or a file, is left. True when something was deleted."""
+    fs, base = url_fs(root)
+    folder = _step_dir(base, step)
+    if not is_folder(fs, folder) or fs.exists(f"{folder}/COMMIT"):
+        return False
+    fs.rm(folder, recursive=True)
+    return True
+
+
 def probe_writable(root: str) -> str | None:
     """None if a small file can be written to (and removed from) ``root``, else why not."""
     try:
