@@ -160,7 +160,7 @@ def test_handshake_garbage_is_refused_and_the_server_goes_on() -> None:
         for _ in range(30):
             with socket.create_connection(srv.address, timeout=5) as s:
                 s.sendall(rng.randbytes(rng.randint(0, 300)))
-                s.settimeout(2)
+                s.settimeout(0.3)  # the server waits for a full hello: do not wait for it
                 try:
                     s.recv(1024)
                 except OSError:

@@ -296,3 +296,51 @@ def test_a_durable_root_that_turns_read_only_and_back_loses_nothing(
     assert committed and max(committed) == 29, f"tier 2 never wrote again: {committed}"
     assert_same_bits(base, final_state(tmp_path, "ro"))
     assert _verify(root).returncode == 0
+
+
+def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(tmp_path: Path) -> None:
+    """Issue 14: Ctrl-C printed a KeyboardInterrupt traceback and no event naming the
+    newest durable step."""
+    import psutil
+
+    persist, run_dir = tmp_path / "ckpt", tmp_path / "int"
+    job = _start(tmp_path, "int", ["--persist", str(persist), "--persist-every", "2"], 400)
+    try:
+        deadline = time.monotonic() + 120
+        while not [e for e in _events_or_none(run_dir) if e["event"] == "snapshot_committed"
+                   and e["tier"] == 2 and e["step"] >= 4]:  # fmt: skip
+            assert time.monotonic() < deadline and job.poll() is None, "no tier-2 commit"
+            time.sleep(0.05)
+        os.kill(job.pid, signal.SIGINT)
+        code = job.wait(60)
+    finally:
+        if job.poll() is None:
+            kill_job(job.pid, run_dir)
+            job.wait()
+    out = (tmp_path / "int.log").read_text()
+    assert code == 130, out[-2000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    (stop,) = events(run_dir, "job_interrupted")
+    newest = max(e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2)
+    assert stop["signal"] == "SIGINT" and stop["durable_step"] == newest
+    assert f"newest durable step {newest} in {persist}" in out
+    agents = [e["pid"] for e in events(run_dir, "node_joined")]
+    time.sleep(0.5)
+    alive = [p for p in agents if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, f"agents left running: {alive}"
+    assert not leaked_segments(tmp_path)
+
+
+def _events_or_none(run_dir: Path) -> list[dict[str, object]]:
+    return events(run_dir) if (run_dir / "events.jsonl").exists() else []
+
+
+def test_a_run_dir_too_long_for_unix_sockets_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """Issue 14: a long --run-dir killed the agent with "AF_UNIX path too long"."""
+    long_dir = tmp_path / ("d" * 120)
+    cmd = job_command(long_dir, ["--nodes", "1"], ["--steps", "1", "--mode", "ddp",
+                      "--out", str(tmp_path / "never")])  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "too long for the agents' Unix sockets" in done.stderr, done.stderr
+    assert "give a shorter folder" in done.stderr and "Traceback" not in done.stderr

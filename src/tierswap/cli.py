@@ -48,7 +48,7 @@ def _join(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
-    from tierswap.cluster.launch import default_run_dir
+    from tierswap.cluster.launch import check_socket_folder, default_run_dir
 
     if args.join:
         return _join(args)
@@ -62,6 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     # the address checked is the one used (a name is resolved once, here)
     cfg = dataclasses.replace(cfg, bind=check_advertised(cfg.bind, "tierswap run --bind"))
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    check_socket_folder(run_dir, "tierswap run --run-dir")
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     script = [args.script, *args.args]

@@ -18,6 +18,7 @@ the network it crosses.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -213,6 +214,12 @@ class Listener:
         _tls.wanted(tls, None)  # a bad mode is refused here, not at the first connection
         self.secret = secret
         self.tls = tls
+        if isinstance(address, str) and len(os.fsencode(address)) > 107:
+            raise OSError(
+                errno.ENAMETOOLONG,
+                f"Unix socket path {address!r} is over the 107 bytes allowed: use a shorter "
+                "folder (--run-dir)",
+            )
         self._sock: socket.socket | None = socket.socket(_family(address), socket.SOCK_STREAM)
         try:
             if not isinstance(address, str):

@@ -128,8 +128,38 @@ class Coordinator:
                         continue
                 self._carry_out(self.core.handle(event, now))
             return self.code
+        except KeyboardInterrupt:  # Ctrl-C: no traceback, and what a resume would start from
+            self._interrupted("SIGINT")
+            return 130
+        except SystemExit as e:  # SIGTERM (cli.py turns it into SystemExit(143))
+            if e.code == 143:
+                self._interrupted("SIGTERM")
+            raise
         finally:
             self.shutdown()
+
+    def _interrupted(self, signal_name: str) -> None:
+        """The job was stopped from outside: log and say the newest step of each tier, and
+        how to resume (memory tiers go with the job; tier 2 stays)."""
+        durable = self.core.persister.committed
+        tiers = {t: c.committed for t, c in self.core.tiers.items()}
+        self.log.emit(
+            "job_interrupted",
+            signal=signal_name,
+            committed=tiers,
+            durable_step=durable if durable >= 0 else None,
+            root=self.cfg.persist,
+        )
+        if durable >= 0:
+            hint = (
+                f"newest durable step {durable} in {self.cfg.persist}; run again with the "
+                "same --persist to resume from it"
+            )
+        elif self.cfg.persist:
+            hint = f"no step reached {self.cfg.persist} yet: a new run starts from step 0"
+        else:
+            hint = "no --persist: nothing outlives the job, a new run starts from step 0"
+        self.progress.message(f"interrupted ({signal_name}): {hint}")
 
     def _renew(self, now: float) -> None:
         assert self.claim is not None

@@ -100,6 +100,22 @@ def new_job_id() -> str:
     return secrets.token_hex(4)
 
 
+UNIX_PATH_MAX = 107
+"""Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
+
+
+def check_socket_folder(folder: Path, what: str) -> None:
+    """Refuse a folder too long for the agents' Unix sockets inside it, naming the fix
+    (the agent would die at start with "AF_UNIX path too long")."""
+    longest = folder / "agent-99999-4194304.sock"  # the largest host index and pid
+    n = len(os.fsencode(str(longest)))
+    if n > UNIX_PATH_MAX:
+        raise SystemExit(
+            f"{what} {str(folder)!r} is too long for the agents' Unix sockets in it ({n} "
+            f"bytes of the {UNIX_PATH_MAX} a socket path may have): give a shorter folder"
+        )
+
+
 def default_run_dir() -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{stamp}-{os.getpid()}"
