@@ -28,6 +28,7 @@ import secrets
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ TAG = 16
 """Bytes of each frame's MAC."""
 HEADER = 4
 """Bytes of each frame's length (big-endian), before its payload and MAC."""
+_SEQ = struct.Struct(">Q")
+"""A frame's sequence number in its MAC."""
 
 
 class AuthenticationError(multiprocessing.AuthenticationError):
@@ -86,15 +89,18 @@ class _Deadline:
 class Direction:
     """One direction of a connection: its key and the sequence number of its next frame."""
 
-    __slots__ = ("key", "seq")
+    __slots__ = ("_keyed", "seq")
 
     def __init__(self, key: bytes) -> None:
-        self.key = key
+        self._keyed = hashlib.blake2b(key=key, digest_size=TAG)
+        """The hash with its key absorbed: each frame's MAC starts from a copy (a third
+        cheaper than keying afresh)."""
         self.seq = 0
 
     def tag(self, payload: bytes | bytearray | memoryview) -> bytes:
         """The MAC of the next frame in this direction; each call moves to the next."""
-        h = hashlib.blake2b(self.seq.to_bytes(8, "big"), key=self.key, digest_size=TAG)
+        h = self._keyed.copy()
+        h.update(_SEQ.pack(self.seq))
         h.update(payload)
         self.seq += 1
         return h.digest()
