@@ -159,6 +159,7 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
         ("delay:node=0:seconds=1e-05", Injection("delay", "node", 0, -1, seconds=1e-05)),
         ("delay:node=0:seconds=2e+06", Injection("delay", "node", 0, -1, seconds=2e6)),
         ("kill:node=1:step=4:during=commit", Injection("kill", "node", 1, 4, during="commit")),
+        ("kill:node=0:step=9:during=persist", Injection("kill", "node", 0, 9, during="persist")),
         (
             "kill:rank=0:step=5:during=snapshot",
             Injection("kill", "rank", 0, 5, during="snapshot"),
@@ -304,6 +305,7 @@ def test_each_new_fault_point_is_asked_where_it_fires() -> None:
     plan = FaultPlan.parse(
         [
             "kill:node=1:step=4:during=commit",
+            "kill:node=0:step=7:during=persist",
             "kill:rank=0:step=5:during=snapshot",
             "kill:rank=0:gen=2:during=restore",
             "slow:rank=1:seconds=0.2",
@@ -314,6 +316,8 @@ def test_each_new_fault_point_is_asked_where_it_fires() -> None:
     assert plan.at_parts(1, 3) == [] and plan.at_parts(0, 4) == []
     assert [str(f) for f in plan.at_parts(1, 6)] == ["kill:node=1:step=4:during=commit"]
     assert plan.at_parts(1, 8) == [], "a fault fires once"
+    assert plan.at_persist(6) == [] and plan.at_parts(0, 9) == []
+    assert [str(f) for f in plan.at_persist(9)] == ["kill:node=0:step=7:during=persist"]
     assert [f.during for f in plan.of_rank(0)] == ["snapshot", "restore"]
     assert [f.action for f in plan.of_rank(1)] == ["slow"]
     assert plan.persist_delay() == 1.5 and not plan.fails_persist(4)

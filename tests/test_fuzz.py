@@ -150,6 +150,30 @@ def test_wire_garbage_is_a_protocol_error_on_every_channel(raw: bytes, gen: int)
                 pass
 
 
+@FUZZ
+@given(
+    raw=st.binary(max_size=200),
+    length=st.none() | st.integers(0, 2**32 - 1),
+)
+def test_frame_garbage_on_an_authenticated_channel_is_refused(
+    raw: bytes, length: int | None
+) -> None:
+    """Bytes a host on the path puts on an authenticated channel (a frame length of its
+    choosing, then anything): never a message, only a refusal or the wait for more."""
+    from tierswap import wire
+
+    a, b = wire.pair(p.AgentToWorker, p.WorkerToAgent)
+    try:
+        n = len(raw) if length is None else length
+        a.sock.sendall(n.to_bytes(4, "big") + raw)
+        a.sock.shutdown(socket.SHUT_WR)  # no more: a short frame ends in EOF, not a wait
+        with pytest.raises((p.ProtocolError, EOFError, OSError)):
+            b.recv(timeout=5)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_handshake_garbage_is_refused_and_the_server_goes_on() -> None:
     from test_wire import EchoServer, Ping, Pong, Replies
     from tierswap.wire import Channel

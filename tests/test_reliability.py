@@ -211,13 +211,14 @@ def _finish(job: subprocess.Popen[bytes], run_dir: Path, timeout: float) -> int:
 def test_a_kill_at_each_named_fault_point_ends_bit_exact(tmp_path: Path, baseline) -> None:
     """Issue 14's named fault points in one job: a worker killed half way through its
     snapshot copy, a node killed between writing its tier-2 parts and their COMMIT, a
-    worker killed while it restores, a slow worker and slow storage throughout. Every one
-    fires, and the job ends with the bits of a run without them."""
+    worker killed while it restores, a node killed as it starts writing tier 2, a slow
+    worker and slow storage throughout. Every one fires, and the job ends with the bits of
+    a run without them."""
     base = baseline(nodes=2, mode="ddp", steps=30)
     persist, run_dir = tmp_path / "ckpt", tmp_path / "points"
     specs = ["kill:rank=0:step=4:during=snapshot", "kill:node=1:step=10:during=commit",
-             "kill:rank=1:gen=2:during=restore", "slow:rank=1:seconds=0.02",
-             "slow:persist:seconds=0.3"]  # fmt: skip
+             "kill:rank=1:gen=2:during=restore", "kill:node=0:step=20:during=persist",
+             "slow:rank=1:seconds=0.02", "slow:persist:seconds=0.3"]  # fmt: skip
     launcher = ["--persist", str(persist), "--persist-every", "3"]
     for spec in specs:
         launcher += ["--inject", spec]
@@ -225,8 +226,8 @@ def test_a_kill_at_each_named_fault_point_ends_bit_exact(tmp_path: Path, baselin
     log = (tmp_path / "points.log").read_text()
     assert code == 0, log[-3000:]
     fired = [e["spec"] for e in events(run_dir, "fault_injected")]
-    assert sorted(fired) == sorted(specs[:3]), fired
-    assert len(events(run_dir, "generation_started")) == 4
+    assert sorted(fired) == sorted(specs[:4]), fired
+    assert len(events(run_dir, "generation_started")) == 5
     assert_same_bits(base, final_state(tmp_path, "points"))
     assert _verify(persist).returncode == 0
     assert not leaked_segments(tmp_path)

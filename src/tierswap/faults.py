@@ -7,6 +7,8 @@
   over, say);
 - ``kill:node=I:step=S:during=replication``: kill it while a replica of step S or later
   is in flight to or from it;
+- ``kill:node=I:step=S:during=persist``: kill it as it starts writing its tier-2 parts
+  of step S or later (right after the request to write them);
 - ``kill:node=I:step=S:during=commit``: kill it once its tier-2 parts of step S or later
   are written, before they are reported (so before that step's COMMIT);
 - ``kill:rank=R:step=S``: kill one worker after step S;
@@ -33,7 +35,8 @@ mount a small ``tmpfs`` as the root, and remount it read-only mid-run.
 
 Hooks, and who asks them: the coordinator at a step reached (:meth:`FaultPlan.at_step`),
 at a generation's start (:meth:`FaultPlan.at_generation`), at a replica transfer
-(:meth:`FaultPlan.at_transfer`) and at a node's tier-2 parts (:meth:`FaultPlan.at_parts`);
+(:meth:`FaultPlan.at_transfer`), at a tier-2 write (:meth:`FaultPlan.at_persist`) and at
+a node's tier-2 parts (:meth:`FaultPlan.at_parts`);
 an agent for the replicas it stores (:meth:`FaultPlan.corruptions`) and sends
 (:meth:`FaultPlan.delay_of`, :meth:`FaultPlan.watches_transfers`) and for the parts it
 persists (:meth:`FaultPlan.fails_persist`, :meth:`FaultPlan.persist_delay`); a worker
@@ -52,6 +55,7 @@ FORMS = (
     "kill:node=I:step=S",
     "kill:node=I:gen=G",
     "kill:node=I:step=S:during=replication",
+    "kill:node=I:step=S:during=persist",
     "kill:node=I:step=S:during=commit",
     "kill:rank=R:step=S",
     "kill:rank=R:step=S:during=snapshot",
@@ -94,7 +98,9 @@ class Injection:
         text = spec.strip()
         if m := re.fullmatch(r"(kill|stop):(node|rank)=(\d+):step=(\d+)", text):
             return Injection(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))
-        if m := re.fullmatch(r"kill:node=(\d+):step=(\d+):during=(replication|commit)", text):
+        if m := re.fullmatch(
+            r"kill:node=(\d+):step=(\d+):during=(replication|persist|commit)", text
+        ):
             node, step = int(m.group(1)), int(m.group(2))
             return Injection("kill", "node", node, step, during=m.group(3))
         if m := re.fullmatch(r"kill:rank=(\d+):step=(\d+):during=snapshot", text):
@@ -183,6 +189,11 @@ class FaultPlan:
         return self._take(due)
 
     # ---------------------------------------------------------------- an agent's hooks
+
+    def at_persist(self, step: int) -> list[Injection]:
+        """Node faults due as the nodes are asked to write ``step`` to tier 2."""
+        due = [f for f in self.faults if f.on_node and f.during == "persist" and step >= f.step]
+        return self._take(due)
 
     def at_parts(self, node: int | None, step: int) -> list[Injection]:
         """Node faults due as node ``node`` reports its tier-2 parts of ``step``."""

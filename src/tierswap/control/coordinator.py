@@ -101,6 +101,8 @@ class CoordinatorCore:
         """Hosts started in place of lost ones that exited before they joined."""
         self.clock = RecoveryClock(cfg.world_size)
         self.faults = FaultPlan(cfg.inject)
+        self.now = now
+        """The time of the event being handled."""
         self.chaos = None if cfg.chaos is None else Chaos.parse(cfg.chaos)
         self.chaos_rng = random.Random(None if self.chaos is None else self.chaos.seed)
         self.chaos_kills = 0
@@ -130,7 +132,7 @@ class CoordinatorCore:
         self.tier2 = tier2
         self.traffic = Traffic()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
-        self.persister = Persistence(cfg, tier2, self.out, self._broadcast)
+        self.persister = Persistence(cfg, tier2, self.out, self._broadcast_persist)
         self.last_step = -1
         self.last_loss: float | None = None
         self.total: int | None = None
@@ -144,6 +146,7 @@ class CoordinatorCore:
         """What to do about ``event``; the commands in order."""
         if self.phase.state in (Phase.DONE, Phase.FAILED):
             return []
+        self.now = now
         try:
             match event:
                 case AgentMessage():
@@ -298,6 +301,13 @@ class CoordinatorCore:
         conn = None if host is None else self.hosts.conns.get(host)
         if conn is not None:
             self.out.add(Send(conn, msg, self.generation))
+
+    def _broadcast_persist(self, msg: p.Message) -> None:
+        """Ask the agents to write a step to tier 2; a node to be killed as it writes is
+        killed right after the request (``kill:node=I:step=S:during=persist``)."""
+        self._broadcast(msg)
+        if isinstance(msg, p.Persist):
+            self._inject_nodes(self.faults.at_persist(msg.step), self.now)
 
     def _broadcast(self, msg: p.Message) -> None:
         """To every member's agent; a dead one is noticed by its connection, not here."""
