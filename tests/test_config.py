@@ -316,8 +316,9 @@ def test_each_new_fault_point_is_asked_where_it_fires() -> None:
     assert plan.at_parts(1, 3) == [] and plan.at_parts(0, 4) == []
     assert [str(f) for f in plan.at_parts(1, 6)] == ["kill:node=1:step=4:during=commit"]
     assert plan.at_parts(1, 8) == [], "a fault fires once"
-    assert plan.at_persist(6) == [] and plan.at_parts(0, 9) == []
-    assert [str(f) for f in plan.at_persist(9)] == ["kill:node=0:step=7:during=persist"]
+    assert plan.at_persist(6, {0, 1}) == [] and plan.at_parts(0, 9) == []
+    assert plan.at_persist(9, {1}) == [], "node 0 cannot be killed from here"
+    assert [str(f) for f in plan.at_persist(9, {0, 1})] == ["kill:node=0:step=7:during=persist"]
     assert [f.during for f in plan.of_rank(0)] == ["snapshot", "restore"]
     assert [f.action for f in plan.of_rank(1)] == ["slow"]
     assert plan.persist_delay() == 1.5 and not plan.fails_persist(4)

@@ -41,6 +41,9 @@ def _join(args: argparse.Namespace) -> int:
 
         env["TIERSWAP_HOST_ADDRESS"] = check_advertised(args.bind, "tierswap run --join --bind")
     if run_dir:
+        from tierswap.cluster.launch import check_socket_folder
+
+        check_socket_folder(Path(run_dir), "tierswap run --join --run-dir")
         env["TIERSWAP_RUN_DIR"] = run_dir
     script = [args.script, *args.args] if args.script else []
     os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)

@@ -7,8 +7,8 @@
   over, say);
 - ``kill:node=I:step=S:during=replication``: kill it while a replica of step S or later
   is in flight to or from it;
-- ``kill:node=I:step=S:during=persist``: kill it as it starts writing its tier-2 parts
-  of step S or later (right after the request to write them);
+- ``kill:node=I:step=S:during=persist``: kill it the moment its agent is asked to write
+  its tier-2 parts of step S or later (a node lost with a tier-2 write in flight);
 - ``kill:node=I:step=S:during=commit``: kill it once its tier-2 parts of step S or later
   are written, before they are reported (so before that step's COMMIT);
 - ``kill:rank=R:step=S``: kill one worker after step S;
@@ -48,7 +48,7 @@ generation.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 FORMS = (
@@ -190,9 +190,14 @@ class FaultPlan:
 
     # ---------------------------------------------------------------- an agent's hooks
 
-    def at_persist(self, step: int) -> list[Injection]:
-        """Node faults due as the nodes are asked to write ``step`` to tier 2."""
-        due = [f for f in self.faults if f.on_node and f.during == "persist" and step >= f.step]
+    def at_persist(self, step: int, nodes: Collection[int]) -> list[Injection]:
+        """Faults due on ``nodes`` (those that can be killed) as the nodes are asked to
+        write ``step`` to tier 2."""
+        due = [
+            f
+            for f in self.faults
+            if f.on_node and f.during == "persist" and step >= f.step and f.index in nodes
+        ]
         return self._take(due)
 
     def at_parts(self, node: int | None, step: int) -> list[Injection]:

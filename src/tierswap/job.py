@@ -48,7 +48,7 @@ class Job:
         self._secret = secret
         self._tls = tls
         self._faults = list(faults or ())
-        """This rank's injected kills and freezes (``FaultPlan.of_rank``)."""
+        """This rank's injected kills, freezes and slowness (``FaultPlan.of_rank``)."""
         self._ended = ended if ended is not None else threading.Event()
         self._snap: snapshot.Snapshotter | None = None
         self._tier1 = tier1
@@ -179,7 +179,7 @@ class Job:
     def _in_copy(self, step: int) -> None:
         """The copy thread is half way through ``step``'s snapshot."""
         for fault in self._faults:
-            if fault.during == "snapshot" and fault.step == step:
+            if fault.during == "snapshot" and step >= fault.step:  # a skipped step: the next
                 self._fire(fault)
 
     def _fire(self, fault: Injection) -> None:

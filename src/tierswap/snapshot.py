@@ -317,13 +317,18 @@ class Snapshotter:
         t0 = time.monotonic()
         views = job.alloc.slot_views(job.slot)
         entries = job.alloc.layout.entries
-        half = sum(1 for e in entries if e.deferred) // 2
+        here = [
+            e.deferred and not t.is_cuda for e, t in zip(entries, job.flat.tensors, strict=True)
+        ]
+        half, copied = sum(here) // 2, 0
+        if not any(here) and self.midway is not None:  # nothing is copied here: at once
+            self.midway(job.step)
         with torch.no_grad():
             for entry, src, dst in zip(entries, job.flat.tensors, views, strict=True):
                 if entry.deferred and not src.is_cuda:
-                    if half == 0 and self.midway is not None:
+                    if copied == half and self.midway is not None:
                         self.midway(job.step)
-                    half -= 1
+                    copied += 1
                     dst.copy_(src)
         if job.event is not None:
             job.event.synchronize()

@@ -73,6 +73,8 @@ class Coordinator:
             else RootClaim(cfg.persist, cfg.job_name, take_over=cfg.take_over_root)
         )
         """This launch's lease on the durable root: one job per root."""
+        self._renewal_failing = False
+        """The newest renewal of the lease could not be written (logged once a streak)."""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
         self.arrived: dict[int, float] = {}
@@ -142,6 +144,10 @@ class Coordinator:
         """The job was stopped from outside: log and say the newest step of each tier, and
         how to resume (memory tiers go with the job; tier 2 stays)."""
         durable = self.core.persister.committed
+        tier2 = self.core.persister.tier2
+        if durable < 0 and tier2 is not None:  # a resumed job: the step it resumed from
+            with contextlib.suppress(OSError):
+                durable = max(tier2.restorable_steps(self.cfg.world_size), default=-1)
         tiers = {t: c.committed for t, c in self.core.tiers.items()}
         self.log.emit(
             "job_interrupted",
@@ -163,7 +169,16 @@ class Coordinator:
 
     def _renew(self, now: float) -> None:
         assert self.claim is not None
-        lost = self.claim.renew()
+        try:
+            lost = self.claim.renew()
+        except OSError as e:  # a root full or read-only for now: still ours, tried again
+            if not self._renewal_failing:
+                self.log.emit("lease_not_renewed", root=self.cfg.persist, error=str(e))
+            self._renewal_failing = True
+            return
+        if self._renewal_failing:
+            self.log.emit("lease_renewed", root=self.cfg.persist)
+        self._renewal_failing = False
         if lost is not None:
             self.claim = None  # not ours any more: never released by this job
             self._carry_out(self.core.handle(DurableLost(lost), now))
@@ -237,6 +252,11 @@ class Coordinator:
                 pass  # its reader reports the loss
 
     def shutdown(self) -> None:
+        # a second Ctrl-C (or a SIGTERM) while the job stops must not cut the stop short:
+        # agents run in sessions of their own and would be left running
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.claim is not None:
             self.claim.release()
         exit_msg = p.Codec.encode(p.Exit(), -1)

@@ -210,7 +210,8 @@ class CoordinatorCore:
             case p.Stopped() if node is not None:
                 self._stopped(node, msg, now)
             case p.Parts(token=token, step=step, parts=parts, errors=errors):
-                if due := self.faults.at_parts(node, step):
+                # a node to kill once its parts are written (only one this launcher runs)
+                if host in self.local and (due := self.faults.at_parts(node, step)):
                     self._inject_nodes(due, now)  # the parts are written; no COMMIT comes
                     return
                 self._parts(token, parts, errors)
@@ -307,7 +308,8 @@ class CoordinatorCore:
         killed right after the request (``kill:node=I:step=S:during=persist``)."""
         self._broadcast(msg)
         if isinstance(msg, p.Persist):
-            self._inject_nodes(self.faults.at_persist(msg.step), self.now)
+            local = {n for n, h in self.hosts.members.items() if h in self.local}
+            self._inject_nodes(self.faults.at_persist(msg.step, local), self.now)
 
     def _broadcast(self, msg: p.Message) -> None:
         """To every member's agent; a dead one is noticed by its connection, not here."""

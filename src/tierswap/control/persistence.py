@@ -18,8 +18,14 @@ from tierswap.control.ports import Tier2
 from tierswap.control.protocol import Persist
 from tierswap.tiers.durable import PartInfo
 
-NO_SPACE = os.strerror(errno.ENOSPC)
-"""How an agent's error names a full root ("No space left on device")."""
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""Errors of a full root: no space, a quota (the usual "full" of a shared filesystem), a
+file over its limit."""
+
+
+def _full(error: str) -> bool:
+    """Whether an agent's error text names a full root (its errno, or its strerror)."""
+    return any(f"[Errno {n}]" in error or os.strerror(n) in error for n in FULL)
 
 
 @dataclass(slots=True)
@@ -117,12 +123,12 @@ class Persistence:
         except OSError as e:
             self.out.log("discard_failed", step=p.step, error=str(e))
             return
-        if not any(NO_SPACE in e or f"[Errno {errno.ENOSPC}]" in e for e in p.errors):
+        if not any(_full(e) for e in p.errors):
             if discarded:
                 self.out.log("step_discarded", step=p.step, tier=2)
             return
         try:
-            deleted = self.tier2.retain(1) if self.committed >= 0 else []
+            deleted = self.tier2.retain(1)  # never the newest committed step, nor a base
         except OSError as e:
             deleted = []
             self.out.log("retention_failed", error=str(e))
@@ -144,6 +150,8 @@ class Persistence:
             self.tier2.write_commit(p.step, self.cfg.world_size, p.parts)
         except OSError as e:
             self.failing(f"step {p.step}: COMMIT not written: {e}")
+            p.errors.append(f"COMMIT: {e}")
+            self._clean_up_after(p)  # its parts, and room on a full root
             return None
         try:
             deleted = self.tier2.retain(self.cfg.keep)

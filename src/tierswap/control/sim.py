@@ -126,6 +126,8 @@ class FakeTier2:
         self.commits[step] = (world_size, dict(parts))
 
     def discard(self, step: int) -> bool:
+        if self.fail:
+            raise OSError(f"{self.url}: delete refused (injected)")
         if step in self.commits:
             return False
         before = len(self.parts)

@@ -133,17 +133,16 @@ class RootClaim:
 
     def renew(self) -> str | None:
         """Extend the lease; a reason if the root was taken over meanwhile (then this job
-        must not write tier 2 any more)."""
+        must not write tier 2 any more). Raises OSError when the root cannot be read or
+        written just now (full, read-only, unreachable): the lease is still this job's,
+        and the next renewal tries again."""
         try:
             held = _read_lease(self.fs, self.base)
         except RootInUseError as e:
             return str(e)
         if held is not None and held.holder != self.holder:
             return f"{self.root} was taken over by {held.describe()}"
-        try:
-            self._write()
-        except OSError as e:
-            return f"cannot renew the lease on {self.root}: {e}"
+        self._write()
         return None
 
     def release(self) -> None:
