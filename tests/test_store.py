@@ -173,3 +173,44 @@ def test_two_workers_build_a_process_group_on_it(server: tuple[StoreServer, byte
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0]
     assert [float(o.split()[-1]) for o in outs] == [3.0, 3.0]
+
+
+def test_rendezvous_is_one_decision_every_rank_follows(server: tuple[StoreServer, bytes]) -> None:
+    """All ranks go, or all park: a rank that saw its generation end never parks while
+    the others enter init_process_group (they would wait for it until their timeout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._C._distributed_c10d import PrefixStore
+
+    from tierswap.worker import _rendezvous
+
+    srv, secret = server
+    clients = [StoreClient(srv.address, secret, WAIT) for _ in range(3)]
+    try:
+
+        def arrive(gen: str, rank: int, ended: threading.Event) -> bool:
+            store = PrefixStore(gen, clients[rank])
+            return _rendezvous(store, 3, ended, timedelta(seconds=10))
+
+        never = threading.Event()
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(lambda r: arrive("g0/", r, never), range(3))) == [True] * 3
+
+        ended = threading.Event()  # a member died while the others gathered
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(arrive, "g1/", r, ended) for r in range(2)]
+            time.sleep(0.3)
+            ended.set()
+            assert [f.result(10) for f in waiting] == [False, False]
+        assert arrive("g1/", 2, never) is False, "the last one in follows the decision made"
+
+        late = threading.Event()  # the generation ends just after the last one arrived
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(arrive, "g2/", r, late) for r in range(2)]
+            time.sleep(0.3)
+            assert arrive("g2/", 2, never) is True
+            late.set()
+            assert [f.result(10) for f in waiting] == [True, True], "they follow the go"
+    finally:
+        for c in clients:
+            c.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
@@ -202,27 +202,35 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         sys.exit(0)
 
 
-def _rendezvous(
-    store: PrefixStore, world_size: int, ended: threading.Event, timeout: timedelta
-) -> bool:
+def _rendezvous(store: Store, world_size: int, ended: threading.Event, timeout: timedelta) -> bool:
     """Wait until every rank of the generation has arrived, or until it ended (a member
     died while the others were gathering): False then. torch's own rendezvous inside
-    ``init_process_group`` cannot be interrupted, so it only starts once all are here."""
+    ``init_process_group`` cannot be interrupted, so it only starts once all are here.
+
+    The outcome is one decision in the store, the first made: "go" by the last rank to
+    arrive, "ended" by a rank that saw the generation end first. Every rank follows it,
+    so no rank parks while the others enter ``init_process_group`` (where they would wait
+    for it until their timeout)."""
     if store.add("arrived", 1) == world_size:
-        store.set("all arrived", "1")  # the last one in says so
+        return _decide(store, "go")
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        try:  # the store wakes this wait the moment the last rank arrives
-            store.wait(["all arrived"], RENDEZVOUS_POLL)
-            return True
+        try:  # the store wakes this wait the moment the decision is made
+            store.wait(["decision"], RENDEZVOUS_POLL)
+            return bytes(store.get("decision")) == b"go"
         except dist.DistError as e:
             if not isinstance(e, dist.DistStoreError) and not ended.is_set():
                 raise  # the store cannot be reached, and the generation goes on
-            # a DistStoreError: not all here yet
+            # a DistStoreError: no decision yet
         if ended.is_set():
-            return False
+            return _decide(store, "ended")
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {store.add('arrived', 0)} of {world_size} ranks arrived")
+
+
+def _decide(store: Store, choice: str) -> bool:
+    """Make ``choice`` the generation's decision unless one was made; True for "go"."""
+    return bytes(store.compare_set("decision", "", choice)) == b"go"
 
 
 RENDEZVOUS_POLL = timedelta(seconds=0.05)
