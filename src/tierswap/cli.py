@@ -66,8 +66,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, bind=check_advertised(cfg.bind, "tierswap run --bind"))
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     check_socket_folder(run_dir, "tierswap run --run-dir")
-    # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out.
+    # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out;
+    # SIGINT is Ctrl-C even where the launcher was started with it ignored (a background
+    # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     script = [args.script, *args.args]
     if not Path(args.script).is_file():
         raise SystemExit(f"tierswap run: script {args.script!r} not found")
