@@ -197,3 +197,39 @@ def test_a_step_committed_by_another_job_is_never_restored(tmp_path: Path) -> No
     assert steps[3].committed and not steps[9].committed
     assert "committed by job 'theirs'" in str(steps[9].problem)
     assert DurableRoot(mine, "mine").restorable_steps(2) == frozenset({3})
+
+
+def test_a_lease_that_cannot_be_read_or_written_just_now_is_not_a_takeover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read or write error on the root (EIO, a full or read-only root) must not count
+    as another job holding it: renew raises OSError, and the launcher tries again."""
+    import errno
+
+    from tierswap.tiers import ownership
+    from tierswap.tiers.ownership import RootClaim
+
+    root = tmp_path / "ckpt"
+    claim = RootClaim(str(root), None)
+    claim.acquire()
+    assert claim.renew() is None
+
+    def unreadable(fs: object, path: str, limit: int) -> bytes:
+        raise ownership.CorruptPartError(path, "cannot read: EIO") from OSError(
+            errno.EIO, "I/O error"
+        )
+
+    monkeypatch.setattr(ownership, "read_small", unreadable)
+    with pytest.raises(OSError, match="I/O error"):
+        claim.renew()
+    monkeypatch.undo()
+
+    def unwritable() -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(claim, "_write", unwritable)
+    with pytest.raises(OSError, match="Read-only"):
+        claim.renew()
+    monkeypatch.undo()
+    assert claim.renew() is None, "once writable, the lease is this job's again"
+    claim.release()

@@ -211,6 +211,14 @@ def test_rendezvous_is_one_decision_every_rank_follows(server: tuple[StoreServer
             assert arrive("g2/", 2, never) is True
             late.set()
             assert [f.result(10) for f in waiting] == [True, True], "they follow the go"
+
+        gone = threading.Event()  # the last one in already knows the generation ended
+        gone.set()
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(arrive, "g3/", r, never) for r in range(2)]
+            time.sleep(0.3)
+            assert arrive("g3/", 2, gone) is False
+            assert [f.result(10) for f in waiting] == [False, False]
     finally:
         for c in clients:
             c.close()

@@ -199,7 +199,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             os._exit(code)  # peers may be blocked in collectives: do not wait for them
         dist.destroy_process_group()
         chan.close()
-        sys.exit(0)
+        _exit_now_if_freeing(0)
 
 
 def _rendezvous(store: Store, world_size: int, ended: threading.Event, timeout: timedelta) -> bool:
@@ -212,7 +212,7 @@ def _rendezvous(store: Store, world_size: int, ended: threading.Event, timeout: 
     so no rank parks while the others enter ``init_process_group`` (where they would wait
     for it until their timeout)."""
     if store.add("arrived", 1) == world_size:
-        return _decide(store, "go")
+        return _decide(store, "ended" if ended.is_set() else "go")
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         try:  # the store wakes this wait the moment the decision is made
@@ -315,4 +315,21 @@ def _free_elsewhere(last: list[Any]) -> None:
     timeout, ``--collective-timeout``, 60 s). Joined on this thread, that wait was the
     survivor's and the whole recovery's (seen in 3 of 17 recoveries at 4 nodes, ``tierswap
     bench recovery``). The join releases the GIL: the worker parks and trains on meanwhile."""
-    threading.Thread(target=last.clear, name="tierswap-free-group", daemon=True).start()
+    thread = threading.Thread(target=last.clear, name="tierswap-free-group", daemon=True)
+    thread.start()
+    FREEING.append(thread)
+
+
+FREEING: list[threading.Thread] = []
+"""Threads freeing process groups: one still in gloo's destructor when the interpreter
+shuts down aborts the process (exit code 134), so the worker then exits at once."""
+
+
+def _exit_now_if_freeing(code: int) -> None:
+    """Exit with ``code``; straight away (no interpreter shutdown) while a process group
+    is still being freed."""
+    if any(t.is_alive() for t in FREEING):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

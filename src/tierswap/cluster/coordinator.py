@@ -74,7 +74,10 @@ class Coordinator:
         )
         """This launch's lease on the durable root: one job per root."""
         self._renewal_failing = False
-        """The newest renewal of the lease could not be written (logged once a streak)."""
+        """Renewals of the lease fail (logged once a streak)."""
+        self._renewed_at = time.monotonic()
+        """When the lease was last written: once it has lapsed (``LEASE_S``) the root may be
+        another job's, and tier 2 is given up."""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
         self.arrived: dict[int, float] = {}
@@ -104,6 +107,7 @@ class Coordinator:
         warning = check_durable(self.cfg)
         if self.claim is not None and warning is None:
             self.claim.acquire()  # RootInUseError names the job that holds the root
+            self._renewed_at = time.monotonic()
         next_renewal = time.monotonic() + LEASE_S / 3
         self._stop_accepting = serve(
             self.listener, self._on_channel, "tierswap-coord-accept", p.AgentToCoordinator
@@ -171,14 +175,21 @@ class Coordinator:
         assert self.claim is not None
         try:
             lost = self.claim.renew()
-        except OSError as e:  # a root full or read-only for now: still ours, tried again
+        except OSError as e:  # a root full, read-only or unreachable for now: tried again
             if not self._renewal_failing:
                 self.log.emit("lease_not_renewed", root=self.cfg.persist, error=str(e))
             self._renewal_failing = True
-            return
-        if self._renewal_failing:
-            self.log.emit("lease_renewed", root=self.cfg.persist)
-        self._renewal_failing = False
+            if now - self._renewed_at < LEASE_S - 1.0:
+                return  # the lease written last is still live: the root is still this job's
+            lost = (
+                f"the lease on {self.cfg.persist} lapsed (not renewed for "
+                f"{now - self._renewed_at:.0f} s: {e}); another job may hold the root now"
+            )
+        else:
+            if self._renewal_failing:
+                self.log.emit("lease_renewed", root=self.cfg.persist)
+            self._renewal_failing = False
+            self._renewed_at = now
         if lost is not None:
             self.claim = None  # not ours any more: never released by this job
             self._carry_out(self.core.handle(DurableLost(lost), now))

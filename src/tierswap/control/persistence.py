@@ -128,7 +128,10 @@ class Persistence:
                 self.out.log("step_discarded", step=p.step, tier=2)
             return
         try:
-            deleted = self.tier2.retain(1)  # never the newest committed step, nor a base
+            # only once this run committed a step of its own: retention keeps the newest
+            # committed step by its number, which may be another world size's, or a step
+            # this run fell back from (a resumed run's restart step would go)
+            deleted = self.tier2.retain(1) if self.committed >= 0 else []
         except OSError as e:
             deleted = []
             self.out.log("retention_failed", error=str(e))

@@ -86,6 +86,8 @@ def _read_lease(fs: Any, base: str) -> Lease | None:
     except CorruptPartError as e:
         if e.why == "missing":
             return None
+        if isinstance(e.__cause__, OSError):  # the root cannot be read just now
+            raise e.__cause__ from None
         raise RootInUseError(f"{path}: {e.why}; remove it if no job runs on the root") from e
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise RootInUseError(f"{path} is not a lease ({e}); remove it if no job runs") from e
