@@ -228,3 +228,29 @@ def test_a_rank_failing_after_another_finished_gets_that_rank_a_new_worker(
         before = torch.load(final / f"rank{rank}-gen0.pt")
         after = torch.load(final / f"rank{rank}-gen1.pt")
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("memory://ckpt", "lives inside one process"),  # issue 13: accepted, kept nothing
+        ("s3://bucket/ckpt", "tierswap[s3]"),  # without s3fs: a 30-line traceback
+    ],
+)
+def test_a_durable_root_the_job_cannot_use_is_refused_naming_the_fix(
+    tmp_path: Path, url: str, says: str
+) -> None:
+    import importlib.util
+
+    if url.startswith("s3") and importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+    from tierswap.examples import EXAMPLE
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "run", "--nodes", "1", "--persist", url,
+         "--run-dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists(), "nothing was started"

@@ -51,7 +51,7 @@ def _join(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
-    from tierswap.cluster.launch import check_socket_folder, default_run_dir
+    from tierswap.cluster.launch import check_shared, check_socket_folder, default_run_dir
 
     if args.join:
         return _join(args)
@@ -66,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, bind=check_advertised(cfg.bind, "tierswap run --bind"))
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     check_socket_folder(run_dir, "tierswap run --run-dir")
+    if cfg.persist is not None:
+        check_shared(cfg.persist)
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out;
     # SIGINT is Ctrl-C even where the launcher was started with it ignored (a background
     # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)

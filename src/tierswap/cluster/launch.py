@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from tierswap.config import Config
-from tierswap.errors import WorldSizeMismatchError
+from tierswap.errors import UsageError, WorldSizeMismatchError
 from tierswap.tiers import durable
+from tierswap.tiers.files import url_fs
 
 
 class LocalNodes:
@@ -121,6 +122,29 @@ def default_run_dir() -> Path:
     return Path("runs") / f"{stamp}-{os.getpid()}"
 
 
+IN_PROCESS = ("memory", "faulty")
+"""fsspec filesystems whose files live in one process."""
+
+
+def check_shared(url: str) -> None:
+    """Refuse a durable root that the job's processes cannot share, or whose filesystem
+    is not installed, naming the fix (instead of a traceback, or steps "persisted" to a
+    store each process has to itself)."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme in IN_PROCESS:
+        raise UsageError(
+            f"--persist {url}: a {scheme}:// filesystem lives inside one process, and the "
+            "job's agents and workers are other processes (each would see an empty root of "
+            "its own, and nothing would be kept): give a path, or a shared store such as "
+            "s3://bucket/prefix"
+        )
+    try:
+        url_fs(url)
+    except ImportError as e:
+        extra = " (pip install 'tierswap[s3]')" if scheme in ("s3", "s3a") else ""
+        raise UsageError(f"--persist {url}: {e}{extra}") from None
+
+
 def check_durable(cfg: Config) -> str | None:
     """Refuse a durable root written by another world size; report an unwritable one.
 
@@ -128,6 +152,7 @@ def check_durable(cfg: Config) -> str | None:
     """
     if cfg.persist is None:
         return None
+    check_shared(cfg.persist)
     try:
         committed = [s for s in durable.list_steps(cfg.persist) if s.committed]
     except OSError as e:
