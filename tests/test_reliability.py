@@ -46,38 +46,21 @@ def test_a_launcher_stopped_past_its_lease_fences_nobody(tmp_path: Path, baselin
     """SIGSTOP of the launcher for twice the lease: when it runs again the hosts'
     silence is its own, their leases are renewed, and the job finishes with no failure."""
     base = baseline(nodes=2, mode="ddp")
-    run_dir = tmp_path / "paused"
-    cmd = job_command(
-        run_dir,
-        ["--nodes", "2", "--heartbeat", "0.5", "--lease", "3"],
-        [
-            "--steps",
-            "12",
-            "--mode",
-            "ddp",
-            "--sleep",
-            "0.1",
-            "--out",
-            str(tmp_path / "paused-final"),
-        ],
-    )
-    log = tmp_path / "paused.log"
-    with log.open("w") as out:
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                               start_new_session=True)  # fmt: skip
-        try:
-            _wait_for(run_dir, "snapshot_committed", 120)
-            assert _listening(job.pid) and set(_listening(job.pid)) == {"127.0.0.1"}, (
-                "the launcher or an agent listens beyond --bind (127.0.0.1)"
-            )
-            os.kill(job.pid, signal.SIGSTOP)  # the launcher only: agents and workers run on
-            time.sleep(6)
-            os.kill(job.pid, signal.SIGCONT)
-            code = job.wait(120)
-        finally:
-            if job.poll() is None:
-                kill_job(job.pid, run_dir)
-                job.wait()
+    run_dir, log = tmp_path / "paused", tmp_path / "paused.log"
+    job = _start(tmp_path, "paused", ["--heartbeat", "0.5", "--lease", "3"], 12, sleep=0.1)
+    try:
+        _wait_for(run_dir, "snapshot_committed", 120)
+        assert _listening(job.pid) and set(_listening(job.pid)) == {"127.0.0.1"}, (
+            "the launcher or an agent listens beyond --bind (127.0.0.1)"
+        )
+        os.kill(job.pid, signal.SIGSTOP)  # the launcher only: agents and workers run on
+        time.sleep(6)
+        os.kill(job.pid, signal.SIGCONT)
+        code = job.wait(120)
+    finally:
+        if job.poll() is None:
+            kill_job(job.pid, run_dir)
+            job.wait()
     assert code == 0, log.read_text()
     assert events(run_dir, "coordinator_paused")[0]["seconds"] >= 5
     assert not events(run_dir, "failure_detected"), "a host was fenced for the launcher's pause"
@@ -93,41 +76,26 @@ def test_a_second_job_on_a_root_in_use_is_refused_and_the_first_goes_on(
     base = baseline(nodes=2, mode="ddp")
     persist = tmp_path / "ckpt"
     run_dir = tmp_path / "first"
-    cmd = job_command(
-        run_dir,
-        ["--nodes", "2", "--persist", str(persist), "--persist-every", "2"],
-        [
-            "--steps",
-            "12",
-            "--mode",
-            "ddp",
-            "--sleep",
-            "0.1",
-            "--out",
-            str(tmp_path / "first-final"),
-        ],
-    )
-    with (tmp_path / "first.log").open("w") as out:
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                               start_new_session=True)  # fmt: skip
-        try:
-            _wait_for(run_dir, "snapshot_committed", 120)
-            second = subprocess.run(
-                job_command(
-                    tmp_path / "second",
-                    ["--nodes", "2", "--persist", str(persist)],
-                    ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "second-final")],
-                ),
-                capture_output=True,
-                text=True,
-                timeout=120,
-                cwd=tmp_path,
-            )
-            code = job.wait(120)
-        finally:
-            if job.poll() is None:
-                kill_job(job.pid, run_dir)
-                job.wait()
+    launcher = ["--persist", str(persist), "--persist-every", "2"]
+    job = _start(tmp_path, "first", launcher, 12, sleep=0.1)
+    try:
+        _wait_for(run_dir, "snapshot_committed", 120)
+        second = subprocess.run(
+            job_command(
+                tmp_path / "second",
+                ["--nodes", "2", "--persist", str(persist)],
+                ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "second-final")],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        code = job.wait(120)
+    finally:
+        if job.poll() is None:
+            kill_job(job.pid, run_dir)
+            job.wait()
     assert second.returncode == 2, second.stderr
     assert "is in use by job" in second.stderr and f"pid {job.pid}" in second.stderr
     assert not (tmp_path / "second" / "events.jsonl").exists() or not events(
