@@ -93,3 +93,17 @@ def leaked_segments(tmp: Path) -> list[str]:
         if e["event"] == "job_started"
     ]
     return [p.name for i in ids for p in Path("/dev/shm").glob(f"tierswap-{i}-*")]
+
+
+def assert_hot_swapped(run_dir: Path, survivors: list[int], replaced: list[int]) -> None:
+    """Every recovery kept the survivors' processes and redid at most one step."""
+    resumed = events(run_dir, "resumed")
+    assert resumed, "no recovery completed"
+    for r in resumed:
+        assert r["redone"] <= 1, r
+        assert set(r["phases"]) == {"detect", "decide", "rebuild", "restore", "resume"}
+    pids = [{int(k): v for k, v in g["pids"].items()} for g in events(run_dir, "rebuilt")]
+    for rank in survivors:
+        assert len({p[rank] for p in pids}) == 1, f"rank {rank} was restarted: {pids}"
+    for rank in replaced:
+        assert len({p[rank] for p in pids}) > 1, f"rank {rank} kept a dead process: {pids}"

@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 
-from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
+from e2e import (
+    assert_hot_swapped,
+    assert_same_bits,
+    events,
+    final_state,
+    kill_job,
+    leaked_segments,
+    run_job,
+)
 from tierswap.examples import job_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -35,24 +43,6 @@ SHORT_LEASE = ("--heartbeat", "0.25", "--lease", "2")
 def _no_leaked_memory(tmp_path: Path):
     yield
     assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
-
-
-def _generations(run_dir: Path) -> list[dict[str, Any]]:
-    return events(run_dir, "rebuilt")
-
-
-def _assert_hot_swapped(run_dir: Path, survivors: list[int], replaced: list[int]) -> None:
-    """Every recovery kept the survivors' processes and redid at most one step."""
-    resumed = events(run_dir, "resumed")
-    assert resumed, "no recovery completed"
-    for r in resumed:
-        assert r["redone"] <= 1, r
-        assert set(r["phases"]) == {"detect", "decide", "rebuild", "restore", "resume"}
-    pids = [{int(k): v for k, v in g["pids"].items()} for g in _generations(run_dir)]
-    for rank in survivors:
-        assert len({p[rank] for p in pids}) == 1, f"rank {rank} was restarted: {pids}"
-    for rank in replaced:
-        assert len({p[rank] for p in pids}) > 1, f"rank {rank} kept a dead process: {pids}"
 
 
 DELAY_S = 0.25
@@ -79,7 +69,7 @@ def test_spare_takes_failed_node_ddp(tmp_path: Path, baseline) -> None:
     assert events(run_dir, "generation_started")[-1]["members"]["1"] == assigned["host"]
     restored = events(run_dir, "restored")[-1]
     assert restored["tiers"] == {"0": 0, "1": 1}, "survivor from tier 0, the spare from a peer"
-    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
     resumed_at = events(run_dir, "resumed")[0]["time"]
     later = [
         e
@@ -103,7 +93,7 @@ def test_four_nodes_exact_ddp_spare(tmp_path: Path, baseline) -> None:
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "swap"))
     assert events(run_dir, "spare_assigned")[0]["node"] == 1
-    _assert_hot_swapped(run_dir, survivors=[0, 2, 3], replaced=[1])
+    assert_hot_swapped(run_dir, survivors=[0, 2, 3], replaced=[1])
 
 
 def test_two_failures_two_spares_and_a_spare_lost_while_taking_over(
@@ -156,7 +146,7 @@ def test_failure_while_a_snapshot_is_replicated(tmp_path: Path) -> None:
         e for e in events(run_dir, "replica_rejected") if "cut off" in e["why"]
     ]
     assert cut, "the kill cut a transfer in flight"
-    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
 
 
 def test_hung_worker_is_detected_by_its_lease(tmp_path: Path, baseline) -> None:
@@ -174,7 +164,7 @@ def test_hung_worker_is_detected_by_its_lease(tmp_path: Path, baseline) -> None:
     assert hung["rank"] == 1 and "no heartbeat" in hung["why"]
     (failure,) = events(run_dir, "failure_detected")
     assert failure["seconds"] < 6, "detected within the lease (plus scheduling slack)"
-    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
 
 
 def test_hung_node_is_fenced_when_its_lease_expires(tmp_path: Path, baseline) -> None:
@@ -196,7 +186,7 @@ def test_hung_node_is_fenced_when_its_lease_expires(tmp_path: Path, baseline) ->
     assert_same_bits(base, final_state(tmp_path, "hang"))
     (failure,) = events(run_dir, "failure_detected")
     assert failure["what"] == "node" and "lease expired" in failure["detail"]
-    _assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
 
 
 def test_no_spare_and_fail_stops_keeping_every_tier(tmp_path: Path) -> None:

@@ -5,37 +5,47 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
+from tierswap.cluster.multihost import DEFAULT_PORT
 from tierswap.config import Config, field_docs
-from tierswap.errors import TierswapError
+from tierswap.errors import TierswapError, UsageError
 from tierswap.faults import FORMS, Injection
 
 
 def _join(args: argparse.Namespace) -> int:
     """Join a running job as a spare node: this process becomes the node's agent."""
-    import os
+    from tierswap.cluster.multihost import KEY_ENV, job_key
 
-    secret = os.environ.get("TIERSWAP_SECRET")
     run_dir = args.run_dir or os.environ.get("TIERSWAP_RUN_DIR")
-    if secret is None and run_dir:
+    key = None
+    if os.environ.get("TIERSWAP_SECRET"):  # the job's secret, as a multi-host launch has it
+        key = job_key(os.environ["TIERSWAP_SECRET"].strip()).hex()
+    elif run_dir:
         ticket = Path(run_dir) / "join.json"
         if ticket.is_file():
-            secret = json.loads(ticket.read_text())["secret"]
-    if secret is None:
+            key = json.loads(ticket.read_text())["key"]
+    if key is None:
         raise SystemExit(
             "tierswap run --join: the job's secret is needed: set TIERSWAP_SECRET, or give "
-            "--run-dir of the job (its join.json holds it; readable by its owner only)"
+            "--run-dir of the job (its join.json holds its key; readable by its owner only)"
         )
     if ":" not in args.join:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
-    env = dict(os.environ, TIERSWAP_COORD=args.join, TIERSWAP_SECRET=secret)
-    env.pop("TIERSWAP_HOST", None)
-    env.pop("TIERSWAP_HOST_ADDRESS", None)  # a stale one from the environment is not ours
+    env = {k: v for k, v in os.environ.items() if k != "TIERSWAP_SECRET"}
+    env.update(TIERSWAP_COORD=args.join, TIERSWAP_SPARE="1", **{KEY_ENV: key})
+    for stale in (
+        "TIERSWAP_HOST",
+        "TIERSWAP_HOST_ADDRESS",
+        "TIERSWAP_LAUNCH",
+        "TIERSWAP_SIMULATED",
+    ):
+        env.pop(stale, None)  # from the environment: not this host's
     if args.bind:
         from tierswap.cluster.address import check_advertised
 
@@ -49,10 +59,83 @@ def _join(args: argparse.Namespace) -> int:
     os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)
 
 
+def _run_hosts(args: argparse.Namespace) -> int:
+    """One host of a multi-host launch (``--rdzv-endpoint``): the coordinator's host runs
+    the coordinator and an agent; every other host becomes its agent."""
+    from tierswap.cluster import multihost as mh
+    from tierswap.cluster.launch import check_shared, check_socket_folder, default_run_dir
+
+    what = "tierswap run --rdzv-endpoint"
+    if args.join:
+        raise UsageError(f"{what} and --join: a host of a multi-host launch joins by itself")
+    if args.nodes is not None:
+        raise UsageError(
+            f"{what} takes --nnodes (the hosts of the job); --nodes simulates nodes on one machine"
+        )
+    if args.nnodes is None:
+        raise UsageError(f"{what}: give --nnodes N, the hosts that serve the job's nodes")
+    if not args.script:
+        raise UsageError(f"{what}: a SCRIPT to run is needed")
+    if args.rdzv_backend != "c10d":
+        raise UsageError(
+            f"--rdzv-backend {args.rdzv_backend}: not available yet; --rdzv-backend c10d "
+            "runs the coordinator on the endpoint's host"
+        )
+    launch = mh.HostLaunch(
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node or 1,
+        node_rank=args.node_rank,
+        spare=args.spare,
+        job=args.rdzv_id,
+    )
+    launch.check()
+    key = mh.job_key(mh.read_secret(args.secret_file, os.environ, what))
+    ip, port = mh.parse_endpoint(args.rdzv_endpoint)
+    cfg = Config.from_env(**dict(_config_args(args), nodes=launch.nnodes))
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    check_socket_folder(run_dir, "tierswap run --run-dir")
+    if not Path(args.script).is_file():
+        raise UsageError(f"tierswap run: script {args.script!r} not found")
+    script = [args.script, *args.args]
+    listener = mh.listen_here(ip, port, key)
+    if listener is None:  # another host holds the endpoint: this one is a host of the job
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env = mh.agent_env(os.environ, (ip, port), key, launch, run_dir)
+        env["TIERSWAP_STARTUP_TIMEOUT"] = str(cfg.startup_timeout)
+        agent = [sys.executable, "-m", "tierswap.cluster.agent", *script]
+        os.execve(sys.executable, agent, env)
+    cfg = dataclasses.replace(cfg, bind=ip, job_name=cfg.job_name or launch.job)
+    if cfg.persist is not None:
+        check_shared(cfg.persist)
+    _stop_on_signals()
+    from tierswap.cluster.coordinator import Coordinator
+
+    return Coordinator(cfg, script, run_dir, hosts=launch, key=key, listener=listener).run()
+
+
+def _stop_on_signals() -> None:
+    # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out;
+    # SIGINT is Ctrl-C even where the launcher was started with it ignored (a background
+    # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
     from tierswap.cluster.launch import check_shared, check_socket_folder, default_run_dir
 
+    if args.rdzv_endpoint:
+        return _run_hosts(args)
+    for flag in ("nnodes", "node_rank", "secret_file", "rdzv_id"):
+        if getattr(args, flag) is not None:
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(
+                f"tierswap run {name}: belongs to a multi-host launch; give --rdzv-endpoint "
+                "HOST:PORT too (on one machine, --nodes N simulates N nodes)"
+            )
+    if args.spare:
+        raise UsageError("tierswap run --spare: needs --rdzv-endpoint (or use --join HOST:PORT)")
     if args.join:
         return _join(args)
     if not args.script:
@@ -68,11 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     check_socket_folder(run_dir, "tierswap run --run-dir")
     if cfg.persist is not None:
         check_shared(cfg.persist)
-    # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out;
-    # SIGINT is Ctrl-C even where the launcher was started with it ignored (a background
-    # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _stop_on_signals()
     script = [args.script, *args.args]
     if not Path(args.script).is_file():
         raise SystemExit(f"tierswap run: script {args.script!r} not found")
@@ -194,6 +273,38 @@ def parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="join the running job at this coordinator address as a spare node",
     )
+    hosts = run.add_argument_group(
+        "multi-host launch (one tierswap run per host, the same line on each, as torchrun)"
+    )
+    hosts.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the coordinator listens: the host holding this address runs it, every "
+        f"host connects to it (port default {DEFAULT_PORT})",
+    )
+    hosts.add_argument("--nnodes", type=int, default=None, help="hosts that serve the job's nodes")
+    hosts.add_argument(
+        "--rdzv-backend",
+        choices=("c10d", "etcd"),
+        default="c10d",
+        help="c10d: the coordinator runs on the endpoint's host (default)",
+    )
+    hosts.add_argument(
+        "--rdzv-id", default=None, metavar="JOB", help="the job's id; hosts of another are refused"
+    )
+    hosts.add_argument(
+        "--node-rank", type=int, default=None, metavar="I", help="serve node I (default: any)"
+    )
+    hosts.add_argument(
+        "--spare", action="store_true", help="park this host as a spare, whatever is free"
+    )
+    hosts.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="the job's secret, the same on every host (else TIERSWAP_SECRET)",
+    )
     run.add_argument("script", nargs="?")
     run.add_argument("args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
@@ -224,6 +335,7 @@ def parser() -> argparse.ArgumentParser:
             "delta",
             "control-plane",
             "soak",
+            "hosts",
         ],
     )
     bench.add_argument(

@@ -68,3 +68,12 @@ class Progress:
             self.console.print(line[:120].ljust(100), end="\r")
         else:
             self.console.print(f"[tierswap] {line}")
+
+
+def job_events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The events of the job run in ``run_dir`` so far (of one ``kind``); none before its
+    log exists."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in read_events(path) if kind is None or e.get("event") == kind]

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tierswap import snapshot
@@ -31,6 +32,8 @@ class Job:
         rank: int = 0,
         world_size: int = 1,
         local_rank: int = 0,
+        local_world_size: int = 1,
+        node: int = 0,
         generation: int = 0,
         chan: Channel | None = None,
         faults: list[Injection] | None = None,
@@ -43,6 +46,10 @@ class Job:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
+        """This rank's index among the ranks on its machine: the GPU it drives."""
+        self.local_world_size = local_world_size
+        self.node = node
+        """The node this rank serves (torchrun's ``GROUP_RANK``)."""
         self.generation = generation
         self._chan = chan
         self._secret = secret
@@ -85,6 +92,14 @@ class Job:
                 self._chan.send(p.Stepped(rank=self.rank, step=step))
             self._maybe_inject(step)
         self.fence()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's tensors go: ``cuda:<local_rank>`` on a machine with CUDA,
+        else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
 
     @property
     def ended(self) -> bool:

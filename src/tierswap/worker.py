@@ -141,7 +141,7 @@ def _abort_communicator() -> None:
 
 
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
-    secret = bytes.fromhex(env["TIERSWAP_SECRET"])
+    secret = bytes.fromhex(env["TIERSWAP_KEY"])
     _warm_up()  # before attaching: a worker counts as parked once it is ready to run
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
@@ -164,6 +164,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             rank=rank,
             world_size=a.world_size,
             local_rank=a.local_rank,
+            local_world_size=a.local_world_size,
+            node=a.node,
             generation=generation,
             chan=chan,
             faults=FaultPlan.parse(a.inject).of_rank(rank),
@@ -173,6 +175,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             tier1=control.watermark(generation),
             max_redo=a.max_redo,
         )
+        os.environ.update(torchrun_env(a))
         t0 = time.monotonic()
         if a.store not in stores:
             host, port = a.store.rsplit(":", 1)
@@ -200,6 +203,23 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         dist.destroy_process_group()
         chan.close()
         _exit_now_if_freeing(0)
+
+
+def torchrun_env(a: p.Assign) -> dict[str, str]:
+    """The variables torchrun gives its workers, for code that reads them (device
+    selection, logging): set in the worker when it takes a rank, before ``train(job)``.
+    ``MASTER_ADDR``/``MASTER_PORT`` name the job's store, which only the job's secret opens:
+    tierswap makes the process group; ``init_process_group("env://")`` cannot."""
+    host, port = a.store.rsplit(":", 1)
+    return {
+        "RANK": str(a.rank),
+        "LOCAL_RANK": str(a.local_rank),
+        "WORLD_SIZE": str(a.world_size),
+        "LOCAL_WORLD_SIZE": str(a.local_world_size),
+        "GROUP_RANK": str(a.node),
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+    }
 
 
 def _rendezvous(store: Store, world_size: int, ended: threading.Event, timeout: timedelta) -> bool:

@@ -109,6 +109,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import soak
 
         return soak.main(args)
+    if args.what == "hosts":
+        from tierswap.bench import hosts
+
+        return hosts.main(args)
     if args.what == "control-plane":
         from tierswap.bench import controlplane
 

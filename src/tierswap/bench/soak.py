@@ -21,19 +21,12 @@ from typing import Any
 
 import psutil
 
+from tierswap.events import job_events
 from tierswap.examples import differing, job_command, load_final
 from tierswap.shm import PREFIX, SHM_DIR
 
 RATE = 90.0
 """Failures a minute while the job trains (chaos waits for a step between two)."""
-
-
-def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
 def _job(work: Path, name: str, steps: int, run_args: list[str]) -> tuple[int, float]:
@@ -76,9 +69,9 @@ def one_seed(work: Path, seed: int, failures: int) -> dict[str, Any]:
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     diff = differing(load_final(work / f"base{seed}-final"), load_final(work / f"soak{seed}-final"))
-    resumed = _events(run_dir, "resumed")
+    resumed = job_events(run_dir, "resumed")
     redone = [int(r["redone"]) for r in resumed]
-    agents = [e["pid"] for e in _events(run_dir, "node_joined")]
+    agents = [e["pid"] for e in job_events(run_dir, "node_joined")]
     left = [p for p in agents if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     return {
         "seed": seed,
@@ -87,8 +80,8 @@ def one_seed(work: Path, seed: int, failures: int) -> dict[str, Any]:
         "steps": steps,
         "seconds": seconds,
         "baseline_seconds": base_seconds,
-        "failures_injected": len(_events(run_dir, "fault_injected")),
-        "failures_detected": len(_events(run_dir, "failure_detected")),
+        "failures_injected": len(job_events(run_dir, "fault_injected")),
+        "failures_detected": len(job_events(run_dir, "failure_detected")),
         "recoveries": len(resumed),
         "steps_redone": sum(redone),
         "most_redone_in_one_recovery": max(redone, default=0),

@@ -12,6 +12,7 @@ import itertools
 import os
 import queue
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
+from tierswap.cluster.multihost import KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.workers import Processes
 from tierswap.cluster.writer import PartWriter
@@ -51,7 +53,7 @@ from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.tiers.replicas import PeerStore
-from tierswap.wire import Channel, Listener, reader, serve
+from tierswap.wire import AuthenticationError, Channel, HandshakeCut, Listener, reader, serve
 
 ASK_LIMIT_S = 120.0
 """How long a replica-server thread waits for the loop to answer it."""
@@ -69,6 +71,7 @@ class Agent:
         script: list[str],
         address: str,
         coord_host: str,
+        simulated: bool = False,
     ) -> None:
         self.cfg = cfg
         self.coord = coord
@@ -82,7 +85,7 @@ class Agent:
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
         self.listener = Listener(self.sock, secret)
         env = worker_env(address, dict(os.environ, **cfg.to_env()))
-        env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_SECRET=secret.hex(), TIERSWAP_HOST=str(host))
+        env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_HOST=str(host), **{KEY_ENV: secret.hex()})
         self.processes = Processes(script, env, self.events.put)
         keeper = None
         if cfg.memory_tiers == "delta":
@@ -116,6 +119,7 @@ class Agent:
             peers=peers,
             replica_address=self.server.address,
             coord_host=coord_host,
+            simulated=simulated,
         )
         self._stop_accepting = serve(
             self.listener, self._on_worker_channel, "tierswap-accept", p.WorkerToAgent
@@ -246,42 +250,96 @@ class Agent:
         Path(self.sock).unlink(missing_ok=True)
 
 
+def _connect(coord_host: str, port: int, secret: bytes, launch: HostLaunch | None) -> Channel:
+    """The coordinator's channel. A host of a multi-host launch may start before the
+    coordinator's host: it waits for it (``--startup-timeout``), saying so once; a wrong
+    secret is never retried."""
+    if launch is None:
+        return Channel.connect((coord_host, port), secret, p.CoordinatorToAgent)
+    deadline = time.monotonic() + connect_timeout(os.environ)
+    said = False
+    while True:
+        try:
+            return Channel.connect((coord_host, port), secret, p.CoordinatorToAgent)
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, HandshakeCut) as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"tierswap run: no coordinator answered at {coord_host}:{port} within "
+                    f"--startup-timeout ({e}); is the endpoint's host up, and its port open?"
+                ) from None
+            if not said:
+                print(f"tierswap run: waiting for the coordinator at {coord_host}:{port}")
+                said = True
+            time.sleep(0.5)
+        except AuthenticationError as e:
+            raise SystemExit(f"tierswap run: {e}") from None
+
+
+def _fence_on_silence(coord: Channel, lease: float) -> None:
+    """A host cut off from the coordinator (its link down, the coordinator's host gone
+    without a word) stops by itself within a lease: its heartbeats go unacknowledged, and
+    TCP gives the connection up after ``lease`` seconds (``TCP_USER_TIMEOUT``), which ends
+    this agent and its workers, as the coordinator, fencing it, expects."""
+    if isinstance(coord.sock.getsockname(), tuple) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        coord.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
+
+
 def main() -> None:
     env = os.environ
-    secret = bytes.fromhex(env["TIERSWAP_SECRET"])
+    secret = bytes.fromhex(env[KEY_ENV])
+    launch = HostLaunch.from_env(env)
     coord_host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
-    coord = Channel.connect((coord_host, int(port)), secret, p.CoordinatorToAgent)
+    coord = _connect(coord_host, int(port), secret, launch)
     # this host listens where others reach it: its own --bind (a host that joins), else
     # the address its connection to the coordinator leaves from
     address = env.get("TIERSWAP_HOST_ADDRESS") or leaving_address(coord)
     # the coordinator names this host and hands out the job's config and script, so a node
     # that joins later (tierswap run --join) runs exactly what the others run
-    coord.send(p.Hello(host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid()))
+    spare = env.get("TIERSWAP_SPARE") == "1"  # tierswap run --join
+    hello = p.Hello(host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid(), spare=spare)
+    if launch is not None:
+        hello = p.Hello(
+            host=hello.host,
+            pid=hello.pid,
+            spare=launch.spare,
+            nodes=launch.nnodes,
+            nproc_per_node=launch.nproc_per_node,
+            job=launch.job,
+        )
+    coord.send(hello)
     welcome = coord.recv(timeout=60)
+    if welcome is not None and isinstance(welcome.msg, p.Refused):
+        raise SystemExit(f"tierswap run: the coordinator refused this host: {welcome.msg.why}")
     if welcome is None or not isinstance(welcome.msg, p.Welcome):
         raise SystemExit(f"tierswap agent: the coordinator refused this node: {welcome}")
     w = welcome.msg
+    cfg = Config.from_env(w.config)
+    _fence_on_silence(coord, cfg.lease)
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
     run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
     agent = Agent(
         host=w.host,
         coord=coord,
         secret=secret,
-        cfg=Config.from_env(w.config),
+        cfg=cfg,
         run_dir=run_dir,
         job_id=w.job_id,
         script=sys.argv[1:] or list(w.script),
         address=address,
         coord_host=coord_host,
+        simulated=env.get("TIERSWAP_SIMULATED") == "1",
     )
     agent.run()
     if temp is not None:
         shutil.rmtree(temp, ignore_errors=True)
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit
     # for a replication thread whose peer is gone.
+    code = agent.core.exit_code
+    if agent.core.coordinator_gone and launch is not None:
+        print("tierswap run: the coordinator is gone; this host stops", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

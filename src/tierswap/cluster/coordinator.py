@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
+from tierswap.cluster.multihost import HostLaunch, agent_env
 from tierswap.config import Config
 from tierswap.control import protocol as p
 from tierswap.control.commands import (
@@ -54,16 +55,29 @@ from tierswap.wire import Channel, Listener, reader, serve
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, script: list[str], run_dir: Path) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        script: list[str],
+        run_dir: Path,
+        *,
+        hosts: HostLaunch | None = None,
+        key: bytes | None = None,
+        listener: Listener | None = None,
+    ) -> None:
+        """``hosts``: a multi-host launch, whose coordinator listens on the endpoint
+        (``listener``, keyed with the job's ``key``) and starts one agent for this host as
+        asked (``hosts``); None simulates ``cfg.nodes`` hosts on this machine."""
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.job_id = new_job_id()
-        self.secret = os.urandom(32)
+        self.secret = key or os.urandom(32)
+        self.launch = hosts
         self.log = EventLog(run_dir / "events.jsonl")
         self.progress = Progress(cfg.console)
         # agents (including hosts that join later) and workers reach both on --bind
-        self.listener = Listener((cfg.bind, 0), self.secret)
+        self.listener = listener or Listener((cfg.bind, 0), self.secret)
         self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = StoreServer(cfg.bind, self.secret)
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
@@ -93,6 +107,8 @@ class Coordinator:
             if cfg.persist is None or self.claim is None
             else DurableRoot(cfg.persist, self.claim.job),
             now=time.monotonic(),
+            multihost=hosts is not None,
+            rdzv_id=None if hosts is None else hosts.job,
         )
         self.code: int | None = None
 
@@ -113,6 +129,11 @@ class Coordinator:
             self.listener, self._on_channel, "tierswap-coord-accept", p.AgentToCoordinator
         )
         self._write_join_ticket()
+        if self.launch is not None:  # this host serves a node (or parks) like any other
+            env = agent_env(os.environ, self.address, self.secret, self.launch, self.run_dir)
+            self.nodes.start_agent(
+                dict(env, TIERSWAP_STARTUP_TIMEOUT=str(self.cfg.startup_timeout))
+            )
         tick = min(0.5, self.cfg.heartbeat / 2)
         try:
             self._carry_out(self.core.handle(Begin(warning), time.monotonic()))
@@ -204,7 +225,7 @@ class Coordinator:
         ticket = self.run_dir / "join.json"
         fd = os.open(ticket, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"address": "{}:{}".format(*self.address), "secret": self.secret.hex()}, f)
+            json.dump({"address": "{}:{}".format(*self.address), "key": self.secret.hex()}, f)
 
     def _on_channel(self, chan: Channel) -> None:
         token = next(self._tokens)
@@ -270,10 +291,10 @@ class Coordinator:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.claim is not None:
             self.claim.release()
-        exit_msg = p.Codec.encode(p.Exit(), -1)
+        exit_msg = p.Codec.encode(p.Exit(code=1 if self.code is None else self.code), -1)
         for conn in list(self.core.hosts.conns.values()):
             self._send(conn, exit_msg)
-        self.nodes.stop_all(told=set(self.core.hosts.conns))
+        self.nodes.stop_all(told=set(self.core.hosts.conns), own=True)
         self._stop_accepting()
         self.store.close()
         n = remove_job_segments(self.job_id)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from tierswap.cluster.multihost import KEY_ENV, LAUNCH_ENV
 from tierswap.config import Config
 from tierswap.errors import UsageError, WorldSizeMismatchError
 from tierswap.tiers import durable
@@ -33,6 +34,8 @@ class LocalNodes:
         self.secret = secret
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.retired: list[subprocess.Popen[bytes]] = []
+        self.own: list[subprocess.Popen[bytes]] = []
+        """This machine's agent of a multi-host launch."""
         self.reported: set[int] = set()
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
@@ -41,14 +44,24 @@ class LocalNodes:
             self.retired.append(old)
         env = dict(os.environ)
         env.pop("TIERSWAP_HOST_ADDRESS", None)  # simulated hosts listen on --bind
+        for name in (LAUNCH_ENV, "TIERSWAP_SPARE"):
+            env.pop(name, None)
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
-            TIERSWAP_SECRET=self.secret.hex(),
             TIERSWAP_HOST=str(host),
             TIERSWAP_RUN_DIR=str(self.run_dir),
+            TIERSWAP_SIMULATED="1",
+            **{KEY_ENV: self.secret.hex()},
         )
         cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
         self.procs[host] = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def start_agent(self, env: dict[str, str]) -> None:
+        """Start this machine's own agent of a multi-host launch (it is one host of the
+        job, named by the coordinator when it says hello; its process group is its own, so
+        stopping the job stops its workers too)."""
+        cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
+        self.own.append(subprocess.Popen(cmd, env=env, start_new_session=True))
 
     def is_local(self, host: int) -> bool:
         return host in self.procs
@@ -74,12 +87,15 @@ class LocalNodes:
                 out.append((host, code))
         return out
 
-    def stop_all(self, told: set[int], timeout: float = 20.0) -> None:
-        """Wait for the agents that were told to exit (host ids in ``told``) to do so, then
-        kill what is left, groups included; a host still starting is killed at once."""
+    def stop_all(self, told: set[int], timeout: float = 20.0, own: bool = False) -> None:
+        """Wait for the agents that were told to exit (host ids in ``told``, and this
+        machine's own agent if ``own``) to do so, then kill what is left, groups included;
+        a host still starting is killed at once."""
         deadline = time.monotonic() + timeout
-        procs = [*self.procs.values(), *self.retired]
+        procs = [*self.procs.values(), *self.retired, *self.own]
         waiting = [p for h, p in self.procs.items() if h in told]
+        if own:
+            waiting += self.own
         for proc in waiting:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))

@@ -127,11 +127,19 @@ class AgentCore:
         peers: PeerStore,
         replica_address: p.Address,
         coord_host: str,
+        simulated: bool = False,
     ) -> None:
         self.host = host
         self.cfg = cfg
         self.coord_host = coord_host
         """Where this host reaches the coordinator (and the store workers meet at)."""
+        self.simulated = simulated
+        """One of the nodes ``tierswap run --nodes`` simulates on one machine: the job's
+        ranks all run on this machine, and a rank's local rank is its rank."""
+        self.exit_code = 0
+        """What this host's agent exits with: the job's outcome (``Exit``), or 1 when the
+        coordinator went away."""
+        self.coordinator_gone = False
         self.replica_address = replica_address
         self.node: int | None = None
         """The job's node this agent serves; None while it is a spare."""
@@ -198,6 +206,8 @@ class AgentCore:
                 for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
                     self.workers.spawn(local, now)
             case CoordinatorClosed():
+                self.coordinator_gone = True
+                self.exit_code = 1  # the job did not end: its coordinator is gone
                 self._shutdown()
         self.out.extend(self.workers.take())
         out, self.out = self.out, []
@@ -240,7 +250,8 @@ class AgentCore:
                 self.workers.settled(step)
             case p.Persist():
                 self._persist(env.msg)
-            case p.Exit():
+            case p.Exit(code=code):
+                self.exit_code = code
                 self._shutdown()
             case p.Welcome():
                 pass  # the shell's business, before the core exists
@@ -271,7 +282,15 @@ class AgentCore:
                 announce=self.faults.watches_transfers(),
             )
         )
+        if self.simulated:  # every rank of the job runs on this machine
+            local = {r: r for r in self.ranks}
+            local_world = msg.world_size
+        else:
+            local = {r: i for i, r in enumerate(self.ranks)}
+            local_world = len(self.ranks)
         assignment = {
+            "node": msg.node,
+            "local_world_size": local_world,
             "world_size": msg.world_size,
             "store": f"{self.coord_host}:{msg.store.rsplit(':', 1)[1]}",
             "inject": list(msg.inject),
@@ -280,7 +299,7 @@ class AgentCore:
             "settled": replicated,
         }
         self.phase.move(AgentPhase.SERVING)
-        self.workers.start(generation, self.ranks, assignment, now)
+        self.workers.start(generation, self.ranks, assignment, now, local)
 
     def _maybe_stopped(self) -> None:
         """Report what the rings hold once every worker of the stopped generation has

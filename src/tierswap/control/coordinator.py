@@ -42,7 +42,7 @@ from tierswap.control.commands import (
     Tick,
 )
 from tierswap.control.commits import TierCommits, newest_in_memory, newest_replicated
-from tierswap.control.hosts import Hosts
+from tierswap.control.hosts import Hosts, refusal
 from tierswap.control.persistence import Persistence
 from tierswap.control.ports import Tier2
 from tierswap.control.recovery import RecoveryClock
@@ -76,8 +76,14 @@ class CoordinatorCore:
         store: str,
         tier2: Tier2 | None,
         now: float,
+        multihost: bool = False,
+        rdzv_id: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.multihost = multihost
+        """A multi-host launch (``--rdzv-endpoint``): hosts come by themselves, one per
+        machine; none is simulated, started or revived here."""
+        self.rdzv_id = rdzv_id
         self.job_id = job_id
         self.script = script
         self.address = address
@@ -330,6 +336,12 @@ class CoordinatorCore:
         if event.durable_warning:
             self.persister.failing(f"cannot write {self.cfg.persist}: {event.durable_warning}")
         self._announce_placement()
+        if self.multihost:
+            self.out.say(
+                f"waiting for {self.cfg.nodes} hosts at {self.address[0]}:{self.address[1]} "
+                f"(--nnodes {self.cfg.nodes} --nproc-per-node {self.cfg.nproc_per_node})"
+            )
+            return
         for host in range(self.cfg.nodes + self.cfg.spares):
             self.local.add(host)
             self.out.add(StartHost(host))
@@ -347,8 +359,16 @@ class CoordinatorCore:
         self.out.say(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
 
     def _hello(self, conn: int, msg: p.Hello, now: float) -> None:
-        """A host connected: give it its id, the job's config and script."""
-        host = self.hosts.connected(msg.host, msg.pid, conn, now)
+        """A host connected: give it its id, the job's config and script (or say why
+        it is not taken)."""
+        why = refusal(msg, self.cfg.nodes, self.cfg.nproc_per_node, self.rdzv_id)
+        if why is not None:
+            self.out.log("host_refused", pid=msg.pid, why=why)
+            self.out.say(f"a host (pid {msg.pid}) was refused: {why}")
+            self.out.add(Send(conn, p.Refused(why=why), self.generation))
+            self.out.add(Close(conn))
+            return
+        host = self.hosts.connected(msg.host, msg.pid, conn, now, spare=msg.spare)
         script = [str(Path(self.script[0]).resolve()), *self.script[1:]]
         welcome = p.Welcome(host=host, config=self.cfg.to_env(), job_id=self.job_id, script=script)
         self.out.add(Send(conn, welcome, self.generation))
@@ -364,6 +384,8 @@ class CoordinatorCore:
             return
         if role:
             self.out.log("node_joined", node=host, role="member", **seen)
+            if self.multihost:
+                self.out.say(f"host {host} at {msg.replica[0]} (pid {pid}) serves node {host}")
         else:
             self.out.log("node_joined", node=None, role="spare", **seen)
             self.out.say(f"spare host {host} (pid {pid}) parked")

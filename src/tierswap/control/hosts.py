@@ -8,7 +8,7 @@ bookkeeping only; it sends nothing and starts nothing.
 
 from __future__ import annotations
 
-from tierswap.control.protocol import Address
+from tierswap.control.protocol import Address, Hello
 
 
 class Hosts:
@@ -48,10 +48,17 @@ class Hosts:
         self.next_id += 1
         return host
 
-    def connected(self, requested: int, pid: int, conn: int, now: float) -> int:
-        """A host said hello: its id (a fresh one for a host that joins from outside)."""
+    def connected(
+        self, requested: int, pid: int, conn: int, now: float, *, spare: bool = False
+    ) -> int:
+        """A host said hello: its id. A simulated host asks for the id it was started
+        as; a host of a multi-host launch for its ``--node-rank``, or for -1: the lowest
+        node of the first generation no host has claimed. A spare, a host whose node is
+        taken, and a host that joins later get a fresh id (they park as spares)."""
         host = requested
-        if host < 0 or host in self.conns or host in self.pids:
+        if requested < 0 and not spare:
+            host = min((h for h in self.waiting if h not in self.pids), default=-1)
+        if spare or host < 0 or host in self.conns or host in self.pids:
             host = self.new_id()
         self.conns[host] = conn
         self.by_conn[conn] = host
@@ -115,3 +122,23 @@ class Hosts:
             self._serve(node, host)
             taken.append((node, host))
         return taken
+
+
+def refusal(hello: Hello, nodes: int, nproc_per_node: int, job: str | None) -> str | None:
+    """Why the coordinator of a job of ``nodes`` x ``nproc_per_node`` (``--rdzv-id job``)
+    does not take a host of a multi-host launch that said ``hello``, or None. A host that
+    joins with ``--join`` says no shape and is taken as a spare."""
+    if not hello.nodes:
+        return None
+    if (hello.nodes, hello.nproc_per_node) != (nodes, nproc_per_node):
+        return (
+            f"this host was started with --nnodes {hello.nodes} --nproc-per-node "
+            f"{hello.nproc_per_node}, the job runs --nnodes {nodes} --nproc-per-node "
+            f"{nproc_per_node}: start every host with the same line"
+        )
+    if (hello.job or None) != (job or None):
+        return (
+            f"this host was started with --rdzv-id {hello.job}, the job at this endpoint runs "
+            f"--rdzv-id {job}: it is another job's coordinator"
+        )
+    return None

@@ -294,6 +294,10 @@ class Assign(Message, frozen=True, kw_only=True, tag="assign"):
 
     rank: int
     local_rank: int
+    """Its index among the ranks on its machine (the GPU it uses: ``job.device``)."""
+    local_world_size: int
+    node: int
+    """The node it serves (torchrun's ``GROUP_RANK``)."""
     world_size: int
     store: str
     backend: str
@@ -315,20 +319,30 @@ class Abort(Message, frozen=True, kw_only=True, tag="abort"):
 
 
 class Exit(Message, frozen=True, kw_only=True, tag="exit"):
-    """The job is over: exit."""
+    """The job is over: exit, with the job's exit code (a multi-host launch's agents exit
+    with it, as its coordinator's launcher does)."""
 
     scoped = False
+    code: int = 0
 
 
 # ==================================================================== agent -> coordinator
 
 
 class Hello(Message, frozen=True, kw_only=True, tag="hello"):
-    """A host connected; ``host`` is the id it was started with (-1 from outside)."""
+    """A host connected; ``host`` is the id it was started with: a simulated host's, the
+    node a host of a multi-host launch asked for (``--node-rank``), or -1 (any)."""
 
     scoped = False
     host: int
     pid: int
+    spare: bool = False
+    """It parks as a spare whatever nodes are free (``--join``, ``--spare``)."""
+    nodes: int = 0
+    """The ``--nnodes`` it was started with, 0 where none was given (``--join``)."""
+    nproc_per_node: int = 0
+    job: str | None = None
+    """Its ``--rdzv-id``."""
 
 
 class Ready(Message, frozen=True, kw_only=True, tag="ready"):
@@ -530,6 +544,13 @@ class Welcome(Message, frozen=True, kw_only=True, tag="welcome"):
     config: dict[str, str]
     job_id: str
     script: list[str]
+
+
+class Refused(Message, frozen=True, kw_only=True, tag="refused"):
+    """The coordinator does not take this host; ``why`` says why and what to change."""
+
+    scoped = False
+    why: str
 
 
 class Start(Message, frozen=True, kw_only=True, tag="start"):
@@ -782,7 +803,9 @@ AgentToCoordinator = (
     | InjectFired
     | Lagging
 )
-CoordinatorToAgent = Welcome | Start | Stop | Committed | Release | Settled | Persist | Exit
+CoordinatorToAgent = (
+    Welcome | Refused | Start | Stop | Committed | Release | Settled | Persist | Exit
+)
 AgentToAgent = Replica | ReplicaDelta | Fetch | Room | Accepted | Serving | Missing | Error
 
 WorkerToStore = (

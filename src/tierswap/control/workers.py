@@ -98,7 +98,12 @@ class WorkerTable:
         self.out.append(Spawn(local, self._incarnations))
 
     def start(
-        self, generation: int, ranks: list[int], assignment: dict[str, Any], now: float
+        self,
+        generation: int,
+        ranks: list[int],
+        assignment: dict[str, Any],
+        now: float,
+        local_ranks: dict[int, int] | None = None,
     ) -> None:
         """Hand out this node's ranks for a generation: a survivor keeps its rank; the
         others go to parked workers first (spare workers, ready now), then to workers
@@ -120,7 +125,7 @@ class WorkerTable:
         free.sort(key=lambda w: (w.state is not WorkerState.PARKED, w.local))
         for rank, w in zip(rest, free, strict=False):
             self.by_rank[rank] = w
-        self.local_ranks = {r: i for i, r in enumerate(ranks)}
+        self.local_ranks = local_ranks or {r: i for i, r in enumerate(ranks)}
         for rank, w in self.by_rank.items():
             w.rank = rank
             self.assign(w)

@@ -1,0 +1,157 @@
+"""``tierswap run --nnodes N --rdzv-endpoint HOST:PORT``: one launcher per host, as with
+torchrun.
+
+Every host runs the same line. The launcher on the host that holds the endpoint's address
+(as torchrun's c10d store does) runs the coordinator there, listening on the endpoint, and
+also serves a node like any other host; every other launcher becomes its host's agent and
+connects to the endpoint, waiting for it to come up. Hosts become nodes 0..N-1 in the order
+they join (``--node-rank`` pins one); hosts beyond N, or started with ``--spare``, park as
+spares. Every host needs the job's secret (``--secret-file`` or ``TIERSWAP_SECRET``): it
+keys the handshake of every connection, and a host without it is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import socket
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tierswap.cluster.address import interface_of
+from tierswap.errors import UsageError
+from tierswap.wire import Listener
+
+DEFAULT_PORT = 29400
+"""torchrun's default rendezvous port."""
+MIN_SECRET = 16
+"""Characters a job secret needs at least."""
+LAUNCH_ENV = "TIERSWAP_LAUNCH"
+"""How a launcher tells its agent what it was asked (``HostLaunch``, as JSON)."""
+KEY_ENV = "TIERSWAP_KEY"
+"""The job's key (hex) as the launcher hands it to its agent and the agent to workers."""
+MAKE_ONE = "python -c 'import secrets; print(secrets.token_hex(32))' > job.secret"
+
+
+def job_key(secret: str) -> bytes:
+    """The 32-byte key every connection of the job is authenticated with, from the job's
+    secret text (the same on every host)."""
+    return hashlib.sha256(b"tierswap job secret\x00" + secret.encode()).digest()
+
+
+def read_secret(secret_file: str | None, environ: Mapping[str, str], what: str) -> str:
+    """The job's secret: the contents of ``secret_file`` (stripped), else
+    ``TIERSWAP_SECRET``. Never taken from a command line, where ``ps`` would show it."""
+    if secret_file is not None:
+        try:
+            text = Path(secret_file).read_text().strip()
+        except (OSError, UnicodeError) as e:
+            raise UsageError(f"{what} --secret-file {secret_file}: cannot read it ({e})") from None
+        source = f"--secret-file {secret_file}"
+    elif environ.get("TIERSWAP_SECRET"):
+        text, source = environ["TIERSWAP_SECRET"].strip(), "TIERSWAP_SECRET"
+    else:
+        raise UsageError(
+            f"{what}: the job's secret is needed, the same on every host: give "
+            f"--secret-file PATH or set TIERSWAP_SECRET (make one with: {MAKE_ONE})"
+        )
+    if len(text) < MIN_SECRET:
+        raise UsageError(
+            f"{what}: the secret in {source} has {len(text)} characters; it needs at least "
+            f"{MIN_SECRET} (make one with: {MAKE_ONE})"
+        )
+    return text
+
+
+def parse_endpoint(text: str, what: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``HOST[:PORT]`` as (IPv4 address, port); the port defaults to torchrun's 29400."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = text, str(DEFAULT_PORT)
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 0 < port < 65536:
+        raise UsageError(f"{what} {text!r}: expected HOST:PORT (a port of 1-65535)")
+    try:
+        ip = socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        raise UsageError(
+            f"{what} {text!r}: no IPv4 address is known for {host!r}; give the coordinator "
+            "host's address or a name every host resolves"
+        ) from None
+    return ip, port
+
+
+@dataclass(frozen=True, slots=True)
+class HostLaunch:
+    """What one host's ``tierswap run`` was asked: what its agent says in its hello."""
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int | None = None
+    spare: bool = False
+    job: str | None = None
+    """``--rdzv-id``: hosts of another job are refused."""
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> HostLaunch | None:
+        raw = environ.get(LAUNCH_ENV)
+        return None if raw is None else cls(**json.loads(raw))
+
+    def check(self) -> None:
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank {self.node_rank}: nodes are numbered 0..{self.nnodes - 1} "
+                f"(--nnodes {self.nnodes})"
+            )
+        if self.node_rank is not None and self.spare:
+            raise UsageError("--node-rank and --spare: a spare serves no node until one fails")
+
+
+def listen_here(ip: str, port: int, key: bytes) -> Listener | None:
+    """The coordinator's listener when this host holds the endpoint's address and nobody
+    on it listens there yet (another launcher on this machine may run the coordinator,
+    as several hosts simulated on one machine do); None where this host is not it."""
+    if interface_of(ip) is None:
+        return None
+    try:
+        return Listener((ip, port), key)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return None
+        raise UsageError(f"--rdzv-endpoint {ip}:{port}: cannot listen there ({e})") from None
+
+
+def agent_env(
+    environ: Mapping[str, str],
+    endpoint: tuple[str, int],
+    key: bytes,
+    launch: HostLaunch,
+    run_dir: Path,
+) -> dict[str, str]:
+    """The environment of this host's agent process."""
+    env = {k: v for k, v in environ.items() if k != "TIERSWAP_SECRET"}  # workers see no secret
+    for name in ("TIERSWAP_HOST", "TIERSWAP_HOST_ADDRESS", "TIERSWAP_SIMULATED"):
+        env.pop(name, None)  # stale ones from the environment are not this host's
+    env.update(
+        TIERSWAP_COORD=f"{endpoint[0]}:{endpoint[1]}",
+        TIERSWAP_RUN_DIR=str(run_dir),
+        **{KEY_ENV: key.hex(), LAUNCH_ENV: launch.to_env()},
+    )
+    if launch.node_rank is not None:
+        env["TIERSWAP_HOST"] = str(launch.node_rank)
+    return env
+
+
+def connect_timeout(environ: Mapping[str, str]) -> float:
+    """How long an agent of a multi-host launch waits for the coordinator to come up."""
+    return float(environ.get("TIERSWAP_STARTUP_TIMEOUT", "120"))

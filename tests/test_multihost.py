@@ -1,0 +1,411 @@
+"""A job across hosts, one ``tierswap run --nnodes N --rdzv-endpoint HOST:PORT`` per host,
+as with torchrun: who becomes which node, who is refused, what workers are told, and
+hot-swap between hosts with network stacks of their own (network namespaces)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e import assert_hot_swapped, assert_same_bits, events, final_state, leaked_segments
+from tierswap.bench.netns import Host, Network, Unavailable
+from tierswap.cluster import multihost as mh
+from tierswap.control import protocol as p
+from tierswap.control.hosts import Hosts, refusal
+from tierswap.errors import UsageError
+from tierswap.examples import job_command
+from tierswap.shm import remove_job_segments
+from tierswap.worker import torchrun_env
+
+SECRET = "a-test-secret-of-the-job-0123456789"
+SLOW = ("--sleep", "0.05")
+PROBE = """
+import json, os, sys
+from pathlib import Path
+
+import tierswap
+from tierswap.examples import train_gpt
+
+NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+         "MASTER_ADDR", "MASTER_PORT")
+
+
+def train(job):
+    seen = {n: os.environ.get(n) for n in NAMES}
+    seen.update(device=str(job.device), local_rank=job.local_rank, node=job.node,
+                local_world_size=job.local_world_size, secret="TIERSWAP_SECRET" in os.environ)
+    out = Path(os.environ["PROBE_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{job.rank}-gen{job.generation}.json").write_text(json.dumps(seen))
+    train_gpt.train(job)
+
+
+if __name__ == "__main__":
+    tierswap.launch(train)
+"""
+
+
+# ---------------------------------------------------------------- pure logic
+
+
+def test_hosts_become_nodes_as_they_join_and_the_rest_park() -> None:
+    hosts = Hosts(nodes=2, spares=0)
+    assert hosts.connected(1, pid=10, conn=1, now=0) == 1  # --node-rank 1
+    assert hosts.connected(-1, pid=11, conn=2, now=0) == 0  # the lowest node unclaimed
+    assert hosts.connected(-1, pid=12, conn=3, now=0) == 2  # beyond --nnodes: a spare
+    assert hosts.connected(0, pid=13, conn=4, now=0) == 3  # its node is taken: a spare
+    assert hosts.connected(-1, pid=14, conn=5, now=0, spare=True) == 4
+    for host in range(5):
+        hosts.ready(host, ("10.0.0.1", 1000 + host))
+    assert hosts.members == {0: 0, 1: 1}
+    assert hosts.spares == [2, 3, 4]
+
+
+def test_a_spare_asked_for_first_takes_no_node() -> None:
+    hosts = Hosts(nodes=1, spares=0)
+    assert hosts.connected(-1, pid=10, conn=1, now=0, spare=True) == 1
+    assert hosts.connected(-1, pid=11, conn=2, now=0) == 0
+
+
+def test_hosts_started_with_another_line_are_refused() -> None:
+    ok = p.Hello(host=-1, pid=1, nodes=2, nproc_per_node=4, job="j1")
+    assert refusal(ok, 2, 4, "j1") is None
+    shape = refusal(p.Hello(host=-1, pid=1, nodes=3, nproc_per_node=4, job="j1"), 2, 4, "j1")
+    assert shape is not None and "--nnodes 3" in shape and "--nnodes 2" in shape
+    job = refusal(p.Hello(host=-1, pid=1, nodes=2, nproc_per_node=4, job="j2"), 2, 4, "j1")
+    assert job is not None and "--rdzv-id j2" in job and "another job" in job
+    joining = p.Hello(host=-1, pid=1, spare=True)  # tierswap run --join says no shape
+    assert refusal(joining, 2, 4, "j1") is None
+
+
+def test_the_secret_comes_from_a_file_or_the_environment_never_short(tmp_path: Path) -> None:
+    f = tmp_path / "job.secret"
+    f.write_text(SECRET + "\n")
+    assert mh.read_secret(str(f), {}, "t") == SECRET
+    assert mh.read_secret(None, {"TIERSWAP_SECRET": SECRET}, "t") == SECRET
+    with pytest.raises(UsageError, match="--secret-file PATH or set TIERSWAP_SECRET"):
+        mh.read_secret(None, {}, "t")
+    with pytest.raises(UsageError, match="at least 16"):
+        mh.read_secret(None, {"TIERSWAP_SECRET": "short"}, "t")
+    with pytest.raises(UsageError, match="cannot read it"):
+        mh.read_secret(str(tmp_path / "missing"), {}, "t")
+    assert mh.job_key(SECRET) == mh.job_key(SECRET) != mh.job_key(SECRET + "x")
+    assert len(mh.job_key(SECRET)) == 32
+
+
+def test_endpoints() -> None:
+    assert mh.parse_endpoint("127.0.0.1:1234") == ("127.0.0.1", 1234)
+    assert mh.parse_endpoint("localhost") == ("127.0.0.1", mh.DEFAULT_PORT)
+    for bad in ("127.0.0.1:0", "127.0.0.1:x", ":80", "no-such-host.invalid:80"):
+        with pytest.raises(UsageError, match="--rdzv-endpoint"):
+            mh.parse_endpoint(bad)
+
+
+def test_workers_get_torchruns_variables() -> None:
+    a = p.Assign(
+        rank=5,
+        local_rank=1,
+        local_world_size=4,
+        node=1,
+        world_size=8,
+        store="10.0.0.1:4567",
+        backend="gloo",
+        inject=[],
+        max_redo=1,
+        settled=-1,
+    )
+    assert torchrun_env(a) == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "4567",
+    }
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "2", "x.py"], "--nnodes: belongs to a multi-host launch"),
+        (["--spare", "x.py"], "--spare: needs --rdzv-endpoint"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "x.py"], "give --nnodes N"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--nodes", "2", "x.py"], "--nodes"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--node-rank", "2", "x.py"],
+         "--node-rank 2: nodes are numbered 0..1"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "x.py"], "the job's secret"),
+    ],
+)  # fmt: skip
+def test_bad_launch_lines_are_refused_saying_why(args: list[str], message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TIERSWAP_SECRET"}
+    done = subprocess.run(
+        [*job_command(Path("unused"), [], [])[:3], "run", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- real launches
+
+
+def _free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+class Launches:
+    """The ``tierswap run`` of each host of one job; every process they started is killed
+    by its id at the end (the launchers' groups, and each agent's)."""
+
+    def __init__(self, tmp: Path, name: str, endpoint: str, script: Path) -> None:
+        self.tmp, self.name, self.endpoint, self.script = tmp, name, endpoint, script
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        self.out = tmp / f"{name}-final"
+
+    def start(
+        self,
+        i: int,
+        *run: str,
+        host: Host | None = None,
+        nproc: int = 1,
+        steps: int = 12,
+        mode: str = "ddp",
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        run_args = ["--nnodes", "2", "--nproc-per-node", str(nproc)]
+        run_args += ["--rdzv-endpoint", self.endpoint, *run]
+        cmd = job_command(
+            self.run_dir(i),
+            run_args,
+            ["--steps", str(steps), "--mode", mode, "--out", str(self.out), *SLOW],
+            self.script,
+        )
+        if host is not None:
+            cmd = [*host.prefix, *cmd]
+        log = self.tmp / f"{self.name}-host{i}.log"
+        self.logs.append(log)
+        environ = dict(os.environ, TIERSWAP_SECRET=SECRET, PROBE_OUT=str(self.tmp / "probe"))
+        with log.open("w") as f:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=self.tmp,
+                env=environ if env is None else env,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def run_dir(self, i: int) -> Path:
+        return self.tmp / f"{self.name}-host{i}"
+
+    def output(self) -> str:
+        return "\n".join(f"== {log.name}\n{log.read_text()}" for log in self.logs if log.exists())
+
+    def wait(self, timeout: float = 180) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def close(self) -> None:
+        pids = [proc.pid for proc in self.procs]
+        coord = self.run_dir(0) / "events.jsonl"
+        if coord.exists():
+            pids += [e["pid"] for e in events(self.run_dir(0), "node_joined")]
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            proc.wait()
+        if coord.exists():
+            for started in events(self.run_dir(0), "job_started"):
+                remove_job_segments(started["job_id"])
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_memory(tmp_path: Path):
+    yield
+    assert not leaked_segments(tmp_path), "a job left shared-memory segments behind"
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    return script
+
+
+def _wait_for(run_dir: Path, kind: str, timeout: float, **fields: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists():
+            for e in events(run_dir, kind):
+                if all(e.get(k) == v for k, v in fields.items()):
+                    return e
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind} {fields} event within {timeout} s")
+
+
+def _probes(tmp: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    found = {}
+    for f in (tmp / "probe").glob("rank*-gen*.json"):
+        rank, gen = f.stem.removeprefix("rank").split("-gen")
+        found[int(rank), int(gen)] = json.loads(f.read_text())
+    return found
+
+
+def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, probe: Path) -> None:
+    """Two launchers with the same line on one machine (the endpoint is loopback: the
+    first to listen on it runs the coordinator); 2 workers each. A third host started with
+    another --nnodes and a fourth with another secret are refused, saying why, and the job
+    is not disturbed. Each host's workers count their local ranks from 0."""
+    port = _free_port()
+    job = Launches(tmp_path, "hosts", f"127.0.0.1:{port}", probe)
+    try:
+        job.start(0, nproc=2, steps=6)
+        _wait_for(job.run_dir(0), "job_started", 60)
+        job.start(1, nproc=2, steps=6)
+        wrong = job.start(2, "--nnodes", "3", nproc=2)  # overrides the --nnodes 2 before it
+        env = dict(os.environ, TIERSWAP_SECRET=SECRET + "-not")
+        stranger = job.start(3, nproc=2, env=env)
+        assert stranger.wait(60) != 0
+        assert wrong.wait(60) != 0
+        codes = job.wait(240)
+    finally:
+        job.close()
+    out = job.output()
+    assert codes[:2] == [0, 0], out
+    refused = job.logs[2].read_text()
+    assert "the coordinator refused this host" in refused, refused
+    assert "--nnodes 3" in refused and "--nnodes 2" in refused, refused
+    assert "same secret" in job.logs[3].read_text(), job.logs[3].read_text()
+    assert SECRET not in out
+    assert SECRET not in (job.run_dir(0) / "events.jsonl").read_text()
+    (refusal_event,) = events(job.run_dir(0), "host_refused")
+    assert "--nnodes 3" in refusal_event["why"]
+    joined = {e["node"]: e for e in events(job.run_dir(0), "node_joined")}
+    assert sorted(joined) == [0, 1]
+    seen = _probes(tmp_path)
+    assert sorted(seen) == [(r, 0) for r in range(4)], seen
+    store = events(job.run_dir(0), "job_started")[0]
+    for rank in range(4):
+        env_of = seen[rank, 0]
+        assert env_of["RANK"] == str(rank)
+        assert env_of["LOCAL_RANK"] == str(rank % 2) and env_of["local_rank"] == rank % 2
+        assert env_of["WORLD_SIZE"] == "4" and env_of["LOCAL_WORLD_SIZE"] == "2"
+        assert env_of["GROUP_RANK"] == str(rank // 2) and env_of["node"] == rank // 2
+        assert env_of["MASTER_ADDR"] == "127.0.0.1" and env_of["MASTER_PORT"] != str(port)
+        assert env_of["device"] == "cpu"
+        assert env_of["secret"] is False  # the secret text reaches no worker
+    assert store["nodes"] == 2
+
+
+def _network(count: int) -> Network:
+    try:
+        return Network(count)
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def _serving(run_dir: Path, node: int) -> dict[str, Any]:
+    return next(e for e in events(run_dir, "node_joined") if e["node"] == node)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_host_killed_across_network_stacks_is_hot_swapped(
+    tmp_path: Path, baseline, probe: Path, mode: str
+) -> None:
+    """Three hosts, each its own network stack: the coordinator's host serves node 0,
+    another serves node 1, a third parks as a spare. Every process of node 1's host is
+    killed; the spare takes node 1 over the network, the survivor keeps its processes,
+    and the job ends bit for bit as an uninterrupted one."""
+    base = baseline(nodes=2, mode=mode)
+    with _network(3) as (a, b, c):
+        job = Launches(tmp_path, "ns", f"{a.address}:29400", probe)
+        try:
+            job.start(0, "--node-rank", "0", host=a, mode=mode)
+            job.start(1, "--node-rank", "1", host=b, mode=mode)
+            job.start(2, "--spare", host=c, mode=mode)
+            run_dir = job.run_dir(0)
+            _wait_for(run_dir, "snapshot_committed", 120, tier=1, step=3)
+            survivor = _serving(run_dir, 0)
+            assert _serving(run_dir, 1)["address"] == b.address
+            killed = b.kill_all()
+            assert killed
+            codes = job.wait(240)
+        finally:
+            job.close()
+        out = job.output()
+        assert codes[0] == 0 and codes[2] == 0, out
+        assert not b.pids()
+    assert_same_bits(base, final_state(tmp_path, "ns"))
+    (assigned,) = events(run_dir, "spare_assigned")
+    assert assigned["node"] == 1
+    assert _serving_host(run_dir, assigned["host"])["address"] == c.address
+    assert survivor["pid"] not in killed
+    (detected,) = events(run_dir, "failure_detected")
+    assert detected["node"] == 1
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    seen = _probes(tmp_path)
+    assert seen[1, 1]["GROUP_RANK"] == "1" and seen[1, 1]["MASTER_ADDR"] == a.address
+
+
+def _serving_host(run_dir: Path, host: int) -> dict[str, Any]:
+    return next(e for e in events(run_dir, "node_joined") if e["host"] == host)
+
+
+def test_a_host_cut_off_is_fenced_and_the_job_goes_on(tmp_path: Path, baseline, probe) -> None:
+    """Node 1's link goes down (``ip link set ... down``): nothing closes, it only goes
+    silent. Its lease expires, it is declared lost and fenced; the spare takes its node;
+    the cut host stops by itself (its heartbeats go unanswered); nothing it held is
+    committed afterwards, and the job ends bit for bit as an uninterrupted one."""
+    base = baseline(nodes=2, mode="ddp")
+    lease = ("--heartbeat", "0.5", "--lease", "3", "--collective-timeout", "8")
+    with _network(3) as (a, b, c):
+        job = Launches(tmp_path, "cut", f"{a.address}:29400", probe)
+        try:
+            job.start(0, "--node-rank", "0", *lease, host=a)
+            cut = job.start(1, "--node-rank", "1", *lease, host=b)
+            job.start(2, "--spare", *lease, host=c)
+            run_dir = job.run_dir(0)
+            _wait_for(run_dir, "snapshot_committed", 120, tier=1, step=3)
+            b.cut()
+            cut_at = time.time()
+            codes = job.wait(240)
+            assert cut.wait(30) != 0  # the cut host gave up by itself
+        finally:
+            job.close()
+        out = job.output()
+        assert codes[0] == 0 and codes[2] == 0, out
+    assert "the coordinator is gone" in job.logs[1].read_text(), job.logs[1].read_text()
+    assert_same_bits(base, final_state(tmp_path, "cut"))
+    assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
+    (detected,) = events(run_dir, "failure_detected")
+    assert detected["node"] == 1 and "lease expired" in detected["detail"], detected
+    assert detected["time"] - cut_at < 3 + 2.5, detected  # a lease, and a tick or two
+    (assigned,) = events(run_dir, "spare_assigned")
+    assert assigned["node"] == 1
