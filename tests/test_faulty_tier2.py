@@ -150,3 +150,61 @@ def test_a_full_root_leaves_no_half_step_and_tier_2_moves_on(faults: faulty.Faul
     logged = _persist(core, 3)  # there is room for one step now
     assert {"event": "snapshot_committed", "tier": 2, "step": 3, "deleted": []} in logged
     assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [1, 3]
+
+
+class _SlowRoot:
+    """A tier 2 that keeps every step asked of it (the parts are the test's business)."""
+
+    url = "slow://root"
+
+    def __init__(self) -> None:
+        self.commits: list[int] = []
+
+    def restorable_steps(self, world_size: int) -> frozenset[int]:
+        return frozenset(self.commits)
+
+    def read_commit(self, step: int) -> dict[int, PartInfo]:
+        return {}
+
+    def write_commit(self, step: int, world_size: int, parts: object) -> None:
+        self.commits.append(step)
+
+    def retain(self, keep: int) -> list[int]:
+        return []
+
+    def discard(self, step: int) -> bool:
+        return False
+
+
+def test_a_tier_2_that_cannot_keep_up_never_skips_a_step_silently() -> None:
+    """--persist-every 5 while step 0 takes 13 steps to write: step 5 is deferred, then
+    skipped when step 10 comes due (tier 0 keeps no step that old), 10 is deferred and
+    written as the newest step once step 0 is done; each of those is an event and a
+    console line, and the progress line says how far tier 2 trails."""
+    from tierswap.control.persistence import Persistence
+
+    out = cc.Out()
+    asked: list[p.Persist] = []
+    root = _SlowRoot()
+    persister = Persistence(Config(nodes=1, persist_every=5), root, out, asked.append)
+    persister.maybe_persist(0)
+    for step in range(1, 13):
+        persister.maybe_persist(step)
+    assert [a.step for a in asked] == [0]
+    assert persister.trailing(12) == 13  # nothing committed yet: all 13 steps
+    info = PartInfo(rank=0, data="d", json="j", nbytes=1)
+    assert persister.on_parts(asked[0].token, [info], {}) == 0
+    persister.maybe_persist(13)
+    assert [a.step for a in asked] == [0, 13]
+    cmds = out.take()
+    logged = [(c.event, c.fields) for c in cmds if isinstance(c, cc.Log)]
+    said = [c.text for c in cmds if isinstance(c, cc.Say)]
+    assert logged[:3] == [
+        ("durable_step_deferred", {"step": 5, "writing": 0, "newest": -1}),
+        ("durable_step_skipped", {"step": 5, "superseded_by": 10}),
+        ("durable_step_deferred", {"step": 10, "writing": 0, "newest": -1}),
+    ]
+    assert ("durable_step_deferred_written", {"due": 10, "step": 13}) in logged
+    assert any("step 5 was never persisted" in s for s in said), said
+    assert sum("step 10 is due while step 0 is still being written" in s for s in said) == 1
+    assert persister.trailing(13) == 0  # keeping up again

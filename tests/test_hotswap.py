@@ -230,10 +230,14 @@ def _wait_for(run_dir: Path, kind: str, timeout: float) -> dict[str, Any]:
 
 
 def _job_joined_after_a_loss(
-    tmp_path: Path, bind: tuple[str, ...] = (), joiner: tuple[str, ...] = ()
+    tmp_path: Path,
+    bind: tuple[str, ...] = (),
+    joiner: tuple[str, ...] = (),
+    secret: str | None = None,
 ) -> tuple[int, Path, str]:
     """Kill node 1 with no spare and nobody revived (``wait``); once the job waits, a host
-    joins with ``tierswap run --join`` (its command prefixed by ``joiner``)."""
+    joins with ``tierswap run --join`` (its command prefixed by ``joiner``), with the key
+    from the job's join.json, or with the ``secret`` the job was started with."""
     run_dir = tmp_path / "wait"
     cmd = job_command(
         run_dir,
@@ -241,6 +245,8 @@ def _job_joined_after_a_loss(
         ["--steps", "12", "--mode", "ddp", "--out", str(tmp_path / "wait-final"), *SLOW],
     )
     env = dict(os.environ, TIERSWAP_REVIVE="0")  # nobody comes back unless asked to
+    if secret is not None:
+        env["TIERSWAP_SECRET"] = secret
     log = tmp_path / "wait.log"
     with log.open("w") as out:
         job = subprocess.Popen(
@@ -257,7 +263,8 @@ def _job_joined_after_a_loss(
             address = json.loads((run_dir / "join.json").read_text())["address"]
             proc = subprocess.Popen(
                 [*joiner, sys.executable, "-m", "tierswap.cli", "run", "--join", address],
-                env=dict(env, TIERSWAP_RUN_DIR=str(run_dir)),  # where join.json is
+                # where join.json is, unless the joiner knows the secret
+                env=env if secret is not None else dict(env, TIERSWAP_RUN_DIR=str(run_dir)),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -324,7 +331,10 @@ def test_a_host_joins_from_another_network(tmp_path: Path, baseline, other_host)
     ns, here, there = other_host
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = _job_joined_after_a_loss(
-        tmp_path, bind=("--bind", here), joiner=("ip", "netns", "exec", ns)
+        tmp_path,
+        bind=("--bind", here),
+        joiner=("ip", "netns", "exec", ns),
+        secret="the-secret-this-job-was-started-with",  # another machine has no join.json
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "wait"))

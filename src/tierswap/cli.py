@@ -20,20 +20,22 @@ from tierswap.faults import FORMS, Injection
 
 def _join(args: argparse.Namespace) -> int:
     """Join a running job as a spare node: this process becomes the node's agent."""
-    from tierswap.cluster.multihost import KEY_ENV, job_key
+    from tierswap.cluster.multihost import KEY_ENV, job_key, read_secret
 
     run_dir = args.run_dir or os.environ.get("TIERSWAP_RUN_DIR")
+    ticket = Path(run_dir) / "join.json" if run_dir else None
     key = None
-    if os.environ.get("TIERSWAP_SECRET"):  # the job's secret, as a multi-host launch has it
-        key = job_key(os.environ["TIERSWAP_SECRET"].strip()).hex()
-    elif run_dir:
-        ticket = Path(run_dir) / "join.json"
-        if ticket.is_file():
-            key = json.loads(ticket.read_text())["key"]
+    if args.run_dir and ticket is not None and ticket.is_file():  # named on this line: first
+        key = json.loads(ticket.read_text())["key"]
+    elif os.environ.get("TIERSWAP_SECRET"):  # the secret the job was started with
+        key = job_key(read_secret(None, os.environ, "tierswap run --join")).hex()
+    elif ticket is not None and ticket.is_file():
+        key = json.loads(ticket.read_text())["key"]
     if key is None:
         raise SystemExit(
-            "tierswap run --join: the job's secret is needed: set TIERSWAP_SECRET, or give "
-            "--run-dir of the job (its join.json holds its key; readable by its owner only)"
+            "tierswap run --join: the job's key is needed: give --run-dir of the job (its "
+            "join.json holds it; readable by its owner only), or set TIERSWAP_SECRET to the "
+            "secret the job was started with"
         )
     if ":" not in args.join:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
@@ -74,6 +76,11 @@ def _run_hosts(args: argparse.Namespace) -> int:
         )
     if args.nnodes is None:
         raise UsageError(f"{what}: give --nnodes N, the hosts that serve the job's nodes")
+    if args.bind is not None:
+        raise UsageError(
+            f"{what} and --bind: the coordinator listens on the endpoint's address, and each "
+            "host on the address it reaches the coordinator from"
+        )
     if not args.script:
         raise UsageError(f"{what}: a SCRIPT to run is needed")
     if args.rdzv_backend != "c10d":
@@ -81,17 +88,26 @@ def _run_hosts(args: argparse.Namespace) -> int:
             f"--rdzv-backend {args.rdzv_backend}: not available yet; --rdzv-backend c10d "
             "runs the coordinator on the endpoint's host"
         )
+    cfg = Config.from_env(**dict(_config_args(args), nodes=args.nnodes))
     launch = mh.HostLaunch(
-        nnodes=args.nnodes,
-        nproc_per_node=args.nproc_per_node or 1,
+        nnodes=cfg.nodes,
+        nproc_per_node=cfg.nproc_per_node,  # as the coordinator's config has it
         node_rank=args.node_rank,
         spare=args.spare,
         job=args.rdzv_id,
     )
     launch.check()
+    _refuse_simulation_options(cfg)
     key = mh.job_key(mh.read_secret(args.secret_file, os.environ, what))
-    ip, port = mh.parse_endpoint(args.rdzv_endpoint)
-    cfg = Config.from_env(**dict(_config_args(args), nodes=launch.nnodes))
+    ip, port = mh.parse_endpoint(args.rdzv_endpoint, wait=cfg.startup_timeout)
+    name = args.rdzv_endpoint.rpartition(":")[0] or args.rdzv_endpoint
+    if ip.startswith("127.") and name not in (ip, "localhost"):
+        print(
+            f"tierswap run: warning: --rdzv-endpoint {name} is {ip}, a loopback address on "
+            "this host (an /etc/hosts entry for its own name?): hosts on other machines "
+            "cannot reach it; give the address they reach this host at",
+            file=sys.stderr,
+        )
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     check_socket_folder(run_dir, "tierswap run --run-dir")
     if not Path(args.script).is_file():
@@ -111,6 +127,24 @@ def _run_hosts(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
 
     return Coordinator(cfg, script, run_dir, hosts=launch, key=key, listener=listener).run()
+
+
+def _refuse_simulation_options(cfg: Config) -> None:
+    """Options of the one-machine simulation that a multi-host launch cannot honour:
+    refused, rather than accepted and doing nothing."""
+    if cfg.spares:
+        raise UsageError(
+            "--spares with --rdzv-endpoint: a spare is a host of its own here; start one "
+            "more host than --nnodes (or one with --spare)"
+        )
+    if cfg.chaos:
+        raise UsageError("--chaos kills simulated nodes: run it with --nodes N on one machine")
+    nodes = [str(i) for i in cfg.inject if i.target == "node"]
+    if nodes:
+        raise UsageError(
+            f"--inject {nodes[0]}: node faults are injected into simulated nodes; with "
+            "--rdzv-endpoint kill the host itself (rank faults work)"
+        )
 
 
 def _stop_on_signals() -> None:
@@ -155,7 +189,12 @@ def _run(args: argparse.Namespace) -> int:
     script = [args.script, *args.args]
     if not Path(args.script).is_file():
         raise SystemExit(f"tierswap run: script {args.script!r} not found")
-    return Coordinator(cfg, script, run_dir).run()
+    key = None  # a fresh one, in RUN_DIR/join.json; or the secret's, so others can --join
+    if os.environ.get("TIERSWAP_SECRET"):
+        from tierswap.cluster.multihost import job_key, read_secret
+
+        key = job_key(read_secret(None, os.environ, "tierswap run"))
+    return Coordinator(cfg, script, run_dir, key=key).run()
 
 
 def _ls(args: argparse.Namespace) -> int:

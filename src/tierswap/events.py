@@ -52,7 +52,12 @@ class Progress:
             self.console.print(f"[tierswap] {text}", markup=False, highlight=False)
 
     def update(
-        self, step: int, loss: float | None, stall: float, committed: dict[str, int]
+        self,
+        step: int,
+        loss: float | None,
+        stall: float,
+        committed: dict[str, int],
+        behind: int = 0,
     ) -> None:
         if not self.enabled:
             return
@@ -63,6 +68,8 @@ class Progress:
         total = f"/{self.total}" if self.total else ""
         loss_s = "" if loss is None else f" loss {loss:.4f}"
         tiers = " ".join(f"{t}@{s}" for t, s in committed.items())
+        if behind:
+            tiers += f" (tier 2 trails by {behind} steps)"
         line = f"step {step + 1}{total}{loss_s} stall {stall * 1e3:.2f} ms committed {tiers}"
         if self.live:
             self.console.print(line[:120].ljust(100), end="\r")

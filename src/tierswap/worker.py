@@ -187,6 +187,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             )
             control.chan.send(parked)
             continue
+        if a.backend == "nccl" and job.device.type == "cuda":
+            torch.cuda.set_device(job.device)  # before the group: NCCL binds to this GPU
         dist.init_process_group(
             a.backend,
             store=store,

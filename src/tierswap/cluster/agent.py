@@ -12,6 +12,7 @@ import itertools
 import os
 import queue
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -20,6 +21,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
@@ -73,6 +76,7 @@ class Agent:
         coord_host: str,
         simulated: bool = False,
     ) -> None:
+
         self.cfg = cfg
         self.coord = coord
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -120,6 +124,7 @@ class Agent:
             replica_address=self.server.address,
             coord_host=coord_host,
             simulated=simulated,
+            devices=torch.cuda.device_count() if simulated else 0,
         )
         self._stop_accepting = serve(
             self.listener, self._on_worker_channel, "tierswap-accept", p.WorkerToAgent
@@ -261,18 +266,21 @@ def _connect(coord_host: str, port: int, secret: bytes, launch: HostLaunch | Non
     while True:
         try:
             return Channel.connect((coord_host, port), secret, p.CoordinatorToAgent)
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, HandshakeCut) as e:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"tierswap run: no coordinator answered at {coord_host}:{port} within "
-                    f"--startup-timeout ({e}); is the endpoint's host up, and its port open?"
-                ) from None
-            if not said:
-                print(f"tierswap run: waiting for the coordinator at {coord_host}:{port}")
-                said = True
-            time.sleep(0.5)
-        except AuthenticationError as e:
+        except HandshakeCut as e:  # the coordinator's listener is not up (yet)
+            error: Exception = e
+        except AuthenticationError as e:  # another secret: waiting changes nothing
             raise SystemExit(f"tierswap run: {e}") from None
+        except OSError as e:  # refused, unreachable, no route yet: the host may be booting
+            error = e
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"tierswap run: no coordinator answered at {coord_host}:{port} within "
+                f"--startup-timeout ({error}); is the endpoint's host up, and its port open?"
+            ) from None
+        if not said:
+            print(f"tierswap run: waiting for the coordinator at {coord_host}:{port}")
+            said = True
+        time.sleep(0.5)
 
 
 def _fence_on_silence(coord: Channel, lease: float) -> None:
@@ -329,7 +337,15 @@ def main() -> None:
         coord_host=coord_host,
         simulated=env.get("TIERSWAP_SIMULATED") == "1",
     )
-    agent.run()
+    # SIGTERM (a scheduler ending the job, a container stopping) and Ctrl-C unwind the
+    # loop, whose shutdown stops the workers and frees this host's memory
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        agent.run()
+    except KeyboardInterrupt:
+        agent.core.exit_code = 130
+    except SystemExit as e:
+        agent.core.exit_code = int(e.code or 0)
     if temp is not None:
         shutil.rmtree(temp, ignore_errors=True)
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit

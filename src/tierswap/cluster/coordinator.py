@@ -219,6 +219,16 @@ class Coordinator:
         """A simulated host whose agent exited before it said hello."""
         for host, code in self.nodes.exited():
             self._carry_out(self.core.handle(HostExited(host, code), now))
+        own = self.nodes.own_exited()
+        hello = set(self.core.hosts.pids.values())  # every host that ever said hello
+        if own is not None and not hello & {p.pid for p in self.nodes.own}:
+            why = (
+                f"this host's agent exited with code {own} before it joined the job; its "
+                "output above says why"
+            )
+            self.log.emit("job_failed", reason=why)
+            self.progress.message(f"job stopped: {why}")
+            self.code = 1
 
     def _write_join_ticket(self) -> None:
         """What ``tierswap run --join`` needs, readable by this user only."""
@@ -256,18 +266,18 @@ class Coordinator:
                     self.progress.message(text)
                 case ShowProgress(step=step, loss=loss, stall=stall, committed=committed):
                     self.progress.total = cmd.total
-                    self.progress.update(step, loss, stall, committed)
+                    self.progress.update(step, loss, stall, committed, cmd.behind)
                 case StartHost(host=host):
                     self.nodes.start(host, self.address)
                 case KillHost(host=host):
-                    self.nodes.kill(host)
+                    self.nodes.kill(host, self.core.hosts.pids.get(host))
                 case KillProcess(pid=pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 case FreezeHost(host=host):
                     self.nodes.freeze(host)
-                case FreeSegments(pid=pid):
-                    remove_job_segments(self.job_id, pid)
+                case FreeSegments(pid=pid) if self.nodes.started(pid):
+                    remove_job_segments(self.job_id, pid)  # another machine's are its own
                 case Close(conn=conn):
                     chan = self.chans.pop(conn, None)
                     if chan is not None:

@@ -36,6 +36,7 @@ class LocalNodes:
         self.retired: list[subprocess.Popen[bytes]] = []
         self.own: list[subprocess.Popen[bytes]] = []
         """This machine's agent of a multi-host launch."""
+        self.own_reported: set[int] = set()
         self.reported: set[int] = set()
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
@@ -44,8 +45,8 @@ class LocalNodes:
             self.retired.append(old)
         env = dict(os.environ)
         env.pop("TIERSWAP_HOST_ADDRESS", None)  # simulated hosts listen on --bind
-        for name in (LAUNCH_ENV, "TIERSWAP_SPARE"):
-            env.pop(name, None)
+        for name in (LAUNCH_ENV, "TIERSWAP_SPARE", "TIERSWAP_SECRET"):
+            env.pop(name, None)  # the key below is all a host needs; workers see no secret
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
             TIERSWAP_HOST=str(host),
@@ -66,10 +67,27 @@ class LocalNodes:
     def is_local(self, host: int) -> bool:
         return host in self.procs
 
-    def kill(self, host: int) -> None:
+    def kill(self, host: int, pid: int | None = None) -> None:
+        """Kill a host this launcher started: a simulated one by its id, this machine's
+        own agent of a multi-host launch by its ``pid``."""
         proc = self.procs.get(host)
+        if proc is None:
+            proc = next((p for p in self.own if p.pid == pid), None)
         if proc is not None:
             _killpg(proc.pid, signal.SIGKILL)  # also when the agent is gone: workers may live
+
+    def started(self, pid: int) -> bool:
+        """Whether this launcher started the agent ``pid`` (on this machine, then)."""
+        return any(p.pid == pid for p in [*self.procs.values(), *self.retired, *self.own])
+
+    def own_exited(self) -> int | None:
+        """This machine's own agent's exit code, once it exited (reported once)."""
+        for proc in self.own:
+            code = proc.poll()
+            if code is not None and proc.pid not in self.own_reported:
+                self.own_reported.add(proc.pid)
+                return code
+        return None
 
     def freeze(self, host: int) -> None:
         """SIGSTOP a host's agent and workers: a hung node, for fault injection."""

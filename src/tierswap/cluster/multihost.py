@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,8 +66,10 @@ def read_secret(secret_file: str | None, environ: Mapping[str, str], what: str) 
     return text
 
 
-def parse_endpoint(text: str, what: str = "--rdzv-endpoint") -> tuple[str, int]:
-    """``HOST[:PORT]`` as (IPv4 address, port); the port defaults to torchrun's 29400."""
+def parse_endpoint(text: str, what: str = "--rdzv-endpoint", wait: float = 0.0) -> tuple[str, int]:
+    """``HOST[:PORT]`` as (IPv4 address, port); the port defaults to torchrun's 29400. A
+    name that does not resolve yet is looked up again for up to ``wait`` seconds (a
+    cluster's DNS may learn the coordinator's name after this host starts)."""
     host, sep, port_text = text.rpartition(":")
     if not sep:
         host, port_text = text, str(DEFAULT_PORT)
@@ -76,14 +79,21 @@ def parse_endpoint(text: str, what: str = "--rdzv-endpoint") -> tuple[str, int]:
         port = -1
     if not host or not 0 < port < 65536:
         raise UsageError(f"{what} {text!r}: expected HOST:PORT (a port of 1-65535)")
-    try:
-        ip = socket.gethostbyname(host)
-    except (OSError, UnicodeError):
-        raise UsageError(
-            f"{what} {text!r}: no IPv4 address is known for {host!r}; give the coordinator "
-            "host's address or a name every host resolves"
-        ) from None
-    return ip, port
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            return socket.gethostbyname(host), port
+        except (OSError, UnicodeError):
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"{what} {text!r}: no IPv4 address is known for {host!r}; give the "
+                    "coordinator host's address or a name every host resolves"
+                ) from None
+        if not said:
+            print(f"tierswap run: waiting for {host!r} to resolve ({what})", flush=True)
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,7 @@ class AgentCore:
         replica_address: p.Address,
         coord_host: str,
         simulated: bool = False,
+        devices: int = 0,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -135,7 +136,9 @@ class AgentCore:
         """Where this host reaches the coordinator (and the store workers meet at)."""
         self.simulated = simulated
         """One of the nodes ``tierswap run --nodes`` simulates on one machine: the job's
-        ranks all run on this machine, and a rank's local rank is its rank."""
+        ranks all run on this machine, and a rank's local rank is its rank (modulo the
+        machine's ``devices`` GPUs, where it has some: ranks share them)."""
+        self.devices = devices
         self.exit_code = 0
         """What this host's agent exits with: the job's outcome (``Exit``), or 1 when the
         coordinator went away."""
@@ -283,7 +286,7 @@ class AgentCore:
             )
         )
         if self.simulated:  # every rank of the job runs on this machine
-            local = {r: r for r in self.ranks}
+            local = {r: r % self.devices if self.devices else r for r in self.ranks}
             local_world = msg.world_size
         else:
             local = {r: i for i, r in enumerate(self.ranks)}

@@ -149,6 +149,8 @@ class ShowProgress:
     stall: float
     committed: dict[str, int]
     total: int | None
+    behind: int = 0
+    """Steps tier 2 trails tier 0 by while it cannot keep up (0 while it can)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -369,6 +369,14 @@ class CoordinatorCore:
             self.out.add(Close(conn))
             return
         host = self.hosts.connected(msg.host, msg.pid, conn, now, spare=msg.spare)
+        if self.multihost and 0 <= msg.host != host:
+            # a first-generation host's id is its node: host msg.host claimed that node
+            role = f"serves node {host}" if host < self.cfg.nodes else "parks as a spare"
+            self.out.log("node_rank_taken", asked=msg.host, host=host, pid=msg.pid)
+            self.out.say(
+                f"a host (pid {msg.pid}) asked for node {msg.host} (--node-rank), which "
+                f"host {msg.host} has claimed already: it {role}"
+            )
         script = [str(Path(self.script[0]).resolve()), *self.script[1:]]
         welcome = p.Welcome(host=host, config=self.cfg.to_env(), job_id=self.job_id, script=script)
         self.out.add(Send(conn, welcome, self.generation))
@@ -452,7 +460,8 @@ class CoordinatorCore:
         lost (a spare or a host booting later takes its place, a few times)."""
         why = f"a worker of host {host} exited with code {code} before it was ready"
         if self.generation < 0:
-            raise JobStopped(f"{why}; the script's output above says why")
+            where = "that host's console" if self.multihost else "the output above"
+            raise JobStopped(f"{why}; the script's output on {where} says why")
         self.boot_failures += 1
         if self.boot_failures > BOOT_RETRIES:
             raise JobStopped(f"{why}, {self.boot_failures} times; its output above says why")
@@ -617,7 +626,7 @@ class CoordinatorCore:
         self.finished.clear()
         restart = -1 if plan.step is None else plan.step
         committed = self._reset_commits(holdings, restart)
-        self.persister.cancel(restart)
+        self.persister.cancel(restart, holdings.durable)
         # parts of later steps will be written anew by this timeline
         self.reports.restarted(restart)
         self.deadline = float("inf")
@@ -791,7 +800,14 @@ class CoordinatorCore:
         self.last_step = max(self.last_step, msg.step)
         if msg.stall is not None:
             self.out.add(
-                ShowProgress(msg.step, self.last_loss, msg.stall, self._committed(), self.total)
+                ShowProgress(
+                    msg.step,
+                    self.last_loss,
+                    msg.stall,
+                    self._committed(),
+                    self.total,
+                    self.persister.trailing(self.tiers[0].committed),
+                )
             )
 
     def _chaos(self, seconds: float, now: float) -> None:

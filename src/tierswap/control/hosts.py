@@ -31,6 +31,7 @@ class Hosts:
         self.waiting: set[int] = set(range(nodes))
         """Hosts of the first generation that are not ready yet (host i serves node i)."""
         self.next_id = nodes + spares
+        self.nodes = nodes
 
     def agents(self) -> dict[int, int]:
         """node -> the connection of the host serving it."""
@@ -52,13 +53,19 @@ class Hosts:
         self, requested: int, pid: int, conn: int, now: float, *, spare: bool = False
     ) -> int:
         """A host said hello: its id. A simulated host asks for the id it was started
-        as; a host of a multi-host launch for its ``--node-rank``, or for -1: the lowest
-        node of the first generation no host has claimed. A spare, a host whose node is
-        taken, and a host that joins later get a fresh id (they park as spares)."""
-        host = requested
-        if requested < 0 and not spare:
-            host = min((h for h in self.waiting if h not in self.pids), default=-1)
-        if spare or host < 0 or host in self.conns or host in self.pids:
+        as; a host of a multi-host launch for its ``--node-rank``, or for -1 (any). One
+        that asks for a node someone claimed already, or for any, gets the lowest node of
+        the first generation nobody has claimed; a spare, and a host that finds every node
+        claimed, get a fresh id (they park as spares)."""
+        taken = requested < 0 or requested in self.conns or requested in self.pids
+        unclaimed = sorted(h for h in self.waiting if h not in self.pids)
+        if spare:
+            host = self.new_id()
+        elif not taken:
+            host = requested
+        elif unclaimed and requested < self.nodes:
+            host = unclaimed[0]
+        else:
             host = self.new_id()
         self.conns[host] = conn
         self.by_conn[conn] = host

@@ -57,17 +57,30 @@ class Persistence:
         self.held: dict[int, dict[int, str]] = {}
         """Steps of this timeline committed in tier 2 and kept by retention, with each full
         part's data checksum: what a delta part may be made against (``--persist-deltas``)."""
+        self.newest = -1
+        """The newest step of this timeline in tier 2 (committed by this run, or the step
+        it resumed from): what tier 2 trailing behind is counted from."""
+        self.deferred: int | None = None
+        """A step that came due while another was being written: the newest step is
+        written in its place once that write is done (tier 0 keeps no older one)."""
 
     def maybe_persist(self, step: int, final: bool = False) -> None:
-        """Ask the agents to write ``step`` (committed in tier 0) when it is due."""
+        """Ask the agents to write ``step`` (committed in tier 0) when it is due. A step
+        due while another is being written is deferred (and one deferred before it, never
+        written, skipped); each is logged and said, never silent."""
         every = self.cfg.persist_every
         due = self.last_request < 0 or step // every > self.last_request // every
-        if self.tier2 is None or self.inflight is not None or not (due or final):
+        if self.tier2 is None or self.gone is not None or not (due or final):
             return
-        if self.gone is not None:
+        if self.inflight is not None:
+            if due and (self.deferred is None or step // every > self.deferred // every):
+                self._defer(step // every * every, self.inflight.step)
             return
         if step <= self.committed:
             return
+        if self.deferred is not None:
+            self.out.log("durable_step_deferred_written", due=self.deferred, step=step)
+            self.deferred = None
         self.last_request = step
         self.token += 1
         self.inflight = Request(step, self.token)
@@ -81,10 +94,38 @@ class Persistence:
             )
         )
 
-    def cancel(self, restart: int | None = None) -> None:
-        """A failure: parts of a dead node never come; the next due step is asked anew."""
+    def _defer(self, due: int, writing: int) -> None:
+        """Step ``due`` came due while step ``writing`` is still being written."""
+        if self.deferred is not None:
+            self.out.log("durable_step_skipped", step=self.deferred, superseded_by=due)
+            self.out.say(
+                f"tier 2 is behind: step {self.deferred} was never persisted (step "
+                f"{writing} is still being written, and step {due} is due now)"
+            )
+        self.deferred = due
+        behind = due - self.newest
+        self.out.log("durable_step_deferred", step=due, writing=writing, newest=self.newest)
+        self.out.say(
+            f"tier 2 is behind: step {due} is due while step {writing} is still being "
+            f"written; the newest step is written once it is done (tier 2 trails tier 0 by "
+            f"{behind} steps)"
+        )
+
+    def trailing(self, newest: int) -> int:
+        """Steps tier 2 trails ``newest`` by while it cannot keep up (a due step waits);
+        0 while it keeps to ``--persist-every``."""
+        if self.deferred is None:
+            return 0
+        return newest - self.newest
+
+    def cancel(self, restart: int | None = None, durable: frozenset[int] = frozenset()) -> None:
+        """A failure: parts of a dead node never come; the next due step is asked anew.
+        ``durable``: the steps tier 2 holds (the newest up to ``restart`` is this
+        timeline's)."""
         self.inflight = None
+        self.deferred = None  # the steps after the restart are trained again
         if restart is not None:
+            self.newest = max((s for s in durable if s <= restart), default=-1)
             self.last_request = restart
             self.held = {s: p for s, p in self.held.items() if s <= restart}
 
@@ -161,7 +202,7 @@ class Persistence:
         except OSError as e:
             deleted = []
             self.out.log("retention_failed", error=str(e))
-        self.committed = p.step
+        self.committed = self.newest = p.step
         self.held[p.step] = {r: part.data for r, part in p.parts.items() if part.base is None}
         for gone in deleted:
             self.held.pop(gone, None)

@@ -2,7 +2,8 @@
 
 Every write goes to a temporary name next to its target, is synced and renamed, so a crash
 leaves either the old file or the new one, never half of one. Local paths get ``fsync`` of
-the file and its folder; other fsspec backends get a write then a move (what they offer).
+the file and its folder; an object store's upload is written to its name directly (an
+object appears whole or not at all); other fsspec backends get a write then a move.
 """
 
 from __future__ import annotations
@@ -38,15 +39,30 @@ class Reader(Protocol):
     def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
+"""fsspec protocols of object stores: an object appears whole when its upload completes
+(a multipart one included), and there is no rename (a move is a copy)."""
+
+
 def url_fs(root: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``root`` and the path inside it (no trailing slash)."""
-    fs, path = fsspec.core.url_to_fs(root)
+    """The fsspec filesystem of ``root`` and the path inside it (no trailing slash). An
+    object store's listings are never cached: other processes of the job write the root
+    (agents the parts, the coordinator COMMIT and the lease), and a cached listing would
+    hide what they wrote."""
+    protocol = fsspec.core.split_protocol(root)[0]
+    options = {"use_listings_cache": False} if protocol in OBJECT_STORES else {}
+    fs, path = fsspec.core.url_to_fs(root, **options)
     return fs, str(path).rstrip("/") or "/"
 
 
 def is_local(fs: Any) -> bool:
     """True for the local filesystem, where files and folders can be fsynced."""
     return isinstance(fs, LocalFileSystem)
+
+
+def is_object_store(fs: Any) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    return bool(OBJECT_STORES.intersection(protocols))
 
 
 def fsync_dir(path: str) -> None:
@@ -115,6 +131,17 @@ def write_atomic(fs: Any, path: str, pieces: Iterable[Piece]) -> None:
     """Write ``pieces`` to ``path`` through a temporary name, so readers never see half."""
     if is_local(fs):
         write_local(path, pieces)
+        return
+    if is_object_store(fs):  # readers see the object once its upload completes, never half
+        f = fs.open(path, "wb")
+        try:
+            for piece in _coalesce(pieces):
+                f.write(piece)
+        except BaseException:
+            f.discard()  # the upload is aborted: nothing appears under the name
+            f.closed = True  # (closing it now would complete the upload with what it has)
+            raise
+        f.close()
         return
     parent, name = posixpath.split(path)
     tmp = f"{parent}/{_tmp_name(name)}"
