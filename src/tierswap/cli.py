@@ -83,11 +83,6 @@ def _run_hosts(args: argparse.Namespace) -> int:
         )
     if not args.script:
         raise UsageError(f"{what}: a SCRIPT to run is needed")
-    if args.rdzv_backend != "c10d":
-        raise UsageError(
-            f"--rdzv-backend {args.rdzv_backend}: not available yet; --rdzv-backend c10d "
-            "runs the coordinator on the endpoint's host"
-        )
     cfg = Config.from_env(**dict(_config_args(args), nodes=args.nnodes))
     launch = mh.HostLaunch(
         nnodes=cfg.nodes,
@@ -99,7 +94,10 @@ def _run_hosts(args: argparse.Namespace) -> int:
     launch.check()
     _refuse_simulation_options(cfg)
     key = mh.job_key(mh.read_secret(args.secret_file, os.environ, what))
-    ip, port = mh.parse_endpoint(args.rdzv_endpoint, wait=cfg.startup_timeout)
+    endpoint = args.rdzv_endpoint
+    if args.rdzv_backend == "etcd" and ":" not in endpoint:
+        endpoint += ":2379"  # etcd's client port
+    ip, port = mh.parse_endpoint(endpoint, wait=cfg.startup_timeout)
     name = args.rdzv_endpoint.rpartition(":")[0] or args.rdzv_endpoint
     if ip.startswith("127.") and name not in (ip, "localhost"):
         print(
@@ -113,6 +111,13 @@ def _run_hosts(args: argparse.Namespace) -> int:
     if not Path(args.script).is_file():
         raise UsageError(f"tierswap run: script {args.script!r} not found")
     script = [args.script, *args.args]
+    if args.rdzv_backend == "etcd":  # the endpoint is etcd's: every host is a candidate
+        from tierswap.cluster import candidate
+
+        if cfg.persist is not None:
+            check_shared(cfg.persist)
+        _stop_on_signals()
+        return candidate.run(cfg, launch, key, script, run_dir, (ip, port))
     listener = mh.listen_here(ip, port, key)
     if listener is None:  # another host holds the endpoint: this one is a host of the job
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -327,7 +332,9 @@ def parser() -> argparse.ArgumentParser:
         "--rdzv-backend",
         choices=("c10d", "etcd"),
         default="c10d",
-        help="c10d: the coordinator runs on the endpoint's host (default)",
+        help="c10d: the coordinator runs on the endpoint's host (default); etcd: the "
+        "endpoint is an etcd server, every host a coordinator candidate, and the job "
+        "survives the coordinator's host",
     )
     hosts.add_argument(
         "--rdzv-id", default=None, metavar="JOB", help="the job's id; hosts of another are refused"

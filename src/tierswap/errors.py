@@ -48,3 +48,9 @@ class GenerationEnded(BaseException):
     It derives from BaseException, as KeyboardInterrupt does, so that a loop's
     ``except Exception`` lets it through; do not catch it.
     """
+
+
+class Deposed(BaseException):
+    """This coordinator leads the job no more (``--rdzv-backend etcd``: another one took
+    it over): it must act no further. A BaseException, so that no ``except Exception``
+    on the way lets it act on."""

@@ -18,15 +18,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
-from tierswap.cluster.multihost import KEY_ENV, HostLaunch, connect_timeout
+from tierswap.cluster.election import POLL_S, wait_for_leader
+from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.workers import Processes
 from tierswap.cluster.writer import PartWriter
@@ -58,6 +60,9 @@ from tierswap.tiers.peer import ReplicaServer
 from tierswap.tiers.replicas import PeerStore
 from tierswap.wire import AuthenticationError, Channel, HandshakeCut, Listener, reader, serve
 
+if TYPE_CHECKING:
+    from tierswap.cluster.election import Rendezvous
+
 ASK_LIMIT_S = 120.0
 """How long a replica-server thread waits for the loop to answer it."""
 
@@ -75,10 +80,20 @@ class Agent:
         address: str,
         coord_host: str,
         simulated: bool = False,
+        rendezvous: Rendezvous | None = None,
+        leader_id: str | None = None,
     ) -> None:
+        """``rendezvous``: ``--rdzv-backend etcd``; a coordinator that goes is looked up
+        there, and the host rejoins the one that took over (``leader_id`` is the one it
+        joined)."""
 
         self.cfg = cfg
         self.coord = coord
+        self.secret = secret
+        self.rdzv = rendezvous
+        self.leader_id = leader_id
+        self._swap = threading.Lock()
+        """Guards (coord, leader_id) while a host rejoins a new coordinator."""
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
         """Worker connections by token (the core's ``conn``)."""
@@ -134,7 +149,60 @@ class Agent:
     # ---------------------------------------------------------------- feeding the loop
 
     def _from_coordinator(self, env: p.Envelope[Any] | None) -> None:
-        self.events.put(CoordinatorClosed() if env is None else FromCoordinator(env))
+        if env is not None:
+            self.events.put(FromCoordinator(env))
+        elif self.rdzv is None:
+            self.events.put(CoordinatorClosed())
+        else:  # the coordinator's host may be gone: another one takes the job over
+            threading.Thread(target=self._rejoin, name="tierswap-rejoin", daemon=True).start()
+
+    def _rejoin(self) -> None:
+        """Find the coordinator that took the job over and reconnect to it, as the host
+        this one is (its workers keep running meanwhile); give up after
+        ``--startup-timeout``, or once the job is over."""
+        assert self.rdzv is not None
+        old = self.leader_id
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        print(f"tierswap agent: host {self.core.host} lost its coordinator; looking for the next")
+        while True:
+            leader = wait_for_leader(self.rdzv, deadline, unlike=old)
+            if leader is None:
+                done = _quietly(self.rdzv.done)
+                if done is not None:  # the job ended meanwhile: exit as it did
+                    self.events.put(FromCoordinator(p.Envelope(-1, p.Exit(code=done["code"]))))
+                else:
+                    self.events.put(CoordinatorClosed())
+                return
+            hello = p.Hello(host=self.core.host, pid=os.getpid(), rejoin=True)
+            try:
+                chan, _ = _hello(tuple(leader["address"]), self.secret, hello)
+            except Refused as e:
+                print(f"tierswap agent: {e}", file=sys.stderr)
+                self.events.put(CoordinatorClosed())
+                return
+            except (OSError, AuthenticationError, EOFError):
+                if time.monotonic() > deadline:
+                    self.events.put(CoordinatorClosed())
+                    return
+                time.sleep(0.2)  # it may not be listening yet
+                continue
+            _fence_on_silence(chan, self.cfg.lease)
+            with self._swap:
+                self.coord, self.leader_id = chan, leader["id"]
+                self.core.coord_host = str(leader["address"][0])
+            reader(chan, self._from_coordinator, "tierswap-coord")
+            return
+
+    def _watch_leader(self) -> None:
+        """A coordinator whose host vanished without a word leaves the connection open
+        until TCP gives up (a lease): once etcd names another leader, drop it now."""
+        assert self.rdzv is not None
+        while True:
+            time.sleep(4 * POLL_S)
+            leader = _quietly(self.rdzv.leader)
+            with self._swap:
+                if leader is not None and leader.get("id") != self.leader_id:
+                    self.coord.close()  # its reader reports the loss: _rejoin follows
 
     def _on_worker_channel(self, chan: Channel) -> None:
         token = next(self._tokens)
@@ -175,12 +243,15 @@ class Agent:
             try:
                 self.coord.send(p.Beat())
             except OSError:
-                return
+                if self.rdzv is None:
+                    return  # (with etcd, the next coordinator's channel is beaten)
 
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> None:
         threading.Thread(target=self._beat, name="tierswap-heartbeat", daemon=True).start()
+        if self.rdzv is not None:
+            threading.Thread(target=self._watch_leader, name="tierswap-watch", daemon=True).start()
         self.events.put(Boot())
         next_tick = time.monotonic() + self.cfg.heartbeat
         try:
@@ -292,11 +363,62 @@ def _fence_on_silence(coord: Channel, lease: float) -> None:
         coord.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
 
 
+class Refused(Exception):
+    """The coordinator does not take this host; the message says why."""
+
+
+def _hello(address: tuple[str, int], secret: bytes, hello: p.Hello) -> tuple[Channel, p.Welcome]:
+    """Connect to a coordinator, say ``hello``, and read its welcome (``Refused``)."""
+    chan = Channel.connect(address, secret, p.CoordinatorToAgent)
+    try:
+        chan.send(hello)
+        welcome = chan.recv(timeout=60)
+    except BaseException:
+        chan.close()
+        raise
+    if welcome is not None and isinstance(welcome.msg, p.Welcome):
+        return chan, welcome.msg
+    chan.close()
+    if welcome is not None and isinstance(welcome.msg, p.Refused):
+        raise Refused(f"the coordinator refused this host: {welcome.msg.why}")
+    raise Refused(f"the coordinator answered {welcome}")
+
+
+def _quietly(read: Any) -> Any:
+    """An etcd read, or None while etcd cannot be reached."""
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+def _find_leader(env: Mapping[str, str]) -> tuple[Rendezvous, dict[str, Any]]:
+    """``--rdzv-backend etcd``: the coordinator that leads the job, from etcd."""
+    from tierswap.cluster.election import Rendezvous  # etcd3gw only where it is used
+
+    where, _, job = env[ETCD_ENV].partition(" ")
+    host, port = where.rsplit(":", 1)
+    rdzv = Rendezvous((host, int(port)), job or None)
+    leader = wait_for_leader(rdzv, time.monotonic() + connect_timeout(env))
+    if leader is None:
+        done = _quietly(rdzv.done)
+        if done is not None:
+            raise SystemExit(int(done["code"]))
+        raise SystemExit(
+            f"tierswap run: no coordinator led the job in etcd at {where} within --startup-timeout"
+        )
+    return rdzv, leader
+
+
 def main() -> None:
     env = os.environ
     secret = bytes.fromhex(env[KEY_ENV])
     launch = HostLaunch.from_env(env)
-    coord_host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
+    rdzv, leader = (None, None) if ETCD_ENV not in env else _find_leader(env)
+    if leader is not None:
+        coord_host, port = str(leader["address"][0]), str(leader["address"][1])
+    else:
+        coord_host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
     coord = _connect(coord_host, int(port), secret, launch)
     # this host listens where others reach it: its own --bind (a host that joins), else
     # the address its connection to the coordinator leaves from
@@ -336,6 +458,8 @@ def main() -> None:
         address=address,
         coord_host=coord_host,
         simulated=env.get("TIERSWAP_SIMULATED") == "1",
+        rendezvous=rdzv,
+        leader_id=None if leader is None else leader["id"],
     )
     # SIGTERM (a scheduler ending the job, a container stopping) and Ctrl-C unwind the
     # loop, whose shutdown stops the workers and frees this host's memory

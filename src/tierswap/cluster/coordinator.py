@@ -16,10 +16,11 @@ import json
 import os
 import queue
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
 from tierswap.cluster.multihost import HostLaunch, agent_env
@@ -43,15 +44,20 @@ from tierswap.control.commands import (
     Send,
     ShowProgress,
     StartHost,
+    TakeOver,
     Tick,
 )
 from tierswap.control.coordinator import CoordinatorCore
-from tierswap.control.ports import DurableRoot
+from tierswap.control.ports import DurableRoot, FencedRoot
+from tierswap.errors import Deposed
 from tierswap.events import EventLog, Progress
 from tierswap.shm import remove_job_segments
 from tierswap.store import StoreServer
 from tierswap.tiers.ownership import LEASE_S, RootClaim
 from tierswap.wire import Channel, Listener, reader, serve
+
+if TYPE_CHECKING:
+    from tierswap.cluster.election import Rendezvous
 
 
 class Coordinator:
@@ -64,14 +70,25 @@ class Coordinator:
         hosts: HostLaunch | None = None,
         key: bytes | None = None,
         listener: Listener | None = None,
+        leader: Rendezvous | None = None,
+        takeover: TakeOver | None = None,
+        own_agent: subprocess.Popen[bytes] | None = None,
     ) -> None:
         """``hosts``: a multi-host launch, whose coordinator listens on the endpoint
         (``listener``, keyed with the job's ``key``) and starts one agent for this host as
-        asked (``hosts``); None simulates ``cfg.nodes`` hosts on this machine."""
+        asked (``hosts``); None simulates ``cfg.nodes`` hosts on this machine.
+        ``leader``: ``--rdzv-backend etcd``, this coordinator leads while its etcd key
+        holds, writes its state there before acting, and ``takeover`` (the state another
+        leader wrote) is the job it continues; its host's agent runs already
+        (``own_agent``)."""
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.job_id = new_job_id()
+        self.fence = leader
+        self.takeover = takeover
+        self._recorded: dict[str, Any] | None = None
+        self.deposed = False
+        self.job_id = new_job_id() if takeover is None else str(takeover.record["job_id"])
         self.secret = key or os.urandom(32)
         self.launch = hosts
         self.log = EventLog(run_dir / "events.jsonl")
@@ -81,10 +98,13 @@ class Coordinator:
         self._stop_accepting: Callable[[], None] = self.listener.close
         self.store = StoreServer(cfg.bind, self.secret)
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
+        if own_agent is not None:
+            self.nodes.own.append(own_agent)
+        holder = None if takeover is None else takeover.record.get("claim")
         self.claim = (
             None
             if cfg.persist is None
-            else RootClaim(cfg.persist, cfg.job_name, take_over=cfg.take_over_root)
+            else RootClaim(cfg.persist, cfg.job_name, cfg.take_over_root, holder=holder)
         )
         """This launch's lease on the durable root: one job per root."""
         self._renewal_failing = False
@@ -105,7 +125,9 @@ class Coordinator:
             store=f"{cfg.bind}:{self.store.address[1]}",
             tier2=None
             if cfg.persist is None or self.claim is None
-            else DurableRoot(cfg.persist, self.claim.job),
+            else DurableRoot(cfg.persist, self.claim.job)
+            if leader is None
+            else FencedRoot(cfg.persist, self.claim.job, leader.confirm),
             now=time.monotonic(),
             multihost=hosts is not None,
             rdzv_id=None if hosts is None else hosts.job,
@@ -129,14 +151,14 @@ class Coordinator:
             self.listener, self._on_channel, "tierswap-coord-accept", p.AgentToCoordinator
         )
         self._write_join_ticket()
-        if self.launch is not None:  # this host serves a node (or parks) like any other
+        if self.launch is not None and not self.nodes.own:  # this host serves a node too
             env = agent_env(os.environ, self.address, self.secret, self.launch, self.run_dir)
             self.nodes.start_agent(
                 dict(env, TIERSWAP_STARTUP_TIMEOUT=str(self.cfg.startup_timeout))
             )
         tick = min(0.5, self.cfg.heartbeat / 2)
         try:
-            self._carry_out(self.core.handle(Begin(warning), time.monotonic()))
+            self._step(Begin(warning) if self.takeover is None else self.takeover, time.monotonic())
             next_tick = time.monotonic() + tick
             while self.code is None:
                 try:
@@ -146,15 +168,20 @@ class Coordinator:
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + tick
-                    self._carry_out(self.core.handle(Tick(dict(self.arrived)), now))
+                    self._step(Tick(dict(self.arrived)), now)
                     self._check_hosts(now)
                     if self.claim is not None and now >= next_renewal:
                         next_renewal = now + LEASE_S / 3
                         self._renew(now)
                     if isinstance(event, Tick):
                         continue
-                self._carry_out(self.core.handle(event, now))
+                self._step(event, now)
             return self.code
+        except Deposed as e:  # another coordinator leads: act no further, say so, go
+            self.deposed = True
+            self.log.emit("coordinator_deposed", reason=str(e))
+            self.progress.message(f"this coordinator no longer leads the job ({e}); it stops")
+            return 1
         except KeyboardInterrupt:  # Ctrl-C: no traceback, and what a resume would start from
             self._interrupted("SIGINT")
             return 130
@@ -164,6 +191,25 @@ class Coordinator:
             raise
         finally:
             self.shutdown()
+
+    def _step(self, event: Any, now: float) -> None:
+        """Hand ``event`` to the core and carry out what it says; with ``--rdzv-backend
+        etcd``, once the state it decided on is in etcd (``Deposed`` if this coordinator
+        leads no more: then nothing is carried out)."""
+        cmds = self.core.handle(event, now)
+        if self.fence is not None:
+            if self.fence.lost.is_set():
+                raise Deposed("its etcd lease lapsed")
+            record = self.core.record()
+            record["claim"] = None if self.claim is None else self.claim.holder
+            record["own"] = [p.pid for p in self.nodes.own]
+            if record != self._recorded:
+                self.fence.write_state(record)
+                self._recorded = record
+            if any(isinstance(c, End) for c in cmds):
+                code = next(c.code for c in cmds if isinstance(c, End))
+                self.fence.finish(code)  # candidates see the job is over: nobody takes over
+        self._carry_out(cmds)
 
     def _interrupted(self, signal_name: str) -> None:
         """The job was stopped from outside: log and say the newest step of each tier, and
@@ -213,12 +259,12 @@ class Coordinator:
             self._renewed_at = now
         if lost is not None:
             self.claim = None  # not ours any more: never released by this job
-            self._carry_out(self.core.handle(DurableLost(lost), now))
+            self._step(DurableLost(lost), now)
 
     def _check_hosts(self, now: float) -> None:
         """A simulated host whose agent exited before it said hello."""
         for host, code in self.nodes.exited():
-            self._carry_out(self.core.handle(HostExited(host, code), now))
+            self._step(HostExited(host, code), now)
         own = self.nodes.own_exited()
         hello = set(self.core.hosts.pids.values())  # every host that ever said hello
         if own is not None and not hello & {p.pid for p in self.nodes.own}:
@@ -299,6 +345,17 @@ class Coordinator:
         with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.deposed:  # the job is the new leader's: its hosts, its lease, its memory
+            self.nodes.stop_all(told=set())  # this machine's own agent goes (fenced)
+            self._stop_accepting()
+            self.store.close()
+            self.log.close()
+            return
+        if self.fence is not None and self.code is None:  # Ctrl-C, SIGTERM: the job ends
+            with contextlib.suppress(Deposed, Exception):
+                self.fence.finish(1)
+        if self.fence is not None:
+            self.fence.resign()
         if self.claim is not None:
             self.claim.release()
         exit_msg = p.Codec.encode(p.Exit(code=1 if self.code is None else self.code), -1)

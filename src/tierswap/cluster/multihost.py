@@ -141,22 +141,32 @@ def listen_here(ip: str, port: int, key: bytes) -> Listener | None:
         raise UsageError(f"--rdzv-endpoint {ip}:{port}: cannot listen there ({e})") from None
 
 
+ETCD_ENV = "TIERSWAP_ETCD"
+"""``--rdzv-backend etcd``: where the agent finds the coordinator (``HOST:PORT JOB``)."""
+
+
 def agent_env(
     environ: Mapping[str, str],
     endpoint: tuple[str, int],
     key: bytes,
     launch: HostLaunch,
     run_dir: Path,
+    etcd: bool = False,
 ) -> dict[str, str]:
-    """The environment of this host's agent process."""
+    """The environment of this host's agent process: it connects to the coordinator at
+    ``endpoint``, or, with ``etcd``, looks the leading coordinator up in the etcd server
+    at ``endpoint`` (and again whenever it goes)."""
     env = {k: v for k, v in environ.items() if k != "TIERSWAP_SECRET"}  # workers see no secret
-    for name in ("TIERSWAP_HOST", "TIERSWAP_HOST_ADDRESS", "TIERSWAP_SIMULATED"):
+    for name in ("TIERSWAP_HOST", "TIERSWAP_HOST_ADDRESS", "TIERSWAP_SIMULATED", ETCD_ENV):
         env.pop(name, None)  # stale ones from the environment are not this host's
+    where = f"{endpoint[0]}:{endpoint[1]}"
     env.update(
-        TIERSWAP_COORD=f"{endpoint[0]}:{endpoint[1]}",
+        TIERSWAP_COORD=where,
         TIERSWAP_RUN_DIR=str(run_dir),
         **{KEY_ENV: key.hex(), LAUNCH_ENV: launch.to_env()},
     )
+    if etcd:
+        env[ETCD_ENV] = f"{where} {launch.job or ''}"
     if launch.node_rank is not None:
         env["TIERSWAP_HOST"] = str(launch.node_rank)
     return env

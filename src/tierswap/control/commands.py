@@ -65,7 +65,17 @@ class DurableLost:
     why: str
 
 
-CoordinatorEvent = Begin | AgentMessage | AgentClosed | Tick | HostExited | DurableLost
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """This coordinator leads a job another one led (``--rdzv-backend etcd``): ``record``
+    is what that one wrote last (``CoordinatorCore.record``); ``old_host`` the host of
+    the old leader's own machine, which is not waited for."""
+
+    record: Mapping[str, Any]
+    old_host: int | None = None
+
+
+CoordinatorEvent = Begin | TakeOver | AgentMessage | AgentClosed | Tick | HostExited | DurableLost
 
 
 # ==================================================================== commands

@@ -39,6 +39,7 @@ from tierswap.control.commands import (
     Send,
     ShowProgress,
     StartHost,
+    TakeOver,
     Tick,
 )
 from tierswap.control.commits import TierCommits, newest_in_memory, newest_replicated
@@ -145,6 +146,10 @@ class CoordinatorCore:
         self.deadline = now + cfg.startup_timeout
         self.last_tick = now
         """When time was last looked at: a long gap is a pause of this process."""
+        self.expected: set[int] | None = None
+        """Taking over from another coordinator: the hosts it had, not reconnected yet."""
+        self.old_host: int | None = None
+        self.takeover_deadline = 0.0
 
     # ---------------------------------------------------------------- the door
 
@@ -168,6 +173,8 @@ class CoordinatorCore:
                     self.persister.lost(why)
                 case Begin():
                     self._begin(event, now)
+                case TakeOver(record=record, old_host=old_host):
+                    self._adopt(record, old_host, now)
         except JobStopped as e:
             self.phase.move(Phase.FAILED)
             self.out.log("job_failed", reason=str(e))
@@ -186,6 +193,8 @@ class CoordinatorCore:
             if isinstance(msg, p.Hello):
                 self._hello(event.conn, msg, now)
             return  # a host already declared lost (fenced): what it says no longer counts
+        if self.expected is not None:
+            return  # taking over: what hosts say of the old leader's generation waits
         self.hosts.heard[host] = max(self.hosts.heard.get(host, event.at), event.at)
         if not self.door.admit(event.env):
             return
@@ -295,6 +304,8 @@ class CoordinatorCore:
             for host in self.hosts.conns:
                 self.hosts.heard[host] = now
             self.deadline += gap
+        if self.expected is not None and now >= self.takeover_deadline:
+            self._resume(now)
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
             self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
         self._chaos(min(gap, 1.0), now)
@@ -361,12 +372,12 @@ class CoordinatorCore:
     def _hello(self, conn: int, msg: p.Hello, now: float) -> None:
         """A host connected: give it its id, the job's config and script (or say why
         it is not taken)."""
+        if msg.rejoin:
+            self._rejoin(conn, msg, now)
+            return
         why = refusal(msg, self.cfg.nodes, self.cfg.nproc_per_node, self.rdzv_id)
         if why is not None:
-            self.out.log("host_refused", pid=msg.pid, why=why)
-            self.out.say(f"a host (pid {msg.pid}) was refused: {why}")
-            self.out.add(Send(conn, p.Refused(why=why), self.generation))
-            self.out.add(Close(conn))
+            self._refuse(conn, msg.pid, why)
             return
         host = self.hosts.connected(msg.host, msg.pid, conn, now, spare=msg.spare)
         if self.multihost and 0 <= msg.host != host:
@@ -377,9 +388,121 @@ class CoordinatorCore:
                 f"a host (pid {msg.pid}) asked for node {msg.host} (--node-rank), which "
                 f"host {msg.host} has claimed already: it {role}"
             )
+        self._welcome(conn, host)
+
+    def _welcome(self, conn: int, host: int) -> None:
         script = [str(Path(self.script[0]).resolve()), *self.script[1:]]
         welcome = p.Welcome(host=host, config=self.cfg.to_env(), job_id=self.job_id, script=script)
         self.out.add(Send(conn, welcome, self.generation))
+
+    def _refuse(self, conn: int, pid: int, why: str) -> None:
+        self.out.log("host_refused", pid=pid, why=why)
+        self.out.say(f"a host (pid {pid}) was refused: {why}")
+        self.out.add(Send(conn, p.Refused(why=why), self.generation))
+        self.out.add(Close(conn))
+
+    # ---------------------------------------------------------------- taking over (etcd)
+
+    def record(self) -> dict[str, Any]:
+        """What a coordinator that takes this one's place needs (JSON-able): membership,
+        generation, each tier's commit, the settled step, spares, the hosts fenced. The
+        shell writes it to etcd before it carries out an event's commands."""
+        h = self.hosts
+        return {
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "members": {str(n): host for n, host in sorted(h.members.items())},
+            "spares": list(h.spares),
+            "vacant": sorted(h.vacant),
+            "waiting": sorted(h.waiting),
+            "pids": {str(k): v for k, v in sorted(h.pids.items())},
+            "replica": {str(k): list(v) for k, v in sorted(h.replica_address.items())},
+            "fenced": sorted(h.fenced),
+            "next_id": h.next_id,
+            "committed": {str(t): c.committed for t, c in self.tiers.items()},
+            "settled": self.settled,
+            "durable": self.persister.committed,
+            "restarts": self.restarts,
+            "total": self.total,
+            "ever_committed": self.ever_committed,
+        }
+
+    def _adopt(self, rec: Mapping[str, Any], old_host: int | None, now: float) -> None:
+        """Lead the job another coordinator led: its hosts, as it last recorded them,
+        reconnect (``_rejoin``); then the generation it ran is stopped and a new one
+        started from what the hosts hold, as after any failure."""
+        h = self.hosts
+        h.members = {int(n): host for n, host in rec["members"].items()}
+        h.node_by_host = {host: n for n, host in h.members.items()}
+        h.spares = list(rec["spares"])
+        h.vacant = set(rec["vacant"])
+        h.waiting = set(rec["waiting"])
+        h.pids = {int(k): v for k, v in rec["pids"].items()}
+        h.replica_address = {int(k): (v[0], int(v[1])) for k, v in rec["replica"].items()}
+        h.fenced = set(rec["fenced"])
+        h.next_id = int(rec["next_id"])
+        self.generation = int(rec["generation"])
+        self.door.generation = self.generation
+        for tier, step in rec["committed"].items():
+            self.tiers[int(tier)].committed = step
+        self.settled = rec["settled"]
+        self.persister.committed = self.persister.newest = rec["durable"]
+        self.persister.last_request = rec["durable"]
+        self.restarts = rec["restarts"]
+        self.total = rec["total"]
+        self.ever_committed = rec["ever_committed"]
+        self.expected = {*h.members.values(), *h.spares}
+        self.old_host = old_host
+        self.takeover_deadline = now + max(2.0, 2 * self.cfg.heartbeat)
+        if self.generation >= 0:
+            self.phase.move(Phase.RUNNING)
+        self.out.log(
+            "coordinator_took_over",
+            job_id=self.job_id,
+            generation=self.generation,
+            expected=sorted(self.expected),
+            old_host=old_host,
+        )
+        self.out.say(
+            f"this host's coordinator took the job over (generation {self.generation}); "
+            f"waiting for hosts {sorted(self.expected)} to reconnect"
+        )
+
+    def _rejoin(self, conn: int, msg: p.Hello, now: float) -> None:
+        """A host of the old coordinator reconnects, with the id and pid it had."""
+        h = self.hosts
+        if self.expected is None or msg.host not in self.expected:
+            why = (
+                f"host {msg.host} was declared lost and fenced"
+                if msg.host in h.fenced
+                else f"host {msg.host} is not one this coordinator took over"
+            )
+            self._refuse(conn, msg.pid, f"{why}; start it again to join as a spare")
+            return
+        if h.pids.get(msg.host) != msg.pid:
+            self._refuse(conn, msg.pid, f"host {msg.host} had pid {h.pids.get(msg.host)}")
+            return
+        self.expected.discard(msg.host)
+        h.conns[msg.host] = conn
+        h.by_conn[conn] = msg.host
+        h.heard[msg.host] = now
+        self._welcome(conn, msg.host)
+        self.out.log("host_rejoined", host=msg.host, pid=msg.pid)
+        if not self.expected - {self.old_host}:
+            self._resume(now)
+
+    def _resume(self, now: float) -> None:
+        """Every host that will reconnect has (or the wait is over): the others are lost,
+        and the old leader's generation ends like one a failure ended."""
+        assert self.expected is not None
+        missing, self.expected = sorted(self.expected), None
+        self.out.log("takeover_complete", missing=missing)
+        for host in missing:
+            self._host_lost(host, "did not reconnect to the coordinator that took over", now)
+        if self.phase == Phase.RUNNING:  # nothing failed meanwhile: the generation ends
+            self._failure("coordinator", None, [], "the coordinator that led it is gone", now)
+        elif self.phase == Phase.STARTING:
+            self._maybe_start(now)
 
     def _ready(self, host: int, msg: p.Ready, now: float) -> None:
         """Its agent runs and its workers are parked: a member of the first generation,

@@ -32,6 +32,9 @@ class Hosts:
         """Hosts of the first generation that are not ready yet (host i serves node i)."""
         self.next_id = nodes + spares
         self.nodes = nodes
+        self.fenced: set[int] = set()
+        """Hosts declared lost: never taken back (a coordinator that takes over refuses
+        them)."""
 
     def agents(self) -> dict[int, int]:
         """node -> the connection of the host serving it."""
@@ -108,6 +111,7 @@ class Hosts:
 
     def lost(self, host: int) -> tuple[int | None, int | None]:
         """Forget a host; its connection and the node it served (None for a spare)."""
+        self.fenced.add(host)
         conn = self.conns.pop(host, None)
         if conn is not None:
             self.by_conn.pop(conn, None)

@@ -8,8 +8,8 @@ in-memory fake that can fail on command.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from tierswap.tiers import durable
 from tierswap.tiers.durable import PartInfo
@@ -62,3 +62,17 @@ class DurableRoot:
 
     def discard(self, step: int) -> bool:
         return durable.discard(self.url, step)
+
+
+class FencedRoot(DurableRoot):
+    """A durable root whose COMMITs are written only while ``confirm`` (the etcd leader's
+    guarded write of the step, ``cluster/election.py``) says this coordinator leads: a
+    deposed one raises there and writes nothing."""
+
+    def __init__(self, url: str, job: str | None, confirm: Callable[[str, Any], None]) -> None:
+        super().__init__(url, job)
+        self.confirm = confirm
+
+    def write_commit(self, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
+        self.confirm("durable", step)
+        super().write_commit(step, world_size, parts)

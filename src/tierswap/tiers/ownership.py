@@ -96,10 +96,14 @@ def _read_lease(fs: Any, base: str) -> Lease | None:
 class RootClaim:
     """This launch's claim on a durable root: taken at the start, renewed, let go."""
 
-    def __init__(self, root: str, job: str | None, take_over: bool = False) -> None:
+    def __init__(
+        self, root: str, job: str | None, take_over: bool = False, holder: str | None = None
+    ) -> None:
+        """``holder``: the claim of a coordinator this one takes the job over from (the
+        same job's lease, renewed by its new leader)."""
         self.root = root
         self.fs, self.base = url_fs(root)
-        self.holder = uuid.uuid4().hex
+        self.holder = holder or uuid.uuid4().hex
         self.take_over = take_over
         self.job = self._name(job)
 

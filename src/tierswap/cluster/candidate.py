@@ -1,0 +1,104 @@
+"""One host's ``tierswap run --rdzv-backend etcd``: its agent, and a coordinator candidate.
+
+The launcher starts this host's agent at once (it finds the leading coordinator in etcd)
+and then watches the leader key: while no coordinator leads, it campaigns, and the one
+that wins runs the coordinator in this process, listening on the address this host
+reaches etcd from. A first leader starts the job; a later one takes it over from the
+state its predecessor wrote (``election.py``). The launcher exits with its agent's code:
+the job's, as every host's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tierswap.cluster.election import POLL_S, Rendezvous, wait_for_stale_keys
+from tierswap.cluster.multihost import HostLaunch, agent_env
+from tierswap.config import Config
+from tierswap.control.commands import TakeOver
+from tierswap.wire import Listener
+
+
+def address_towards(endpoint: tuple[str, int]) -> str:
+    """The address of this host that its connections to ``endpoint`` leave from."""
+    with socket.create_connection(endpoint, timeout=10) as s:
+        return str(s.getsockname()[0])
+
+
+def _old_host(record: dict[str, Any]) -> int | None:
+    """The host that ran on the old leader's own machine (its agent's pid)."""
+    own = set(record.get("own", ()))
+    return next((int(h) for h, pid in record["pids"].items() if pid in own), None)
+
+
+def run(
+    cfg: Config,
+    launch: HostLaunch,
+    key: bytes,
+    script: list[str],
+    run_dir: Path,
+    etcd: tuple[str, int],
+) -> int:
+    from tierswap.cluster.coordinator import Coordinator
+
+    rdzv = Rendezvous(etcd, launch.job)
+    here = address_towards(etcd)
+    wait_for_stale_keys(rdzv, lambda text: print(f"tierswap run: {text}", flush=True))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = agent_env(os.environ, etcd, key, launch, run_dir, etcd=True)
+    env["TIERSWAP_STARTUP_TIMEOUT"] = str(cfg.startup_timeout)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tierswap.cluster.agent", *script], env=env, start_new_session=True
+    )
+    led = False
+    try:
+        while True:
+            code = agent.poll()
+            if code is not None:
+                return code
+            try:
+                rdzv.renew_job()  # once the job's first leader made its lease
+                done, leader = rdzv.done(), rdzv.leader()
+            except Exception:  # etcd unreachable for now: nothing to decide on
+                time.sleep(POLL_S)
+                continue
+            if done is not None:  # over: the agent exits with the job's code
+                return agent.wait(60)
+            if leader is None:
+                listener = Listener((here, 0), key)
+                info = {"address": list(listener.tcp_address), "pid": os.getpid()}
+                if rdzv.campaign(info):
+                    led = True
+                    record = rdzv.state()
+                    takeover = None if record is None else TakeOver(record, _old_host(record))
+                    job = dataclasses.replace(cfg, bind=here, job_name=cfg.job_name or launch.job)
+                    coordinator = Coordinator(
+                        job,
+                        script,
+                        run_dir,
+                        hosts=launch,
+                        key=key,
+                        listener=listener,
+                        leader=rdzv,
+                        takeover=takeover,
+                        own_agent=agent,
+                    )
+                    return coordinator.run()
+                listener.close()
+            time.sleep(POLL_S)
+    finally:
+        if not led and agent.poll() is None:  # Ctrl-C, SIGTERM: this host stops
+            os.killpg(agent.pid, signal.SIGTERM)
+            try:
+                agent.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
