@@ -422,3 +422,78 @@ def test_a_host_cut_off_is_fenced_and_the_job_goes_on(tmp_path: Path, baseline, 
     assert detected["time"] - cut_at < 3 + 2.5, detected  # a lease, and a tick or two
     (assigned,) = events(run_dir, "spare_assigned")
     assert assigned["node"] == 1
+
+
+# ---------------------------------------------------------------- taking over (etcd), pure
+
+
+def _core(nodes: int = 2) -> Any:
+    from tierswap.config import Config
+    from tierswap.control.coordinator import CoordinatorCore
+
+    cfg = Config(nodes=nodes)
+    return CoordinatorCore(
+        cfg, job_id="j", script=["x.py"], address=("h", 1), store="h:2", tier2=None, now=0.0,
+        multihost=True,
+    )  # fmt: skip
+
+
+def _hello(core: Any, conn: int, now: float, **fields: Any) -> list[Any]:
+    from tierswap.control import commands as cc
+
+    return core.handle(cc.AgentMessage(conn, p.Envelope(-1, p.Hello(**fields)), now), now)
+
+
+def _started_job() -> dict[str, Any]:
+    """The record of a leader whose job runs: hosts 0 and 1 serve, host 2 is a spare."""
+    from tierswap.control import commands as cc
+
+    old = _core()
+    old.handle(cc.Begin(), 0.0)
+    for host, spare in ((0, False), (1, False), (2, True)):
+        _hello(old, host + 1, 0.1, host=-1, pid=50 + host, tag=f"t{host}", spare=spare)
+    for host in range(3):
+        ready = p.Ready(replica=("h", 100 + host), workers=[])
+        old.handle(cc.AgentMessage(host + 1, p.Envelope(-1, ready), 0.2), 0.2)
+    assert old.generation == 0 and old.hosts.members == {0: 0, 1: 1}
+    return old.record()
+
+
+def test_a_new_leader_takes_back_the_hosts_it_had_and_ends_their_generation() -> None:
+    from tierswap.control import commands as cc
+
+    record = json.loads(json.dumps(_started_job()))  # as it comes back from etcd
+    core = _core()
+    out = core.handle(cc.TakeOver(record, old_host=0), 1.0)
+    assert any(isinstance(c, cc.Log) and c.event == "coordinator_took_over" for c in out)
+    refused = _hello(core, 11, 1.1, host=1, pid=51, tag="other", rejoin=True)
+    assert any(isinstance(c, cc.Send) and isinstance(c.msg, p.Refused) for c in refused)
+    back = _hello(core, 12, 1.2, host=1, pid=51, tag="t1", rejoin=True)
+    assert any(isinstance(c, cc.Send) and isinstance(c.msg, p.Welcome) for c in back)
+    _hello(core, 13, 1.3, host=2, pid=52, tag="t2", rejoin=True)
+    # all but the old leader's own host are back: it gets OLD_HOST_GRACE_S more
+    assert core.expected == {0}
+    out = core.handle(cc.Tick({}), 1.3 + 0.6)
+    stops = [c for c in out if isinstance(c, cc.Broadcast) and isinstance(c.msg, p.Stop)]
+    assert stops and stops[0].gen == 0, "the old generation is stopped"
+    assert core.expected is None and core.hosts.vacant == {0} and 0 in core.hosts.fenced
+    late = _hello(core, 14, 2.5, host=0, pid=50, tag="t0", rejoin=True)
+    assert any(isinstance(c, cc.Send) and isinstance(c.msg, p.Refused) for c in late)
+
+
+def test_a_takeover_while_hosts_were_starting_waits_for_them_too() -> None:
+    from tierswap.control import commands as cc
+
+    old = _core()
+    old.handle(cc.Begin(), 0.0)
+    _hello(old, 1, 0.1, host=-1, pid=50, tag="t0")  # said hello, not ready yet
+    record = old.record()
+    core = _core()
+    core.handle(cc.TakeOver(record, old_host=None), 1.0)
+    assert core.expected == {0}
+    _hello(core, 5, 1.1, host=0, pid=50, tag="t0", rejoin=True)
+    ready = p.Ready(replica=("h", 100), workers=[])
+    core.handle(cc.AgentMessage(5, p.Envelope(-1, ready), 1.2), 1.2)
+    _hello(core, 6, 1.3, host=-1, pid=51, tag="t1")  # the second host, for the first time
+    out = core.handle(cc.AgentMessage(6, p.Envelope(-1, ready), 1.4), 1.4)
+    assert core.generation == 0 and core.hosts.members == {0: 0, 1: 1}, out

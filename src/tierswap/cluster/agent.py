@@ -27,7 +27,7 @@ import torch
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
-from tierswap.cluster.election import POLL_S, wait_for_leader
+from tierswap.cluster.election import POLL_S, TTL, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.workers import Processes
@@ -45,6 +45,7 @@ from tierswap.control.agent_events import (
     CoordinatorClosed,
     FromCoordinator,
     FromWorker,
+    Rejoined,
     Replicate,
     Reply,
     Shutdown,
@@ -94,6 +95,7 @@ class Agent:
         self.leader_id = leader_id
         self._swap = threading.Lock()
         """Guards (coord, leader_id) while a host rejoins a new coordinator."""
+        self._swaps = 0
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chans: dict[int, Channel] = {}
         """Worker connections by token (the core's ``conn``)."""
@@ -151,7 +153,7 @@ class Agent:
     def _from_coordinator(self, env: p.Envelope[Any] | None) -> None:
         if env is not None:
             self.events.put(FromCoordinator(env))
-        elif self.rdzv is None:
+        elif self.rdzv is None or self.core.exiting:
             self.events.put(CoordinatorClosed())
         else:  # the coordinator's host may be gone: another one takes the job over
             threading.Thread(target=self._rejoin, name="tierswap-rejoin", daemon=True).start()
@@ -164,8 +166,21 @@ class Agent:
         old = self.leader_id
         deadline = time.monotonic() + self.cfg.startup_timeout
         print(f"tierswap agent: host {self.core.host} lost its coordinator; looking for the next")
+        # a leader that still leads after its lease would have run out closed this
+        # connection itself: this host was fenced, and stops as it would without etcd
+        fenced_by = time.monotonic() + 2 * TTL + 2.0
         while True:
-            leader = wait_for_leader(self.rdzv, deadline, unlike=old)
+            leader = wait_for_leader(self.rdzv, min(deadline, fenced_by), unlike=old)
+            if leader is None and time.monotonic() < deadline:
+                now_leading = _quietly(self.rdzv.leader)
+                if now_leading is None or now_leading.get("id") != old:
+                    fenced_by = deadline  # between leaders: wait for the next one
+                    continue
+                print(
+                    f"tierswap agent: host {self.core.host}'s coordinator still leads and "
+                    "closed its connection: this host was declared lost, and stops",
+                    file=sys.stderr,
+                )
             if leader is None:
                 done = _quietly(self.rdzv.done)
                 if done is not None:  # the job ended meanwhile: exit as it did
@@ -173,7 +188,8 @@ class Agent:
                 else:
                     self.events.put(CoordinatorClosed())
                 return
-            hello = p.Hello(host=self.core.host, pid=os.getpid(), rejoin=True)
+            tag = os.environ.get("TIERSWAP_AGENT_TAG", "")
+            hello = p.Hello(host=self.core.host, pid=os.getpid(), rejoin=True, tag=tag)
             try:
                 chan, _ = _hello(tuple(leader["address"]), self.secret, hello)
             except Refused as e:
@@ -190,6 +206,8 @@ class Agent:
             with self._swap:
                 self.coord, self.leader_id = chan, leader["id"]
                 self.core.coord_host = str(leader["address"][0])
+                self._swaps += 1
+            self.events.put(Rejoined())  # say again what the old leader may not have heard
             reader(chan, self._from_coordinator, "tierswap-coord")
             return
 
@@ -199,9 +217,10 @@ class Agent:
         assert self.rdzv is not None
         while True:
             time.sleep(4 * POLL_S)
+            swaps = self._swaps
             leader = _quietly(self.rdzv.leader)
-            with self._swap:
-                if leader is not None and leader.get("id") != self.leader_id:
+            with self._swap:  # (a rejoin since the read: the leader read may be stale)
+                if swaps == self._swaps and leader and leader.get("id") != self.leader_id:
                     self.coord.close()  # its reader reports the loss: _rejoin follows
 
     def _on_worker_channel(self, chan: Channel) -> None:
@@ -426,7 +445,8 @@ def main() -> None:
     # the coordinator names this host and hands out the job's config and script, so a node
     # that joins later (tierswap run --join) runs exactly what the others run
     spare = env.get("TIERSWAP_SPARE") == "1"  # tierswap run --join
-    hello = p.Hello(host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid(), spare=spare)
+    tag = env.get("TIERSWAP_AGENT_TAG", "")
+    hello = p.Hello(host=int(env.get("TIERSWAP_HOST", "-1")), pid=os.getpid(), spare=spare, tag=tag)
     if launch is not None:
         hello = p.Hello(
             host=hello.host,
@@ -435,6 +455,7 @@ def main() -> None:
             nodes=launch.nnodes,
             nproc_per_node=launch.nproc_per_node,
             job=launch.job,
+            tag=tag,
         )
     coord.send(hello)
     welcome = coord.recv(timeout=60)

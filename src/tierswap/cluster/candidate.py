@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from tierswap.cluster.election import POLL_S, Rendezvous, wait_for_stale_keys
 from tierswap.cluster.multihost import HostLaunch, agent_env
 from tierswap.config import Config
 from tierswap.control.commands import TakeOver
+from tierswap.errors import Deposed
 from tierswap.wire import Listener
 
 
@@ -34,9 +36,9 @@ def address_towards(endpoint: tuple[str, int]) -> str:
 
 
 def _old_host(record: dict[str, Any]) -> int | None:
-    """The host that ran on the old leader's own machine (its agent's pid)."""
+    """The host that ran on the old leader's own machine (by its agent's tag)."""
     own = set(record.get("own", ()))
-    return next((int(h) for h, pid in record["pids"].items() if pid in own), None)
+    return next((int(h) for h, tag in record["tags"].items() if tag in own), None)
 
 
 def run(
@@ -55,6 +57,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     env = agent_env(os.environ, etcd, key, launch, run_dir, etcd=True)
     env["TIERSWAP_STARTUP_TIMEOUT"] = str(cfg.startup_timeout)
+    tag = env["TIERSWAP_AGENT_TAG"] = secrets.token_hex(8)
     agent = subprocess.Popen(
         [sys.executable, "-m", "tierswap.cluster.agent", *script], env=env, start_new_session=True
     )
@@ -75,9 +78,14 @@ def run(
             if leader is None:
                 listener = Listener((here, 0), key)
                 info = {"address": list(listener.tcp_address), "pid": os.getpid()}
-                if rdzv.campaign(info):
+                try:
+                    won = rdzv.campaign(info)
+                    record = rdzv.state() if won else None
+                except (Exception, Deposed):  # etcd unreachable, or lost at once: try later
+                    rdzv.resign()
+                    won = False
+                if won:
                     led = True
-                    record = rdzv.state()
                     takeover = None if record is None else TakeOver(record, _old_host(record))
                     job = dataclasses.replace(cfg, bind=here, job_name=cfg.job_name or launch.job)
                     coordinator = Coordinator(
@@ -89,9 +97,13 @@ def run(
                         listener=listener,
                         leader=rdzv,
                         takeover=takeover,
-                        own_agent=agent,
+                        own_agent=(agent, tag),
                     )
-                    return coordinator.run()
+                    code = coordinator.run()
+                    if not coordinator.deposed:
+                        return code
+                    led = False  # another leads: this host's agent serves it, this waits
+                    continue
                 listener.close()
             time.sleep(POLL_S)
     finally:

@@ -72,7 +72,7 @@ class Coordinator:
         listener: Listener | None = None,
         leader: Rendezvous | None = None,
         takeover: TakeOver | None = None,
-        own_agent: subprocess.Popen[bytes] | None = None,
+        own_agent: tuple[subprocess.Popen[bytes], str] | None = None,
     ) -> None:
         """``hosts``: a multi-host launch, whose coordinator listens on the endpoint
         (``listener``, keyed with the job's ``key``) and starts one agent for this host as
@@ -88,6 +88,8 @@ class Coordinator:
         self.takeover = takeover
         self._recorded: dict[str, Any] | None = None
         self.deposed = False
+        self.finished = False
+        """The job's end is written to etcd (``done``)."""
         self.job_id = new_job_id() if takeover is None else str(takeover.record["job_id"])
         self.secret = key or os.urandom(32)
         self.launch = hosts
@@ -99,7 +101,7 @@ class Coordinator:
         self.store = StoreServer(cfg.bind, self.secret)
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         if own_agent is not None:
-            self.nodes.own.append(own_agent)
+            self.nodes.adopt(*own_agent)
         holder = None if takeover is None else takeover.record.get("claim")
         self.claim = (
             None
@@ -180,7 +182,10 @@ class Coordinator:
         except Deposed as e:  # another coordinator leads: act no further, say so, go
             self.deposed = True
             self.log.emit("coordinator_deposed", reason=str(e))
-            self.progress.message(f"this coordinator no longer leads the job ({e}); it stops")
+            self.progress.message(
+                f"this coordinator no longer leads the job ({e}); this host goes on as one "
+                "of its hosts"
+            )
             return 1
         except KeyboardInterrupt:  # Ctrl-C: no traceback, and what a resume would start from
             self._interrupted("SIGINT")
@@ -197,18 +202,18 @@ class Coordinator:
         etcd``, once the state it decided on is in etcd (``Deposed`` if this coordinator
         leads no more: then nothing is carried out)."""
         cmds = self.core.handle(event, now)
-        if self.fence is not None:
-            if self.fence.lost.is_set():
-                raise Deposed("its etcd lease lapsed")
+        if self.fence is not None and cmds:
+            self.fence.check()  # a leader paused past its lease finds out here, acting not
             record = self.core.record()
             record["claim"] = None if self.claim is None else self.claim.holder
-            record["own"] = [p.pid for p in self.nodes.own]
+            record["own"] = sorted(self.nodes.tags)
             if record != self._recorded:
                 self.fence.write_state(record)
                 self._recorded = record
             if any(isinstance(c, End) for c in cmds):
                 code = next(c.code for c in cmds if isinstance(c, End))
                 self.fence.finish(code)  # candidates see the job is over: nobody takes over
+                self.finished = True
         self._carry_out(cmds)
 
     def _interrupted(self, signal_name: str) -> None:
@@ -266,8 +271,8 @@ class Coordinator:
         for host, code in self.nodes.exited():
             self._step(HostExited(host, code), now)
         own = self.nodes.own_exited()
-        hello = set(self.core.hosts.pids.values())  # every host that ever said hello
-        if own is not None and not hello & {p.pid for p in self.nodes.own}:
+        hello = set(self.core.hosts.tags.values())  # every host that ever said hello
+        if own is not None and not hello & self.nodes.tags:
             why = (
                 f"this host's agent exited with code {own} before it joined the job; its "
                 "output above says why"
@@ -316,13 +321,13 @@ class Coordinator:
                 case StartHost(host=host):
                     self.nodes.start(host, self.address)
                 case KillHost(host=host):
-                    self.nodes.kill(host, self.core.hosts.pids.get(host))
+                    self.nodes.kill(host, self.core.hosts.tags.get(host))
                 case KillProcess(pid=pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 case FreezeHost(host=host):
                     self.nodes.freeze(host)
-                case FreeSegments(pid=pid) if self.nodes.started(pid):
+                case FreeSegments(pid=pid, tag=tag) if self.nodes.started(tag):
                     remove_job_segments(self.job_id, pid)  # another machine's are its own
                 case Close(conn=conn):
                     chan = self.chans.pop(conn, None)
@@ -342,18 +347,26 @@ class Coordinator:
     def shutdown(self) -> None:
         # a second Ctrl-C (or a SIGTERM) while the job stops must not cut the stop short:
         # agents run in sessions of their own and would be left running
+        handlers: list[Any] = []
         with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
+            handlers = [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.fence is not None and not self.deposed and not self.finished:
+            try:  # Ctrl-C, SIGTERM, a stop of the shell's own: the job's end, for everyone
+                self.fence.finish(1 if self.code is None else self.code)
+            except Deposed:
+                self.deposed = True  # it found out only now: the job is the new leader's
         if self.deposed:  # the job is the new leader's: its hosts, its lease, its memory
-            self.nodes.stop_all(told=set())  # this machine's own agent goes (fenced)
             self._stop_accepting()
+            for chan in list(self.chans.values()):
+                chan.close()  # agents still here find the new leader (this host's too)
             self.store.close()
             self.log.close()
+            if handlers:  # this launcher goes on as a candidate: Ctrl-C and SIGTERM work
+                signal.signal(signal.SIGINT, handlers[0])
+                signal.signal(signal.SIGTERM, handlers[1])
             return
-        if self.fence is not None and self.code is None:  # Ctrl-C, SIGTERM: the job ends
-            with contextlib.suppress(Deposed, Exception):
-                self.fence.finish(1)
         if self.fence is not None:
             self.fence.resign()
         if self.claim is not None:

@@ -1,7 +1,7 @@
 """``--rdzv-backend etcd``: a coordinator that survives its host.
 
 Every host's launcher is a candidate. One holds the key ``/tierswap/JOB/leader`` under an
-etcd lease of ``TTL`` seconds, renewed every third of it, and runs the coordinator; the
+etcd lease of ``TTL`` seconds, renewed every quarter of it, and runs the coordinator; the
 key's value says where it listens. The coordinator writes what it decides on (membership,
 generation, each tier's commit, the settled step, spares, hosts fenced: ``state``) to
 etcd before acting on it, in a transaction that holds only while the leader key is still
@@ -17,6 +17,7 @@ and values are JSON.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import threading
 import time
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 TTL = 2
 """Seconds of the leader's etcd lease: the longest a dead leader holds the job."""
+COMPACT_EVERY = 1000
+"""The leader compacts etcd's history every this many writes (about two a step)."""
 JOB_TTL = 10
 """Seconds of the job's lease, which every host's launcher renews: the job's keys
 (``state``, ``done``) go with it once no host of the job runs, so that a job started
@@ -67,6 +70,9 @@ class Rendezvous:
         """The job's lease (``JOB_TTL``), which this candidate renews while it runs."""
         self._renewing = False
         self._closed = threading.Event()
+        self.renewed = 0.0
+        """When (monotonic) the leader's lease was last renewed (asked for)."""
+        self._writes = 0
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -128,11 +134,14 @@ class Rendezvous:
     def campaign(self, info: dict[str, Any]) -> bool:
         """Try to become the leader, publishing ``info`` (where the coordinator listens).
         True when this candidate leads now; its lease is then kept alive on a thread."""
+        asked = time.monotonic()
         lease = self.client.lease(self.ttl)
         value = json.dumps(dict(info, id=self.id))
         reply = self.client.transaction(
             {
                 "compare": [{"key": _b64(self.key("leader")), "result": "EQUAL",
+                             "target": "CREATE", "create_revision": 0},
+                            {"key": _b64(self.key("done")), "result": "EQUAL",
                              "target": "CREATE", "create_revision": 0}],
                 "success": [{"request_put": {"key": _b64(self.key("leader")),
                                              "value": _b64(value), "lease": lease.id}}],
@@ -144,6 +153,7 @@ class Rendezvous:
             return False
         self.lease = lease
         self.revision = int(reply["header"]["revision"])
+        self.renewed = asked
         self.lost.clear()
         threading.Thread(target=self._keep_alive, name="tierswap-etcd-lease", daemon=True).start()
         self.renew_job()
@@ -155,24 +165,34 @@ class Rendezvous:
 
     def _keep_alive(self) -> None:
         lease = self.lease
-        renewed = time.monotonic()
         while lease is not None and not self.lost.is_set():
             if self._closed.wait(self.ttl / 4):
                 return
+            asked = time.monotonic()  # etcd counts the TTL from no earlier than this
             try:
                 if lease.refresh() > 0:  # the TTL left: 0 or less once it lapsed
-                    renewed = time.monotonic()
+                    self.renewed = asked
                     continue
                 self.lost.set()
             except Exception:  # etcd unreachable for now: the lease may still hold
-                if time.monotonic() - renewed >= self.ttl:
+                if time.monotonic() - self.renewed >= self.ttl:
                     self.lost.set()
+
+    def check(self) -> None:
+        """Before this leader acts: ``Deposed`` unless it surely leads. Within three
+        quarters of a TTL of its last renewal its key surely lives; later (a pause, a
+        slow etcd) that is asked of etcd."""
+        if self.revision is None or self.lost.is_set():
+            raise self._depose("this coordinator's leadership lapsed")
+        if time.monotonic() - self.renewed < 0.75 * self.ttl:
+            return
+        self._guarded({})
 
     def _guarded(self, puts: dict[str, Any], drop: tuple[str, ...] = ()) -> None:
         """Put ``puts`` (name -> JSON value, under the job's lease) only while this
         candidate still leads; ``Deposed`` otherwise (nothing is written then)."""
         if self.revision is None or self.lost.is_set():
-            raise Deposed("this coordinator's leadership lapsed")
+            raise self._depose("this coordinator's leadership lapsed")
         success = []
         for name, value in puts.items():
             put: dict[str, Any] = {"key": _b64(self.key(name)), "value": _b64(json.dumps(value))}
@@ -182,15 +202,31 @@ class Rendezvous:
         success += [{"request_delete_range": {"key": _b64(self.key(n))}} for n in drop]
         compare = [{"key": _b64(self.key("leader")), "result": "EQUAL", "target": "CREATE",
                     "create_revision": self.revision}]  # fmt: skip
-        try:
-            reply = self.client.transaction({"compare": compare, "success": success, "failure": []})
-        except Exception as e:  # unreachable: the decision cannot be made durable
-            if self.lease is not None and self.lost.wait(self.ttl):
-                raise Deposed(f"etcd unreachable and the lease lapsed: {e}") from None
-            raise Deposed(f"etcd cannot record a decision: {e}") from None
+        txn = {"compare": compare, "success": success, "failure": []}
+        while True:
+            try:
+                reply = self.client.transaction(txn)
+                break
+            except Exception as e:  # etcd busy or unreachable (electing its own leader?)
+                if self.lost.is_set() or time.monotonic() - self.renewed >= 0.75 * self.ttl:
+                    raise self._depose(f"etcd could not record a decision in time: {e}") from None
+                time.sleep(0.1)  # the lease surely holds still: try again
         if not reply.get("succeeded"):
-            self.lost.set()
-            raise Deposed("another coordinator leads now (the leader key is not this one's)")
+            raise self._depose("another coordinator leads now (the leader key is not this one's)")
+        self._writes += 1
+        if self._writes % COMPACT_EVERY == 0:  # etcd keeps every revision until compacted
+            revision = int(reply["header"]["revision"])
+            with contextlib.suppress(Exception):
+                self.client.post(self.client.get_url("/kv/compaction"), json={"revision": revision})
+
+    def _depose(self, why: str) -> Deposed:
+        """This candidate leads no more: it stops renewing, lets its key go, and says why."""
+        self.lost.set()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                lease.revoke()
+        return Deposed(why)
 
     def write_state(self, state: dict[str, Any]) -> None:
         self._guarded({"state": state})

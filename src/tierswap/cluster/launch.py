@@ -37,6 +37,8 @@ class LocalNodes:
         self.own: list[subprocess.Popen[bytes]] = []
         """This machine's agent of a multi-host launch."""
         self.own_reported: set[int] = set()
+        self.tags: set[str] = set()
+        """The names of the agents this launcher started (``Hello.tag``)."""
         self.reported: set[int] = set()
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
@@ -49,6 +51,7 @@ class LocalNodes:
             env.pop(name, None)  # the key below is all a host needs; workers see no secret
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
+            TIERSWAP_AGENT_TAG=self.tag(),
             TIERSWAP_HOST=str(host),
             TIERSWAP_RUN_DIR=str(self.run_dir),
             TIERSWAP_SIMULATED="1",
@@ -62,23 +65,35 @@ class LocalNodes:
         job, named by the coordinator when it says hello; its process group is its own, so
         stopping the job stops its workers too)."""
         cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
+        env = dict(env, TIERSWAP_AGENT_TAG=self.tag())
         self.own.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+
+    def adopt(self, proc: subprocess.Popen[bytes], tag: str) -> None:
+        """This machine's own agent, started already (``--rdzv-backend etcd``)."""
+        self.own.append(proc)
+        self.tags.add(tag)
+
+    def tag(self) -> str:
+        """A name for an agent this launcher starts (``Hello.tag``)."""
+        tag = secrets.token_hex(8)
+        self.tags.add(tag)
+        return tag
 
     def is_local(self, host: int) -> bool:
         return host in self.procs
 
-    def kill(self, host: int, pid: int | None = None) -> None:
+    def kill(self, host: int, tag: str | None = None) -> None:
         """Kill a host this launcher started: a simulated one by its id, this machine's
-        own agent of a multi-host launch by its ``pid``."""
+        own agent of a multi-host launch when ``tag`` is the one it was given."""
         proc = self.procs.get(host)
-        if proc is None:
-            proc = next((p for p in self.own if p.pid == pid), None)
+        if proc is None and tag in self.tags and self.own:
+            proc = self.own[0]
         if proc is not None:
             _killpg(proc.pid, signal.SIGKILL)  # also when the agent is gone: workers may live
 
-    def started(self, pid: int) -> bool:
-        """Whether this launcher started the agent ``pid`` (on this machine, then)."""
-        return any(p.pid == pid for p in [*self.procs.values(), *self.retired, *self.own])
+    def started(self, tag: str) -> bool:
+        """Whether this launcher started the agent it gave ``tag`` (on this machine)."""
+        return bool(tag) and tag in self.tags
 
     def own_exited(self) -> int | None:
         """This machine's own agent's exit code, once it exited (reported once)."""

@@ -30,6 +30,7 @@ from tierswap.control.agent_events import (
     FromCoordinator,
     FromWorker,
     PartWritten,
+    Rejoined,
     Replicate,
     Replicated,
     ReplicationFailed,
@@ -143,6 +144,10 @@ class AgentCore:
         """What this host's agent exits with: the job's outcome (``Exit``), or 1 when the
         coordinator went away."""
         self.coordinator_gone = False
+        self.ready: p.Ready | None = None
+        """What this host said once its workers were parked (said again on a rejoin)."""
+        self.stopped: p.Stopped | None = None
+        """Its report of the newest stop (said again to a coordinator that asks again)."""
         self.replica_address = replica_address
         self.node: int | None = None
         """The job's node this agent serves; None while it is a spare."""
@@ -208,6 +213,13 @@ class AgentCore:
                 self.last_tick = now
                 for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):
                     self.workers.spawn(local, now)
+            case Rejoined():
+                for said in (
+                    self.ready,
+                    self.stopped if self.phase == AgentPhase.STOPPED else None,
+                ):
+                    if said is not None:
+                        self._tell(said)
             case CoordinatorClosed():
                 self.coordinator_gone = True
                 self.exit_code = 1  # the job did not end: its coordinator is gone
@@ -239,8 +251,10 @@ class AgentCore:
                 self._start(env.gen, env.msg, now)
             case p.Start():
                 pass  # this generation's start again: it runs already
+            case p.Stop() if self.phase == AgentPhase.STOPPED and self.stopped is not None:
+                self._tell(self.stopped)  # a coordinator that took over asks again
             case p.Stop() if self.phase in (AgentPhase.STOPPING, AgentPhase.STOPPED):
-                pass  # a stop again: it is stopping, or has reported
+                pass  # a stop again: it is stopping, and reports once it has
             case p.Stop():
                 self.phase.move(AgentPhase.STOPPING)
                 self.workers.abort(now + self.cfg.collective_timeout)
@@ -318,6 +332,7 @@ class AgentCore:
             peer_deltas=self.peers.kinds(),
         )
         self._tell(stopped)
+        self.stopped = stopped
         self.phase.move(AgentPhase.STOPPED)
 
     # ---------------------------------------------------------------- commits
@@ -379,7 +394,8 @@ class AgentCore:
                 self.boot_failures.pop(local, None)
                 if self.workers.attach(conn, local, incarnation, pid, event.at):
                     pids = sorted(w.pid for w in self.workers.procs.values() if w.pid)
-                    self._tell(p.Ready(replica=self.replica_address, workers=pids))
+                    self.ready = p.Ready(replica=self.replica_address, workers=pids)
+                    self._tell(self.ready)
                 return
             case p.Beat():
                 if (w := self.workers.of(conn)) is not None:

@@ -38,6 +38,13 @@ class CoordinatorClosed:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejoined:
+    """This host reconnected to a coordinator that took the job over
+    (``--rdzv-backend etcd``): what it said that may have gone to the old one is said
+    again."""
+
+
+@dataclass(frozen=True, slots=True)
 class FromWorker:
     conn: int
     env: p.Envelope[Any]
@@ -125,6 +132,7 @@ AgentEvent = (
     Boot
     | FromCoordinator
     | CoordinatorClosed
+    | Rejoined
     | FromWorker
     | WorkerExited
     | Checked

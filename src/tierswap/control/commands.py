@@ -132,9 +132,11 @@ class FreezeHost:
 
 @dataclass(frozen=True, slots=True)
 class FreeSegments:
-    """Unlink the shared memory a dead host's agent (``pid``) left."""
+    """Unlink the shared memory a dead host's agent (``pid``) left, where it ran on this
+    machine (its launcher gave it ``tag``: pids repeat across machines)."""
 
     pid: int
+    tag: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,9 @@ from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import peer
 
 BOOT_RETRIES = 3
+OLD_HOST_GRACE_S = 0.5
+"""Taking over: how long the old leader's own host is waited for once every other host
+is back."""
 """Hosts started in place of lost ones that may exit before joining before the job stops."""
 
 
@@ -193,7 +196,7 @@ class CoordinatorCore:
             if isinstance(msg, p.Hello):
                 self._hello(event.conn, msg, now)
             return  # a host already declared lost (fenced): what it says no longer counts
-        if self.expected is not None:
+        if self.expected is not None and not isinstance(msg, p.Ready):
             return  # taking over: what hosts say of the old leader's generation waits
         self.hosts.heard[host] = max(self.hosts.heard.get(host, event.at), event.at)
         if not self.door.admit(event.env):
@@ -380,6 +383,7 @@ class CoordinatorCore:
             self._refuse(conn, msg.pid, why)
             return
         host = self.hosts.connected(msg.host, msg.pid, conn, now, spare=msg.spare)
+        self.hosts.tags[host] = msg.tag
         if self.multihost and 0 <= msg.host != host:
             # a first-generation host's id is its node: host msg.host claimed that node
             role = f"serves node {host}" if host < self.cfg.nodes else "parks as a spare"
@@ -416,6 +420,7 @@ class CoordinatorCore:
             "vacant": sorted(h.vacant),
             "waiting": sorted(h.waiting),
             "pids": {str(k): v for k, v in sorted(h.pids.items())},
+            "tags": {str(k): v for k, v in sorted(h.tags.items())},
             "replica": {str(k): list(v) for k, v in sorted(h.replica_address.items())},
             "fenced": sorted(h.fenced),
             "next_id": h.next_id,
@@ -438,6 +443,7 @@ class CoordinatorCore:
         h.vacant = set(rec["vacant"])
         h.waiting = set(rec["waiting"])
         h.pids = {int(k): v for k, v in rec["pids"].items()}
+        h.tags = {int(k): v for k, v in rec["tags"].items()}
         h.replica_address = {int(k): (v[0], int(v[1])) for k, v in rec["replica"].items()}
         h.fenced = set(rec["fenced"])
         h.next_id = int(rec["next_id"])
@@ -451,7 +457,8 @@ class CoordinatorCore:
         self.restarts = rec["restarts"]
         self.total = rec["total"]
         self.ever_committed = rec["ever_committed"]
-        self.expected = {*h.members.values(), *h.spares}
+        # every host it had that was not fenced: members, spares, and hosts still starting
+        self.expected = {host for host in h.pids if host not in h.fenced}
         self.old_host = old_host
         self.takeover_deadline = now + max(2.0, 2 * self.cfg.heartbeat)
         if self.generation >= 0:
@@ -479,8 +486,8 @@ class CoordinatorCore:
             )
             self._refuse(conn, msg.pid, f"{why}; start it again to join as a spare")
             return
-        if h.pids.get(msg.host) != msg.pid:
-            self._refuse(conn, msg.pid, f"host {msg.host} had pid {h.pids.get(msg.host)}")
+        if (h.pids.get(msg.host), h.tags.get(msg.host, "")) != (msg.pid, msg.tag):
+            self._refuse(conn, msg.pid, f"host {msg.host} was another process")
             return
         self.expected.discard(msg.host)
         h.conns[msg.host] = conn
@@ -489,6 +496,10 @@ class CoordinatorCore:
         self._welcome(conn, msg.host)
         self.out.log("host_rejoined", host=msg.host, pid=msg.pid)
         if not self.expected - {self.old_host}:
+            # everyone but the old leader's own host is back: it gets a moment more (alive,
+            # its coordinator paused, say), not the whole wait (its machine may be gone)
+            self.takeover_deadline = min(self.takeover_deadline, now + OLD_HOST_GRACE_S)
+        if not self.expected:
             self._resume(now)
 
     def _resume(self, now: float) -> None:
@@ -540,7 +551,7 @@ class CoordinatorCore:
         conn, node = self.hosts.lost(host)
         self.out.add(KillHost(host))  # fencing: a host declared lost must not come back
         if host in self.hosts.pids:
-            self.out.add(FreeSegments(self.hosts.pids[host]))
+            self.out.add(FreeSegments(self.hosts.pids[host], self.hosts.tags.get(host, "")))
         if conn is not None:
             self.out.add(Close(conn))
         if not self.done and self.cfg.revive and host in self.local:

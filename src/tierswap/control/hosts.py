@@ -32,6 +32,8 @@ class Hosts:
         """Hosts of the first generation that are not ready yet (host i serves node i)."""
         self.next_id = nodes + spares
         self.nodes = nodes
+        self.tags: dict[int, str] = {}
+        """host -> the name its launcher gave its agent (``Hello.tag``)."""
         self.fenced: set[int] = set()
         """Hosts declared lost: never taken back (a coordinator that takes over refuses
         them)."""

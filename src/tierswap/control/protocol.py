@@ -343,6 +343,8 @@ class Hello(Message, frozen=True, kw_only=True, tag="hello"):
     nproc_per_node: int = 0
     job: str | None = None
     """Its ``--rdzv-id``."""
+    tag: str = ""
+    """A random name its launcher gave it (pids repeat across machines, containers)."""
     rejoin: bool = False
     """An agent that served this job under a coordinator now gone, reconnecting to the
     one that took over (``--rdzv-backend etcd``): ``host`` is the id it had."""
