@@ -497,3 +497,24 @@ def test_a_takeover_while_hosts_were_starting_waits_for_them_too() -> None:
     _hello(core, 6, 1.3, host=-1, pid=51, tag="t1")  # the second host, for the first time
     out = core.handle(cc.AgentMessage(6, p.Envelope(-1, ready), 1.4), 1.4)
     assert core.generation == 0 and core.hosts.members == {0: 0, 1: 1}, out
+
+
+def test_a_ready_said_again_during_a_takeover_starts_nothing_early() -> None:
+    """The old leader died while its job was starting (host 0 ready, host 1 not yet):
+    host 1's ready, said again on its rejoin, waits until host 0 is back too."""
+    from tierswap.control import commands as cc
+
+    old = _core()
+    old.handle(cc.Begin(), 0.0)
+    _hello(old, 1, 0.1, host=-1, pid=50, tag="t0")
+    _hello(old, 2, 0.1, host=-1, pid=51, tag="t1")
+    ready = p.Ready(replica=("h", 100), workers=[])
+    old.handle(cc.AgentMessage(1, p.Envelope(-1, ready), 0.2), 0.2)
+    core = _core()
+    core.handle(cc.TakeOver(json.loads(json.dumps(old.record())), old_host=None), 1.0)
+    _hello(core, 6, 1.1, host=1, pid=51, tag="t1", rejoin=True)
+    out = core.handle(cc.AgentMessage(6, p.Envelope(-1, ready), 1.2), 1.2)
+    assert core.generation == -1 and not any(isinstance(c, cc.Send) for c in out)
+    out = _hello(core, 5, 1.3, host=0, pid=50, tag="t0", rejoin=True)
+    starts = [c for c in out if isinstance(c, cc.Send) and isinstance(c.msg, p.Start)]
+    assert core.generation == 0 and sorted(c.conn for c in starts) == [5, 6]

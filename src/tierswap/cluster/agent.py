@@ -27,7 +27,7 @@ import torch
 
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
-from tierswap.cluster.election import POLL_S, TTL, wait_for_leader
+from tierswap.cluster.election import POLL_S, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.workers import Processes
@@ -166,28 +166,23 @@ class Agent:
         old = self.leader_id
         deadline = time.monotonic() + self.cfg.startup_timeout
         print(f"tierswap agent: host {self.core.host} lost its coordinator; looking for the next")
-        # a leader that still leads after its lease would have run out closed this
-        # connection itself: this host was fenced, and stops as it would without etcd
-        fenced_by = time.monotonic() + 2 * TTL + 2.0
         while True:
-            leader = wait_for_leader(self.rdzv, min(deadline, fenced_by), unlike=old)
-            if leader is None and time.monotonic() < deadline:
-                now_leading = _quietly(self.rdzv.leader)
-                if now_leading is None or now_leading.get("id") != old:
-                    fenced_by = deadline  # between leaders: wait for the next one
-                    continue
-                print(
-                    f"tierswap agent: host {self.core.host}'s coordinator still leads and "
-                    "closed its connection: this host was declared lost, and stops",
-                    file=sys.stderr,
-                )
+            leader = wait_for_leader(self.rdzv, min(deadline, time.monotonic() + 1.0), old)
             if leader is None:
                 done = _quietly(self.rdzv.done)
                 if done is not None:  # the job ended meanwhile: exit as it did
                     self.events.put(FromCoordinator(p.Envelope(-1, p.Exit(code=done["code"]))))
-                else:
+                    return
+                # the coordinator records whom it fences before it acts: a host it closed
+                # because it declared it lost stops, as it would without etcd
+                state = _quietly(self.rdzv.state) or {}
+                fenced = self.core.host in state.get("fenced", ())
+                if fenced or time.monotonic() >= deadline:
+                    why = "was declared lost" if fenced else "found no coordinator in time"
+                    print(f"tierswap agent: host {self.core.host} {why}: it stops", file=sys.stderr)
                     self.events.put(CoordinatorClosed())
-                return
+                    return
+                continue
             tag = os.environ.get("TIERSWAP_AGENT_TAG", "")
             hello = p.Hello(host=self.core.host, pid=os.getpid(), rejoin=True, tag=tag)
             try:

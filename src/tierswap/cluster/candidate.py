@@ -99,11 +99,13 @@ def run(
                         takeover=takeover,
                         own_agent=(agent, tag),
                     )
-                    code = coordinator.run()
-                    if not coordinator.deposed:
+                    try:
+                        code = coordinator.run()
+                    finally:  # (a SIGTERM of a deposed leader stops this host's agent too)
+                        led = not coordinator.deposed
+                    if led or code == 130:  # the job ended, or Ctrl-C stopped this host
                         return code
-                    led = False  # another leads: this host's agent serves it, this waits
-                    continue
+                    continue  # another leads: this host's agent serves it, this waits
                 listener.close()
             time.sleep(POLL_S)
     finally:

@@ -245,6 +245,8 @@ class Coordinator:
 
     def _renew(self, now: float) -> None:
         assert self.claim is not None
+        if self.fence is not None:
+            self.fence.check()  # the root's lease is the leader's to renew
         try:
             lost = self.claim.renew()
         except OSError as e:  # a root full, read-only or unreachable for now: tried again

@@ -42,6 +42,12 @@ POLL_S = 0.2
 """How often candidates and agents look at the leader key."""
 
 
+def _clock() -> float:
+    """Seconds on a clock that also runs while the machine is suspended: a leader waking
+    from a suspend must not trust a lease that ran out meanwhile."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -56,7 +62,8 @@ class Rendezvous:
             raise UsageError(
                 "--rdzv-backend etcd needs etcd3gw: pip install 'tierswap[etcd]'"
             ) from None
-        self.client = Etcd3Client(host=endpoint[0], port=endpoint[1], timeout=5)
+        # a request may take at most half a lease: a leader retries within its lease
+        self.client = Etcd3Client(host=endpoint[0], port=endpoint[1], timeout=ttl / 2)
         self.prefix = f"/tierswap/{job or 'default'}/"
         self.ttl = ttl
         self.id = uuid.uuid4().hex
@@ -134,7 +141,8 @@ class Rendezvous:
     def campaign(self, info: dict[str, Any]) -> bool:
         """Try to become the leader, publishing ``info`` (where the coordinator listens).
         True when this candidate leads now; its lease is then kept alive on a thread."""
-        asked = time.monotonic()
+        asked = _clock()
+        self.id = uuid.uuid4().hex  # each leadership its own: agents tell one from the next
         lease = self.client.lease(self.ttl)
         value = json.dumps(dict(info, id=self.id))
         reply = self.client.transaction(
@@ -155,7 +163,9 @@ class Rendezvous:
         self.revision = int(reply["header"]["revision"])
         self.renewed = asked
         self.lost.clear()
-        threading.Thread(target=self._keep_alive, name="tierswap-etcd-lease", daemon=True).start()
+        threading.Thread(
+            target=self._keep_alive, args=(lease,), name="tierswap-etcd-lease", daemon=True
+        ).start()
         self.renew_job()
         if self.job_lease is None:  # the job's first leader: the job's lease is made now
             self.job_lease = self.client.lease(JOB_TTL).id
@@ -163,20 +173,21 @@ class Rendezvous:
             self.renew_job()
         return True
 
-    def _keep_alive(self) -> None:
-        lease = self.lease
-        while lease is not None and not self.lost.is_set():
+    def _keep_alive(self, lease: Lease) -> None:
+        """Renew ``lease`` while it is this candidate's (a later campaign's is not)."""
+        while self.lease is lease and not self.lost.is_set():
             if self._closed.wait(self.ttl / 4):
                 return
-            asked = time.monotonic()  # etcd counts the TTL from no earlier than this
+            asked = _clock()  # etcd counts the TTL from no earlier than this
             try:
-                if lease.refresh() > 0:  # the TTL left: 0 or less once it lapsed
-                    self.renewed = asked
-                    continue
-                self.lost.set()
+                alive = lease.refresh() > 0  # the TTL left: 0 or less once it lapsed
             except Exception:  # etcd unreachable for now: the lease may still hold
-                if time.monotonic() - self.renewed >= self.ttl:
-                    self.lost.set()
+                alive = _clock() - self.renewed < self.ttl
+            else:
+                if alive and self.lease is lease:
+                    self.renewed = asked
+            if not alive and self.lease is lease:
+                self.lost.set()
 
     def check(self) -> None:
         """Before this leader acts: ``Deposed`` unless it surely leads. Within three
@@ -184,7 +195,7 @@ class Rendezvous:
         slow etcd) that is asked of etcd."""
         if self.revision is None or self.lost.is_set():
             raise self._depose("this coordinator's leadership lapsed")
-        if time.monotonic() - self.renewed < 0.75 * self.ttl:
+        if _clock() - self.renewed < 0.75 * self.ttl:
             return
         self._guarded({})
 
@@ -203,21 +214,24 @@ class Rendezvous:
         compare = [{"key": _b64(self.key("leader")), "result": "EQUAL", "target": "CREATE",
                     "create_revision": self.revision}]  # fmt: skip
         txn = {"compare": compare, "success": success, "failure": []}
+        # retried while the lease surely holds as of now (not as renewals move it on: a
+        # transaction etcd keeps refusing must not hold the coordinator forever)
+        give_up = min(self.renewed + 0.75 * self.ttl, _clock() + self.ttl)
         while True:
             try:
                 reply = self.client.transaction(txn)
                 break
             except Exception as e:  # etcd busy or unreachable (electing its own leader?)
-                if self.lost.is_set() or time.monotonic() - self.renewed >= 0.75 * self.ttl:
+                if self.lost.is_set() or _clock() >= give_up:
                     raise self._depose(f"etcd could not record a decision in time: {e}") from None
                 time.sleep(0.1)  # the lease surely holds still: try again
         if not reply.get("succeeded"):
             raise self._depose("another coordinator leads now (the leader key is not this one's)")
         self._writes += 1
         if self._writes % COMPACT_EVERY == 0:  # etcd keeps every revision until compacted
-            revision = int(reply["header"]["revision"])
+            older = int(reply["header"]["revision"]) - COMPACT_EVERY  # keep the newest ones
             with contextlib.suppress(Exception):
-                self.client.post(self.client.get_url("/kv/compaction"), json={"revision": revision})
+                self.client.post(self.client.get_url("/kv/compaction"), json={"revision": older})
 
     def _depose(self, why: str) -> Deposed:
         """This candidate leads no more: it stops renewing, lets its key go, and says why."""

@@ -252,7 +252,9 @@ class AgentCore:
             case p.Start():
                 pass  # this generation's start again: it runs already
             case p.Stop() if self.phase == AgentPhase.STOPPED and self.stopped is not None:
-                self._tell(self.stopped)  # a coordinator that took over asks again
+                # a coordinator that took over asks again, maybe in a generation its
+                # predecessor recorded and never started here: answer in the asking one
+                self._tell(self.stopped, env.gen)
             case p.Stop() if self.phase in (AgentPhase.STOPPING, AgentPhase.STOPPED):
                 pass  # a stop again: it is stopping, and reports once it has
             case p.Stop():

@@ -686,6 +686,8 @@ class CoordinatorCore:
     def _maybe_start(self, now: float) -> None:
         if self.phase.state not in (Phase.STARTING, Phase.RECOVERING):
             return
+        if self.expected is not None:
+            return  # taking over: the hosts it had come back first (``_resume`` starts)
         if self.hosts.waiting or self.stopping:
             # a host for a vacancy no spare will fill boots meanwhile (seconds of imports)
             self._revive(len(self.hosts.vacant) - len(self.hosts.spares))

@@ -65,9 +65,9 @@ class DurableRoot:
 
 
 class FencedRoot(DurableRoot):
-    """A durable root whose COMMITs are written only while ``confirm`` (the etcd leader's
-    guarded write of the step, ``cluster/election.py``) says this coordinator leads: a
-    deposed one raises there and writes nothing."""
+    """A durable root written (COMMITs) and pruned (retention, discards) only while
+    ``confirm`` (the etcd leader's guarded write, ``cluster/election.py``) says this
+    coordinator leads: a deposed one raises there and changes nothing."""
 
     def __init__(self, url: str, job: str | None, confirm: Callable[[str, Any], None]) -> None:
         super().__init__(url, job)
@@ -76,3 +76,11 @@ class FencedRoot(DurableRoot):
     def write_commit(self, step: int, world_size: int, parts: Mapping[int, PartInfo]) -> None:
         self.confirm("durable", step)
         super().write_commit(step, world_size, parts)
+
+    def retain(self, keep: int) -> list[int]:
+        self.confirm("retain", keep)  # deletes steps: only while this coordinator leads
+        return super().retain(keep)
+
+    def discard(self, step: int) -> bool:
+        self.confirm("discard", step)
+        return super().discard(step)
