@@ -397,7 +397,7 @@ def test_a_host_cut_off_is_fenced_and_the_job_goes_on(tmp_path: Path, baseline, 
     the cut host stops by itself (its heartbeats go unanswered); nothing it held is
     committed afterwards, and the job ends bit for bit as an uninterrupted one."""
     base = baseline(nodes=2, mode="ddp")
-    lease = ("--heartbeat", "0.5", "--lease", "3", "--collective-timeout", "8")
+    lease = ("--heartbeat", "0.5", "--lease", "3", "--collective-timeout", "5")
     with _network(3) as (a, b, c):
         job = Launches(tmp_path, "cut", f"{a.address}:29400", probe)
         try:
