@@ -152,20 +152,23 @@ def test_workers_get_torchruns_variables() -> None:
         (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--node-rank", "2", "x.py"],
          "--node-rank 2: nodes are numbered 0..1"),
         (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "x.py"], "the job's secret"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--spares", "1", "x.py"],
+         "--spares with --rdzv-endpoint: a spare is a host of its own here"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--bind", "127.0.0.1", "x.py"],
+         "--rdzv-endpoint and --bind"),
     ],
 )  # fmt: skip
-def test_bad_launch_lines_are_refused_saying_why(args: list[str], message: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TIERSWAP_SECRET"}
-    done = subprocess.run(
-        [*job_command(Path("unused"), [], [])[:3], "run", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+def test_bad_launch_lines_are_refused_saying_why(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    from tierswap import cli
+
+    monkeypatch.delenv("TIERSWAP_SECRET", raising=False)
+    with pytest.raises(SystemExit) as done:  # refused before anything starts
+        cli.main(["run", *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert message in err, err
 
 
 # ---------------------------------------------------------------- real launches
@@ -397,7 +400,7 @@ def test_a_host_cut_off_is_fenced_and_the_job_goes_on(tmp_path: Path, baseline, 
     the cut host stops by itself (its heartbeats go unanswered); nothing it held is
     committed afterwards, and the job ends bit for bit as an uninterrupted one."""
     base = baseline(nodes=2, mode="ddp")
-    lease = ("--heartbeat", "0.5", "--lease", "3", "--collective-timeout", "5")
+    lease = ("--heartbeat", "0.5", "--lease", "2", "--collective-timeout", "4")
     with _network(3) as (a, b, c):
         job = Launches(tmp_path, "cut", f"{a.address}:29400", probe)
         try:
@@ -419,7 +422,7 @@ def test_a_host_cut_off_is_fenced_and_the_job_goes_on(tmp_path: Path, baseline, 
     assert_hot_swapped(run_dir, survivors=[0], replaced=[1])
     (detected,) = events(run_dir, "failure_detected")
     assert detected["node"] == 1 and "lease expired" in detected["detail"], detected
-    assert detected["time"] - cut_at < 3 + 2.5, detected  # a lease, and a tick or two
+    assert detected["time"] - cut_at < 2 + 2.5, detected  # a lease, and a tick or two
     (assigned,) = events(run_dir, "spare_assigned")
     assert assigned["node"] == 1
 
