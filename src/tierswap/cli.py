@@ -20,7 +20,7 @@ from tierswap.faults import FORMS, Injection
 
 def _join(args: argparse.Namespace) -> int:
     """Join a running job as a spare node: this process becomes the node's agent."""
-    from tierswap.cluster.multihost import KEY_ENV, job_key, read_secret
+    from tierswap.cluster.multihost import KEY_ENV, inherited, job_key, read_secret
 
     run_dir = args.run_dir or os.environ.get("TIERSWAP_RUN_DIR")
     ticket = Path(run_dir) / "join.json" if run_dir else None
@@ -39,15 +39,8 @@ def _join(args: argparse.Namespace) -> int:
         )
     if ":" not in args.join:
         raise SystemExit(f"tierswap run --join {args.join!r}: expected HOST:PORT")
-    env = {k: v for k, v in os.environ.items() if k != "TIERSWAP_SECRET"}
+    env = inherited(os.environ)
     env.update(TIERSWAP_COORD=args.join, TIERSWAP_SPARE="1", **{KEY_ENV: key})
-    for stale in (
-        "TIERSWAP_HOST",
-        "TIERSWAP_HOST_ADDRESS",
-        "TIERSWAP_LAUNCH",
-        "TIERSWAP_SIMULATED",
-    ):
-        env.pop(stale, None)  # from the environment: not this host's
     if args.bind:
         from tierswap.cluster.address import check_advertised
 

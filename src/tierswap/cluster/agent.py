@@ -186,7 +186,9 @@ class Agent:
             tag = os.environ.get("TIERSWAP_AGENT_TAG", "")
             hello = p.Hello(host=self.core.host, pid=os.getpid(), rejoin=True, tag=tag)
             try:
-                chan, _ = _hello(tuple(leader["address"]), self.secret, hello)
+                address = (str(leader["address"][0]), int(leader["address"][1]))
+                chan = Channel.connect(address, self.secret, p.CoordinatorToAgent)
+                _greet(chan, hello)
             except Refused as e:
                 print(f"tierswap agent: {e}", file=sys.stderr)
                 self.events.put(CoordinatorClosed())
@@ -381,9 +383,9 @@ class Refused(Exception):
     """The coordinator does not take this host; the message says why."""
 
 
-def _hello(address: tuple[str, int], secret: bytes, hello: p.Hello) -> tuple[Channel, p.Welcome]:
-    """Connect to a coordinator, say ``hello``, and read its welcome (``Refused``)."""
-    chan = Channel.connect(address, secret, p.CoordinatorToAgent)
+def _greet(chan: Channel, hello: p.Hello) -> p.Welcome:
+    """Say ``hello`` on a coordinator's channel and read its welcome (``Refused``; the
+    channel is closed then)."""
     try:
         chan.send(hello)
         welcome = chan.recv(timeout=60)
@@ -391,7 +393,7 @@ def _hello(address: tuple[str, int], secret: bytes, hello: p.Hello) -> tuple[Cha
         chan.close()
         raise
     if welcome is not None and isinstance(welcome.msg, p.Welcome):
-        return chan, welcome.msg
+        return welcome.msg
     chan.close()
     if welcome is not None and isinstance(welcome.msg, p.Refused):
         raise Refused(f"the coordinator refused this host: {welcome.msg.why}")
@@ -452,13 +454,10 @@ def main() -> None:
             job=launch.job,
             tag=tag,
         )
-    coord.send(hello)
-    welcome = coord.recv(timeout=60)
-    if welcome is not None and isinstance(welcome.msg, p.Refused):
-        raise SystemExit(f"tierswap run: the coordinator refused this host: {welcome.msg.why}")
-    if welcome is None or not isinstance(welcome.msg, p.Welcome):
-        raise SystemExit(f"tierswap agent: the coordinator refused this node: {welcome}")
-    w = welcome.msg
+    try:
+        w = _greet(coord, hello)
+    except Refused as e:
+        raise SystemExit(f"tierswap run: {e}") from None
     cfg = Config.from_env(w.config)
     _fence_on_silence(coord, cfg.lease)
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierswap.cluster.multihost import KEY_ENV, LAUNCH_ENV
+from tierswap.cluster.multihost import KEY_ENV, inherited
 from tierswap.config import Config
 from tierswap.errors import UsageError, WorldSizeMismatchError
 from tierswap.tiers import durable
@@ -45,10 +45,7 @@ class LocalNodes:
         old = self.procs.pop(host, None)
         if old is not None:
             self.retired.append(old)
-        env = dict(os.environ)
-        env.pop("TIERSWAP_HOST_ADDRESS", None)  # simulated hosts listen on --bind
-        for name in (LAUNCH_ENV, "TIERSWAP_SPARE", "TIERSWAP_SECRET"):
-            env.pop(name, None)  # the key below is all a host needs; workers see no secret
+        env = inherited(os.environ)  # simulated hosts listen on --bind; the key is enough
         env.update(
             TIERSWAP_COORD=f"{coord_address[0]}:{coord_address[1]}",
             TIERSWAP_AGENT_TAG=self.tag(),

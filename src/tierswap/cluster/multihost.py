@@ -145,6 +145,25 @@ ETCD_ENV = "TIERSWAP_ETCD"
 """``--rdzv-backend etcd``: where the agent finds the coordinator (``HOST:PORT JOB``)."""
 
 
+HOST_ENV = (
+    "TIERSWAP_SECRET",
+    "TIERSWAP_HOST",
+    "TIERSWAP_HOST_ADDRESS",
+    "TIERSWAP_SIMULATED",
+    "TIERSWAP_SPARE",
+    "TIERSWAP_AGENT_TAG",
+    LAUNCH_ENV,
+    ETCD_ENV,
+)
+"""Variables that say which host an agent is: set by whoever starts it, never inherited
+(a stale one would be another host's), and the secret, which agents do not need."""
+
+
+def inherited(environ: Mapping[str, str]) -> dict[str, str]:
+    """What an agent takes from the environment of the process that starts it."""
+    return {k: v for k, v in environ.items() if k not in HOST_ENV}
+
+
 def agent_env(
     environ: Mapping[str, str],
     endpoint: tuple[str, int],
@@ -156,9 +175,7 @@ def agent_env(
     """The environment of this host's agent process: it connects to the coordinator at
     ``endpoint``, or, with ``etcd``, looks the leading coordinator up in the etcd server
     at ``endpoint`` (and again whenever it goes)."""
-    env = {k: v for k, v in environ.items() if k != "TIERSWAP_SECRET"}  # workers see no secret
-    for name in ("TIERSWAP_HOST", "TIERSWAP_HOST_ADDRESS", "TIERSWAP_SIMULATED", ETCD_ENV):
-        env.pop(name, None)  # stale ones from the environment are not this host's
+    env = inherited(environ)  # (workers see no secret)
     where = f"{endpoint[0]}:{endpoint[1]}"
     env.update(
         TIERSWAP_COORD=where,
