@@ -237,9 +237,24 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tierswap.tiers.export import export
+    from tierswap.tiers import durable
+    from tierswap.tiers.export import export, export_hf, parse_size
 
-    summary = export(args.url, args.step, args.out)
+    step = args.step
+    if step is None:
+        steps = durable.restorable_steps(args.url)
+        if not steps:
+            raise UsageError(f"{args.url} holds no committed step to export (tierswap ls)")
+        step = steps[-1]
+    if args.format == "merged":
+        summary = export(args.url, step, args.out)
+    elif args.format == "hf":
+        size = parse_size(args.max_shard_size)
+        summary = export_hf(args.url, step, args.out, size, args.model)
+    else:
+        from tierswap.dcp import export_dcp
+
+        summary = export_dcp(args.url, step, args.out)
     print(json.dumps(summary))
     return 0
 
@@ -279,7 +294,7 @@ def _config_options(run: argparse.ArgumentParser) -> None:
         elif typing.get_origin(tp) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(tp), default=None, help=text)
         else:
-            kind = next((t for t in (int, float) if tp is t), str)
+            kind = next((t for t in (int, float) if tp in (t, t | None)), str)
             group.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=text)
 
 
@@ -357,9 +372,25 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--step", type=int, default=None)
     verify.set_defaults(func=_verify)
 
-    export = sub.add_parser("export", help="write one rank-merged safetensors file")
+    export = sub.add_parser(
+        "export", help="write a committed step as safetensors, Hugging Face or DCP"
+    )
     export.add_argument("url")
-    export.add_argument("--step", type=int, required=True)
+    export.add_argument("--step", type=int, default=None, help="default: the newest")
+    export.add_argument(
+        "--format",
+        choices=("merged", "hf", "dcp"),
+        default="merged",
+        help="merged: one safetensors file of every rank's state merged, plus its JSON; "
+        "hf: the model's weights as Hugging Face safetensors in folder OUT; "
+        "dcp: a torch.distributed.checkpoint folder OUT",
+    )
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="hf: the largest file (default 5GB)"
+    )
+    export.add_argument(
+        "--model", default=None, help="hf: the model's state key (default: the only module)"
+    )
     export.add_argument("out")
     export.set_defaults(func=_export)
 

@@ -118,6 +118,15 @@ class Config:
     full instead), so frequent durable checkpoints cost the bytes that changed. A step
     whose base is gone is never restored from; retention keeps the bases that kept steps
     need."""
+    init_from: str | None = None
+    """A DCP checkpoint folder (``torch.distributed.checkpoint``) the job starts from when
+    no tier holds a step of it: the first ``job.steps`` loads it into the live objects
+    through ``dcp.load``, resharded to this job, and goes on at the step after the one it
+    holds. Keys it lacks are left as built and named. Its ``.metadata`` is a pickle: give
+    only a checkpoint you trust."""
+    init_step: int | None = None
+    """``--init-from``: the step the checkpoint holds (the job's first step is the next);
+    None reads a ``step`` value saved in it."""
     delta_threshold: float = 0.5
     """``--memory-tiers delta``: a delta larger than this fraction of its snapshot makes
     the next replica a new base (deltas are never chained; each is against its base)."""
@@ -166,6 +175,10 @@ class Config:
             )
         if self.on_no_spare not in ("wait", "fail"):
             raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
+        if self.init_step is not None and (self.init_from is None or self.init_step < 0):
+            raise ValueError(
+                f"init_step {self.init_step}: needs --init-from, and a step number >= 0"
+            )
         if self.chaos is not None:
             Chaos.parse(self.chaos)  # refused here, with the forms, rather than mid-run
         for inj in self.inject:
@@ -212,6 +225,8 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
             return int(raw)
         if isinstance(default, float):
             return float(raw)
+        if default is None and str(f.type).startswith("int"):
+            return int(raw)
     except ValueError:
         raise ValueError(
             f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}"

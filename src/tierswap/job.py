@@ -140,6 +140,8 @@ class Job:
             if fault.during == "restore" and fault.gen == self.generation:
                 self._fire(fault)
         step, source = plan.step, plan.source
+        if (step is None or source is None) and plan.init is not None:
+            return self._init(state, plan.init, t0)
         if step is None or source is None:
             return 0
         self.plan_step, self.plan_tier = step, plan.tier
@@ -156,6 +158,19 @@ class Job:
         assert tier is not None
         self._chan.send(p.Restored(rank=self.rank, step=step, tier=tier, seconds=seconds))
         return step + 1
+
+    def _init(self, state: MutableMapping[str, Any], init: p.InitFrom, t0: float) -> int:
+        """Load the job's ``--init-from`` DCP checkpoint (every rank: ``dcp.load`` reshards
+        collectively); the job goes on at the step after the one it holds."""
+        from tierswap.dcp import init_from
+
+        got = init_from(state, init.path, init.step)
+        assert self._chan is not None
+        seconds = time.monotonic() - t0
+        self._chan.send(
+            p.Initialized(rank=self.rank, step=got.step, missing=got.missing, seconds=seconds)
+        )
+        return got.step + 1
 
     def _load_memory(self, state: MutableMapping[str, Any], source: p.FromSlot, step: int) -> None:
         layout = source.layout

@@ -22,10 +22,19 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from tierswap import names
 from tierswap.errors import NotSerializableError, StateMismatchError
 
 ALIGN = 64
 RNG_KEY = "__rng__"
+KIND = "__kind__"
+"""Beside a Stateful's ``__stateful__`` value in the tree: "module" or "optimizer"."""
+FQNS = "__fqns__"
+"""A module's ``{state_dict key: FQN}`` where they differ (:func:`names.module_names`)."""
+OWNER = "__module__"
+"""An optimizer's module: its key in the state."""
+PARAMS = "__params__"
+"""An optimizer's parameter FQNs, in the order its ``state_dict()`` numbers them."""
 
 # safetensors' dtype names: the durable format uses them, so the layout does too.
 _DTYPES: dict[torch.dtype, str] = {
@@ -331,6 +340,7 @@ def capture_rng() -> dict[str, Any]:
 def flatten(state: Mapping[str, Any], *, with_rng: bool = True) -> Flat:
     """Flatten a user's state dict (Stateful objects and plain values) plus RNG states."""
     fl = _Flattener()
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
     for name, obj in state.items():
         if not isinstance(name, str) or name.startswith("__"):
             raise ValueError(
@@ -338,13 +348,28 @@ def flatten(state: Mapping[str, Any], *, with_rng: bool = True) -> Flat:
             )
         if _is_stateful(obj):
             fl.deferred = _deferred_ptrs(obj)
-            fl.flat.tree[name] = {"__stateful__": fl.value(name, obj.state_dict())}
+            sd = obj.state_dict()
+            fl.flat.tree[name] = {"__stateful__": fl.value(name, sd), **_names(obj, sd, modules)}
             fl.deferred = set()
         else:
             fl.flat.tree[name] = fl.value(name, obj)
     if with_rng:
         fl.flat.tree[RNG_KEY] = fl.value(RNG_KEY, capture_rng())
     return fl.flat
+
+
+def _names(obj: object, sd: Mapping[str, Any], modules: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Stateful is, and the names DCP gives its values (:mod:`tierswap.names`),
+    recorded beside its state so that tier 2 can be exported without the model."""
+    if isinstance(obj, torch.nn.Module):
+        fqns = names.module_names(obj, sd)
+        return {KIND: "module", **({FQNS: fqns} if fqns else {})}
+    if isinstance(obj, torch.optim.Optimizer):
+        owner = names.optimizer_names(obj, modules)
+        if owner is None:
+            return {KIND: "optimizer"}
+        return {KIND: "optimizer", OWNER: owner[0], PARAMS: owner[1]}
+    return {}
 
 
 # ---------------------------------------------------------------- loading back

@@ -159,6 +159,7 @@ class AgentCore:
         self.workers = WorkerTable()
         self.queue = ReplicationQueue()
         self.plans: dict[int, p.RankPlan] = {}
+        self.init: p.InitFrom | None = None
         self.ranks: list[int] = []
         self.faults = FaultPlan()
         self.holds = {0: Hold(), 1: Hold()}
@@ -278,6 +279,7 @@ class AgentCore:
     def _start(self, generation: int, msg: p.Start, now: float) -> None:
         self.door.generation = generation
         self.node, self.ranks, self.plans = msg.node, list(msg.ranks), dict(msg.plans)
+        self.init = msg.init
         self.faults = FaultPlan.parse(msg.inject)
         self.last_skipped.clear()  # a restore may replay a step skipped before: report it
         self.progress_step = msg.restart_step
@@ -439,6 +441,8 @@ class AgentCore:
             case p.Restored(rank=rank):
                 self.rings.restored(rank)
                 self._tell(msg)
+            case p.Initialized():
+                self._tell(msg)
             case p.Finished():
                 w.move(WorkerState.FINISHED)
                 self._tell(msg)
@@ -500,7 +504,7 @@ class AgentCore:
     def _plan(self, rank: int) -> p.PlanReply:
         plan = self.plans.get(rank, p.RankPlan(step=None))
         if plan.step is None:
-            return p.PlanReply(step=None)
+            return p.PlanReply(step=None, init=self.init)
         if not isinstance(plan.source, p.FromMemory):
             assert plan.source is not None
             return p.PlanReply(step=plan.step, source=plan.source)

@@ -136,6 +136,7 @@ class CoordinatorCore:
         self.ever_committed = False
         self.plan: Plan | None = None
         self.restored: dict[int, p.Restored] = {}
+        self.initialized: dict[int, p.Initialized] = {}
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.reports = Reports(cfg.world_size, tier2)
@@ -271,6 +272,8 @@ class CoordinatorCore:
                 self.out.log("tier1_wait_timeout", node=node, rank=rank, step=step, seconds=seconds)
             case p.Restored() if self.phase == Phase.RUNNING:
                 self._restored(msg, now)
+            case p.Initialized() if self.phase == Phase.RUNNING:
+                self._initialized(msg)
             case p.Joined(rank=rank, pid=pid) if self.phase == Phase.RUNNING:
                 rebuilt = self.clock.worker_joined(rank, pid, now)
                 if rebuilt is not None:
@@ -759,6 +762,7 @@ class CoordinatorCore:
         self.door.generation = self.generation
         self.phase.move(Phase.RUNNING)
         self.restored.clear()
+        self.initialized.clear()
         self.finished.clear()
         restart = -1 if plan.step is None else plan.step
         committed = self._reset_commits(holdings, restart)
@@ -817,7 +821,31 @@ class CoordinatorCore:
             placement=placement,
             protects=self.protects.get(node, []),
             peers=peers,
+            init=self._init_from() if restart < 0 else None,
         )
+
+    def _init_from(self) -> p.InitFrom | None:
+        path = self.cfg.init_from
+        return None if path is None else p.InitFrom(path=path, step=self.cfg.init_step)
+
+    def _initialized(self, msg: p.Initialized) -> None:
+        """Every rank loaded ``--init-from``: one event and one line, naming what it lacked."""
+        self.initialized[msg.rank] = msg
+        if len(self.initialized) < self.cfg.world_size:
+            return
+        got = list(self.initialized.values())
+        missing = sorted({k for m in got for k in m.missing})
+        step, seconds = got[0].step, max(m.seconds for m in got)
+        self.out.log("initialized", path=self.cfg.init_from, step=step, missing=missing,
+                     seconds=seconds, generation=self.generation)  # fmt: skip
+        self.out.say(
+            f"started from {self.cfg.init_from} (step {step}; the job goes on at step "
+            f"{step + 1}) in {seconds:.2f} s"
+        )
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            shown = ", ".join(missing[:8]) + more
+            self.out.say(f"not in {self.cfg.init_from}, left as built: {shown}")
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
         gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []

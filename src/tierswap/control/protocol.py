@@ -85,6 +85,14 @@ Source = FromMemory | FromPeer | FromDurable
 WorkerSource = FromSlot | FromPeer | FromDurable
 
 
+class InitFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """No tier holds a step of the job: load this DCP checkpoint first (``--init-from``)."""
+
+    path: str
+    step: int | None = None
+    """The step it holds; None reads its saved ``step`` value."""
+
+
 class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Where one rank loads its state from at the start of a generation."""
 
@@ -153,6 +161,16 @@ class Restored(Message, frozen=True, kw_only=True, tag="restored"):
     rank: int
     step: int
     tier: int
+    seconds: float
+
+
+class Initialized(Message, frozen=True, kw_only=True, tag="initialized"):
+    """A rank loaded the job's ``--init-from`` checkpoint, which holds ``step``."""
+
+    rank: int
+    step: int
+    missing: list[str]
+    """Keys of its state the checkpoint lacks: left as built."""
     seconds: float
 
 
@@ -281,6 +299,8 @@ class PlanReply(Message, frozen=True, kw_only=True, tag="plan_reply"):
     scoped = False
     step: int | None
     source: WorkerSource | None = None
+    init: InitFrom | None = None
+    """With no step: the checkpoint to start from, if the job was given one."""
 
     @property
     def tier(self) -> int | None:
@@ -577,6 +597,8 @@ class Start(Message, frozen=True, kw_only=True, tag="start"):
     protects: list[int]
     """The ranks this node holds replicas of."""
     peers: dict[int, Address]
+    init: InitFrom | None = None
+    """No tier holds a step: the ranks start from this checkpoint (``--init-from``)."""
 
 
 class Stop(Message, frozen=True, kw_only=True, tag="stop"):
@@ -759,6 +781,7 @@ WorkerToAgent = (
     | Written
     | PlanRequest
     | Restored
+    | Initialized
     | Report
     | Finished
     | Joined
@@ -799,6 +822,7 @@ AgentToCoordinator = (
     | AgentError
     | Memory
     | Restored
+    | Initialized
     | Report
     | Finished
     | Joined

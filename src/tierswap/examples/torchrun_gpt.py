@@ -8,7 +8,9 @@
 The same model, data and optimizer as ``train_gpt.py``. To be generous to the baseline it
 checkpoints every step (synchronously, so nothing is lost but the restart itself). In the
 first attempt, rank 1 kills itself after step ``--kill-step`` is saved; every rank of the
-restarted attempt appends the time its first step completed to ``--times``.
+restarted attempt appends the time its first step completed to ``--times``. Each
+checkpoint holds ``model``, ``optim`` (``get_state_dict``'s names) and ``step``: what
+``tierswap run --init-from`` takes in.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--times", required=True)
+    p.add_argument("--times", default=os.devnull)
     return p.parse_args()
 
 
@@ -82,7 +84,7 @@ def main() -> None:
         if args.sleep:
             time.sleep(args.sleep)
         msd, osd = get_state_dict(model, opt)
-        save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+        save({"model": msd, "optim": osd, "step": step}, checkpoint_id=str(ckpt / f"step-{step}"))
         dist.barrier()
         if rank == 0:
             tmp = ckpt / "latest.tmp"

@@ -426,6 +426,17 @@ def read_part(
     return _read(fs, base, step, rank, expected, keep=True)
 
 
+def read_meta(
+    root: str, step: int, rank: int, expected: PartInfo | None = None
+) -> tuple[Layout, dict[str, Any]]:
+    """One rank's layout and tree, without its tensor bytes (checked against ``expected``,
+    its entry in COMMIT, as :func:`read_part` does)."""
+    fs, base = url_fs(root)
+    layout, tree, _, _ = _read_meta(fs, f"{_step_dir(base, step)}/{_part(rank, 'json')}", step,
+                                    rank, expected)  # fmt: skip
+    return layout, tree
+
+
 # ---------------------------------------------------------------- commits and steps
 
 

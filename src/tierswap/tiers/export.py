@@ -1,8 +1,18 @@
-"""Export a committed durable step as one plain safetensors file plus its JSON state.
+"""Export a committed durable step: ``merged``, ``hf`` or ``dcp`` (``tierswap export``).
 
-DTensor shards of the same key are put back together along their placements; tensors that
-every rank holds with the same bits are written once; anything else stays per rank under
-``rank<R>/<name>``. The result loads with ``safetensors.torch.load_file``, no tierswap needed.
+``merged``: one plain safetensors file plus its JSON state. DTensor shards of the same
+key are put back together along their placements; tensors that every rank holds with the
+same bits are written once; anything else stays per rank under ``rank<R>/<name>``. The
+result loads with ``safetensors.torch.load_file``, no tierswap needed.
+
+``hf``: the model's weights as full tensors under their plain names, in Hugging Face's
+layout (``model.safetensors``, or numbered shards and ``model.safetensors.index.json``).
+
+``dcp``: a ``torch.distributed.checkpoint`` folder (:mod:`tierswap.dcp`).
+
+Every file of an export gets the same permissions (``0666`` less the umask), and a
+folder is written under a temporary name and renamed when complete: an existing one is
+never overwritten.
 """
 
 from __future__ import annotations
@@ -12,13 +22,15 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from tierswap.errors import UsageError
 from tierswap.state import Layout, TensorEntry, tensor_view
 from tierswap.tiers import durable
 from tierswap.tiers.files import fsync_dir, write_local
@@ -140,6 +152,8 @@ def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, 
     trees = {str(r): {"tree": rank[1], "tensors": names[r]} for r, rank in enumerate(ranks)}
     state = {**meta, "step": step, "world_size": world_size, "ranks": trees}
     write_local(str(out.with_suffix(".json")), [json.dumps(state).encode()])
+    for path in (out, out.with_suffix(".json")):
+        os.chmod(path, _file_mode())
     return {
         "step": step,
         "world_size": world_size,
@@ -148,4 +162,121 @@ def export(root: str, step: int, out_path: str | os.PathLike[str]) -> dict[str, 
         "per_rank": len(set(tensors) - {n for r in ranks for n in durable.tensor_names(r[0])}),
         "path": str(out),
         "json": str(out.with_suffix(".json")),
+    }
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _file_mode() -> int:
+    return 0o666 & ~_umask()
+
+
+@contextlib.contextmanager
+def new_folder(out: str | os.PathLike[str]) -> Iterator[str]:
+    """A temporary folder next to ``out``, renamed to ``out`` when the block succeeds
+    (removed when it fails); its files then all get the same permissions."""
+    dest = Path(out)
+    if dest.exists():
+        raise UsageError(f"{dest} exists: remove it or export to a new folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield str(tmp)
+        mode = _file_mode()
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+                os.chmod(f, mode)
+        tmp.chmod(0o777 & ~_umask())
+        os.replace(tmp, dest)
+        fsync_dir(str(dest.parent))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count: Hugging Face's shard-size notation."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if m is None:
+        raise UsageError(f"--max-shard-size {text!r}: give bytes, or a size such as 5GB or 500MB")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]  # fmt: skip
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise UsageError(f"--max-shard-size {text!r}: must be at least one byte")
+    return size
+
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def export_hf(
+    root: str, step: int, out: str, max_shard_size: int = 5 * 10**9, model: str | None = None
+) -> dict[str, Any]:
+    """Write the model of committed ``step`` as Hugging Face safetensors in the new folder
+    ``out``: full tensors under their FQNs, one file or shards of at most ``max_shard_size``
+    bytes (a tensor larger than that gets a shard of its own) plus the index."""
+    from tierswap.dcp import View, load_full
+
+    view = View(root, step)
+    modules = view.modules
+    if model is None:
+        if len(modules) != 1:
+            raise UsageError(
+                f"{root} step {step} holds {len(modules)} modules ({', '.join(modules) or 'none'}"
+                "; a step written before tierswap recorded what each state value is shows "
+                "none): name the model's state key with --model KEY"
+            )
+        model = modules[0]
+    prefix = f"{model}."
+    keys = [k for k in view.tensors if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"{root} step {step} holds no tensors under state key {model!r}")
+    _, sd = load_full(root, step, keys)
+    weights: dict[str, torch.Tensor] = {k: v for k, v in sd[model].items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in weights.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    files = (
+        [HF_WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    with new_folder(out) as tmp:
+        for name, shard in zip(files, shards, strict=True):
+            save_file({k: t.contiguous() for k, t in shard.items()}, os.path.join(tmp, name),
+                      metadata={"format": "pt"})  # fmt: skip
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {k: f for f, shard in zip(files, shards, strict=True) for k in shard},
+            }
+            with open(os.path.join(tmp, HF_INDEX), "w") as fh:
+                json.dump(index, fh, indent=2)
+    return {
+        "step": step,
+        "world_size": view.world_size,
+        "format": "hf",
+        "model": model,
+        "tensors": len(weights),
+        "bytes": total,
+        "files": len(files),
+        "path": out,
     }

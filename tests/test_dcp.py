@@ -1,0 +1,306 @@
+"""Tier 2 in and out of ``torch.distributed.checkpoint`` and Hugging Face safetensors.
+
+The oracle is the job's own state: a step exported or read through DCP, loaded into fresh
+objects with plain ``dcp.load`` (one process, 2 ranks, 4 ranks, DDP or FSDP2), holds the
+same bits as the job's final state; a job started from a plain torchrun run's DCP
+checkpoint ends with the same bits as that run carried on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from e2e import events, final_state, run_job
+from tierswap import names
+from tierswap.checksum import checksum_chunks
+from tierswap.dcp import Piece, StorageReader, View, _pieces, export_dcp, init_from
+from tierswap.errors import CorruptPartError, StateMismatchError, UsageError
+from tierswap.examples import FOLDER
+from tierswap.examples.gpt import GPTConfig, batch, build_model
+from tierswap.examples.train_gpt import Counter
+from tierswap.state import TensorEntry, flatten, make_layout, tensor_view
+from tierswap.tiers import durable
+from tierswap.tiers.export import HF_INDEX, HF_WEIGHTS, export_hf, parse_size
+
+CFG = GPTConfig(n_layer=2)
+GATHER = Path(__file__).parent / "dcp_gather.py"
+
+
+def _trained(steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(CFG, "single", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for s in range(steps):
+        model(*batch(s, 0, 1, CFG)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _write_step(root: str, step: int, state: dict[str, Any]) -> None:
+    flat = flatten(state)
+    layout = make_layout(flat)
+    buf = memoryview(bytearray(layout.nbytes))
+    for e, t in zip(layout.entries, flat.tensors, strict=True):
+        tensor_view(buf, e).copy_(t)
+    part = durable.write_part(
+        root, step, 0, 1, layout, flat.tree, buf, checksum_chunks(layout.chunks(buf))
+    )
+    durable.write_commit(root, step, 1, {0: part})
+
+
+def _fresh(seed: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model = build_model(CFG, "single", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    msd, osd = get_state_dict(model, opt)
+    return model, opt, {"model": msd, "optim": osd}
+
+
+def _flat_full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    msd, osd = get_state_dict(model, opt)
+    flat, _ = flatten_state_dict({"model": msd, "optim": {"state": osd["state"]}})
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want), set(got) ^ set(want)
+    bad = [k for k in want if not torch.equal(got[k].view(-1).view(torch.uint8),
+                                              want[k].reshape(-1).view(torch.uint8))]  # fmt: skip
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------- in one process
+
+
+def test_names_leave_wrappers_out() -> None:
+    model, opt = _trained(0)
+    compiled = torch.compile(model)  # never run: only its wrapper's names matter
+    keys = list(compiled.state_dict())
+    assert keys[0].startswith("_orig_mod.")
+    mapped = names.module_names(compiled, keys)
+    assert mapped[keys[0]] == keys[0].removeprefix("_orig_mod.")
+    assert names.fqn(model, "blocks._checkpoint_wrapped_module.0.ln_1.weight") == (
+        "blocks.0.ln_1.weight"
+    )
+    key, params = names.optimizer_names(opt, {"net": compiled}) or ("", [])
+    assert key == "net" and params[0] == "wte.weight" and "lm_head.weight" not in params
+    assert names.optimizer_names(opt, {}) is None
+
+
+def test_reader_loads_a_tier2_step_into_fresh_objects(tmp_path: Path) -> None:
+    model, opt = _trained()
+    counter = Counter()
+    counter.tokens_seen = 41
+    root = str(tmp_path / "root")
+    _write_step(root, 7, {"model": torch.compile(model), "optim": opt, "count": counter,
+                          "epoch": 3})  # fmt: skip
+    m2, o2, sd = _fresh()
+    sd.update(count={"tokens_seen": 0}, epoch=0)
+    dcp_load(sd, storage_reader=StorageReader(root), no_dist=True)
+    set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _same(_flat_full(m2, o2), _flat_full(model, opt))
+    assert o2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    assert sd["count"] == {"tokens_seen": 41} and sd["epoch"] == 3
+    view = View(root)
+    assert view.step == 7 and view.modules == ["model"]
+    assert not any(k.startswith("__rng__") for k in view.tensors), "RNG streams stay out"
+
+
+def test_reader_checks_every_part_it_reads(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    root = str(tmp_path / "root")
+    _write_step(root, 3, {"model": model, "optim": opt})
+    part = next((tmp_path / "root").glob("step-*/rank-00000.safetensors"))
+    raw = bytearray(part.read_bytes())
+    raw[-5] ^= 0xFF
+    part.write_bytes(raw)
+    _, _, sd = _fresh()
+    with pytest.raises(CheckpointException) as err:
+        dcp_load(sd, storage_reader=StorageReader(root), no_dist=True)
+    ((why, _),) = err.value.failures.values()
+    assert isinstance(why, CorruptPartError) and "checksum mismatch" in str(why)
+
+
+def _entry(shape: tuple[int, ...], gs: tuple[int, ...], pl: tuple[str, ...],
+           mc: tuple[int, ...]) -> TensorEntry:  # fmt: skip
+    n = 1
+    for d in shape:
+        n *= d
+    return TensorEntry("w", "F32", shape, 0, 4 * n, False, gs, pl, mc)
+
+
+def test_shards_become_chunks_at_their_offsets() -> None:
+    # 10 rows over 4 ranks as torch.chunk cuts them (3, 3, 3, 1), columns over a 2-D mesh
+    rows = {r: (r, _entry((3 if r < 3 else 1, 4), (10, 4), ("Shard(dim=0)",), (r,)))
+            for r in range(4)}  # fmt: skip
+    t = _pieces("w", rows)
+    assert [p.offsets for p in t.pieces] == [(0, 0), (3, 0), (6, 0), (9, 0)]
+    # HSDP-like: mesh (2, 2), replicated over dim 0 of the mesh, columns sharded over dim 1
+    hsdp = {
+        r: (r, _entry((6, 2), (6, 4), ("Replicate()", "Shard(dim=1)"), (r // 2, r % 2)))
+        for r in range(4)
+    }
+    t = _pieces("w", hsdp)
+    assert t.pieces == (Piece(0, 0, (0, 0), (6, 2)), Piece(1, 1, (0, 2), (6, 2)))
+    with pytest.raises(StateMismatchError, match="do not make a tensor"):
+        _pieces("w", {0: rows[0], 1: rows[1]})
+    with pytest.raises(StateMismatchError, match="merged"):
+        _pieces("w", {0: (0, _entry((5, 4), (10, 4), ("Partial(sum)",), (0,)))})
+
+
+def test_hf_export_shards_and_loads_strictly(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    root = str(tmp_path / "root")
+    _write_step(root, 1, {"net": model, "optim": opt})
+    one = export_hf(root, 1, str(tmp_path / "one"))
+    assert one["files"] == 1 and os.listdir(tmp_path / "one") == [HF_WEIGHTS]
+    many = export_hf(root, 1, str(tmp_path / "many"), max_shard_size=parse_size("300kB"))
+    index = json.loads((tmp_path / "many" / HF_INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == many["files"] > 2
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    for out, listed in ((tmp_path / "one", [HF_WEIGHTS]), (tmp_path / "many", files)):
+        weights: dict[str, torch.Tensor] = {}
+        for f in listed:
+            weights.update(load_file(out / f))
+        fresh = build_model(CFG, "single", seed=9)
+        fresh.load_state_dict(weights, strict=True)
+        _same(dict(fresh.state_dict()), dict(model.state_dict()))
+        modes = {(out / f).stat().st_mode for f in os.listdir(out)}
+        assert len(modes) == 1, "every file with the same permissions"
+    assert index["metadata"]["total_size"] == one["bytes"]
+    with pytest.raises(UsageError, match="exists"):
+        export_hf(root, 1, str(tmp_path / "one"))
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30
+    with pytest.raises(UsageError, match="max-shard-size"):
+        parse_size("lots")
+
+
+def test_init_from_loads_names_what_it_lacks_and_needs_a_step(tmp_path: Path) -> None:
+    model, opt = _trained(2)
+    msd, osd = get_state_dict(model, opt)
+    dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    m2, o2, _ = _fresh()
+    state = {"model": m2, "optim": o2, "counter": Counter()}
+    with pytest.raises(StateMismatchError, match="--init-step"):
+        init_from(state, str(tmp_path / "ck"))
+    got = init_from(state, str(tmp_path / "ck"), step=4)
+    assert got.step == 4 and got.missing == ["counter.tokens_seen"]
+    _same(_flat_full(m2, o2), _flat_full(model, opt))
+    with pytest.raises(FileNotFoundError, match="no DCP checkpoint"):
+        init_from(state, str(tmp_path / "nothing"), step=1)
+
+
+# ---------------------------------------------------------------- real jobs
+
+
+def _torchrun(nproc: int, script: Path, args: list[str], cwd: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _expected(final: dict[str, dict[str, torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:
+    """The job's final state under DCP's names, FSDP2 shards put together (dim 0)."""
+    params = [n for n, _ in build_model(CFG, "single").named_parameters()]
+    ranks = [final[k] for k in sorted(final)]
+    out = {}
+    for key in ranks[0]:
+        parts = key.split("/")
+        if parts[0] == "model":
+            name = "model." + parts[1].removeprefix("module.")
+        elif parts[:2] == ["optim", "state"]:
+            name = f"optim.state.{params[int(parts[2])]}.{parts[3]}"
+        else:
+            continue
+        pieces = [r[key] for r in ranks]
+        out[name] = torch.cat(pieces) if mode == "fsdp" and pieces[0].dim() else pieces[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A plain torchrun run with DCP every step; a tierswap DDP job started from its
+    step 12; a tierswap FSDP2 job. Both tierswap jobs persist to tier 2."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    plain = ["--steps", "16", "--kill-step", "-1", "--ckpt", str(tmp / "plain")]
+    _torchrun(2, FOLDER / "torchrun_gpt.py", plain, tmp)
+    out = {"tmp": tmp}
+    for name, mode, extra in (
+        ("ddp", "ddp", ("--init-from", str(tmp / "plain" / "step-12"))),
+        ("fsdp", "fsdp", ()),
+    ):
+        code, run_dir, log = run_job(
+            tmp, name, steps=16 if mode == "ddp" else 6, mode=mode,
+            extra=("--persist", str(tmp / f"{name}-root"), "--persist-every", "5", *extra),
+        )  # fmt: skip
+        assert code == 0, log
+        out[name] = (run_dir, log, final_state(tmp, name))
+    return out
+
+
+def test_init_from_a_plain_dcp_run_carries_it_on_bit_for_bit(jobs: dict[str, Any]) -> None:
+    tmp = jobs["tmp"]
+    run_dir, log, final = jobs["ddp"]
+    (init,) = events(run_dir, "initialized")
+    assert init["step"] == 12 and init["missing"] == ["counter.tokens_seen"]
+    assert "goes on at step 13" in log and "counter.tokens_seen" in log
+    assert durable.committed_steps(str(tmp / "ddp-root")) == [13, 15], "its first step is 13"
+    # the plain run's own step 15: what tierswap's steps 13..15 must have made
+    model, opt, sd = _fresh()
+    dcp_load(sd, checkpoint_id=str(tmp / "plain" / "step-15"), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _same(_expected(final, "ddp"), _flat_full(model, opt))
+
+
+def test_ddp_step_out_to_dcp_and_hf_loads_the_same_bits(jobs: dict[str, Any]) -> None:
+    tmp = jobs["tmp"]
+    _, _, final = jobs["ddp"]
+    want = _expected(final, "ddp")
+    root = str(tmp / "ddp-root")
+    summary = export_dcp(root, 15, str(tmp / "ddp-dcp"))
+    assert summary["step"] == 15 and summary["world_size"] == 2
+    model, opt, sd = _fresh()
+    dcp_load(sd, checkpoint_id=str(tmp / "ddp-dcp"), no_dist=True)  # DCP's default reader
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _same(_flat_full(model, opt), want)
+    _torchrun(2, GATHER, ["--dcp", str(tmp / "ddp-dcp"), str(tmp / "ddp-2.safetensors")], tmp)
+    _same(load_file(tmp / "ddp-2.safetensors"), want)
+    cli = [sys.executable, "-m", "tierswap.cli", "export", root, "--format", "hf",
+           str(tmp / "ddp-hf")]  # fmt: skip
+    subprocess.run(cli, check=True, capture_output=True, timeout=120)
+    fresh = build_model(CFG, "single", seed=3)
+    fresh.load_state_dict(load_file(tmp / "ddp-hf" / HF_WEIGHTS), strict=True)
+    _same({f"model.{k}": v for k, v in fresh.state_dict().items()},
+          {k: v for k, v in want.items() if k.startswith("model.")})  # fmt: skip
+
+
+def test_fsdp2_step_read_by_dcp_at_2_and_4_ranks(jobs: dict[str, Any]) -> None:
+    tmp = jobs["tmp"]
+    _, _, final = jobs["fsdp"]
+    want = _expected(final, "fsdp")
+    root = str(tmp / "fsdp-root")
+    assert durable.committed_steps(root)[-1] == 5
+    for n in (2, 4):  # 2 -> 2 and 2 -> 4: DCP reshards tier 2's shards
+        out = tmp / f"fsdp-{n}.safetensors"
+        _torchrun(n, GATHER, ["--mode", "fsdp", "--root", root, str(out)], tmp)
+        _same(load_file(out), want)
+    export_dcp(root, 5, str(tmp / "fsdp-dcp"))
+    model, opt, sd = _fresh()
+    dcp_load(sd, checkpoint_id=str(tmp / "fsdp-dcp"), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _same(_flat_full(model, opt), want)
