@@ -29,7 +29,7 @@ from tierswap import names
 from tierswap.checksum import checksum_chunks
 from tierswap.dcp import Piece, StorageReader, View, _pieces, export_dcp, init_from
 from tierswap.errors import CorruptPartError, StateMismatchError, UsageError
-from tierswap.examples import FOLDER
+from tierswap.examples import FOLDER, load_final
 from tierswap.examples.gpt import GPTConfig, batch, build_model
 from tierswap.examples.train_gpt import Counter
 from tierswap.state import TensorEntry, flatten, make_layout, tensor_view
@@ -304,3 +304,35 @@ def test_fsdp2_step_read_by_dcp_at_2_and_4_ranks(jobs: dict[str, Any]) -> None:
     dcp_load(sd, checkpoint_id=str(tmp / "fsdp-dcp"), no_dist=True)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _same(_flat_full(model, opt), want)
+
+
+def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]) -> None:
+    """A job started again on its root with another world size: every parameter and
+    optimizer value after the restore equals the one before, gathered, bit for bit."""
+    tmp = jobs["tmp"]
+    root = str(tmp / "fsdp-root")
+    before = _expected(jobs["fsdp"][2], "fsdp")  # its step 5, at 2 ranks
+    code, run_dir, log = run_job(
+        tmp, "fsdp4", nodes=4, steps=8, mode="fsdp",
+        extra=("--persist", root, "--persist-every", "5"),
+        train_args=("--out-start", str(tmp / "fsdp4-start")),
+    )  # fmt: skip
+    assert code == 0, log
+    (moved,) = events(run_dir, "resharded")
+    assert (moved["step"], moved["from_world_size"], moved["world_size"]) == (5, 2, 4)
+    assert "resumed step 5 of world size 2 at world size 4" in log
+    started = load_final(tmp / "fsdp4-start")
+    assert len(started) == 4
+    _same(_expected(started, "fsdp"), before)
+    assert durable.committed_steps(root)[-1] == 7
+    code, run_dir, log = run_job(
+        tmp, "fsdp2", nodes=2, steps=9, mode="fsdp", extra=("--persist", root),
+        train_args=("--out-start", str(tmp / "fsdp2-start")),
+    )  # fmt: skip
+    assert code == 0, log
+    (moved,) = events(run_dir, "resharded")
+    assert (moved["step"], moved["from_world_size"], moved["world_size"]) == (7, 4, 2)
+    _same(
+        _expected(load_final(tmp / "fsdp2-start"), "fsdp"),
+        _expected(final_state(tmp, "fsdp4"), "fsdp"),
+    )

@@ -484,21 +484,32 @@ def _apply(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
             state[key] = loaded[key]
 
 
-def init_from(state: MutableMapping[str, Any], path: str, step: int | None = None) -> Initialized:
-    """Load the DCP checkpoint in ``path`` into ``state``'s live objects (every rank calls
-    it: ``dcp.load`` reshards to this job's world size and its DDP or FSDP2 wrapping).
+def init_from(
+    state: MutableMapping[str, Any], path: str, step: int | None = None, *, tier2: bool = False
+) -> Initialized:
+    """Load a checkpoint into ``state``'s live objects through ``dcp.load``, which every
+    rank calls: it reshards to this job's world size and its DDP or FSDP2 wrapping.
 
-    The step it holds is ``step``, else a ``step`` value saved in it. Keys of the state
-    that the checkpoint lacks are left as built and returned.
+    ``path`` is a DCP folder (``--init-from``: the step it holds is ``step``, else a
+    ``step`` value saved in it), or with ``tier2`` a tierswap root whose committed
+    ``step`` was written at another world size. Keys of the state that the checkpoint
+    lacks are left as built and returned.
     """
     t0 = time.monotonic()
-    reader = FileSystemReader(path)
-    try:
-        meta = reader.read_metadata()  # a pickle: DCP's own reader, trusted input
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"--init-from {path}: no DCP checkpoint there (its .metadata is missing)"
-        ) from None
+    reader: _StorageReader
+    if tier2:
+        if step is None:
+            raise ValueError("a resume from tier 2 names its step")
+        reader = StorageReader(path, step)
+        meta = reader.read_metadata()
+    else:
+        reader = FileSystemReader(path)
+        try:
+            meta = reader.read_metadata()  # a pickle: DCP's own reader, trusted input
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"--init-from {path}: no DCP checkpoint there (its .metadata is missing)"
+            ) from None
     stored = meta.state_dict_metadata
     target = _targets(state)
     saved_step = stored.get("step")

@@ -164,7 +164,7 @@ class Job:
         collectively); the job goes on at the step after the one it holds."""
         from tierswap.dcp import init_from
 
-        got = init_from(state, init.path, init.step)
+        got = init_from(state, init.path, init.step, tier2=init.world_size is not None)
         assert self._chan is not None
         seconds = time.monotonic() - t0
         self._chan.send(

@@ -144,7 +144,7 @@ class Coordinator:
 
     def run(self) -> int:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
-        warning = check_durable(self.cfg)
+        warning, self.core.reshard = check_durable(self.cfg)
         if self.claim is not None and warning is None:
             self.claim.acquire()  # RootInUseError names the job that holds the root
             self._renewed_at = time.monotonic()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tierswap.cluster.multihost import KEY_ENV, inherited
 from tierswap.config import Config
-from tierswap.errors import UsageError, WorldSizeMismatchError
+from tierswap.errors import UsageError
 from tierswap.tiers import durable
 from tierswap.tiers.files import url_fs
 
@@ -191,25 +191,20 @@ def check_shared(url: str) -> None:
         raise UsageError(f"--persist {url}: {e}{extra}") from None
 
 
-def check_durable(cfg: Config) -> str | None:
-    """Refuse a durable root written by another world size; report an unwritable one.
-
-    Returns a warning for a root that cannot be written (the job trains on memory tiers).
-    """
+def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
+    """A warning for a durable root that cannot be written (the job then trains on memory
+    tiers), and ``(step, world size)`` where its newest restorable step was written at
+    another world size than this job's: the job starts from it, resharded."""
     if cfg.persist is None:
-        return None
+        return None, None
     check_shared(cfg.persist)
     try:
-        committed = [s for s in durable.list_steps(cfg.persist) if s.committed]
+        restorable = [s for s in durable.list_steps(cfg.persist) if s.restorable]
     except OSError as e:
-        return f"cannot list it: {e}"
-    if committed and committed[-1].world_size != cfg.world_size:
-        newest = committed[-1]
-        raise WorldSizeMismatchError(
-            f"{cfg.persist} step {newest.step} was written by a job of world size "
-            f"{newest.world_size}; this job has {cfg.world_size} "
-            f"({cfg.nodes} nodes x {cfg.nproc_per_node} workers). Run with a matching "
-            "--nodes/--nproc-per-node to resume it, or give a new --persist URL; nothing "
-            "was changed in it."
-        )
-    return durable.probe_writable(cfg.persist)
+        return f"cannot list it: {e}", None
+    reshard = None
+    if restorable and restorable[-1].world_size != cfg.world_size:
+        newest = restorable[-1]
+        assert newest.world_size is not None
+        reshard = (newest.step, newest.world_size)
+    return durable.probe_writable(cfg.persist), reshard

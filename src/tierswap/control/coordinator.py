@@ -69,6 +69,14 @@ def _fields(msg: p.Message, *names: str) -> dict[str, Any]:
     return {n: getattr(msg, n) for n in names}
 
 
+RESHARD_POLICY = (
+    "parameters and optimizer state resharded by torch.distributed.checkpoint; every "
+    "other value (data cursors, counters) taken from old rank 0 by every rank; RNG "
+    "streams left as the script seeded them"
+)
+"""What a resume at another world size does with each kind of value (README, docs)."""
+
+
 class CoordinatorCore:
     def __init__(
         self,
@@ -137,6 +145,10 @@ class CoordinatorCore:
         self.plan: Plan | None = None
         self.restored: dict[int, p.Restored] = {}
         self.initialized: dict[int, p.Initialized] = {}
+        self.reshard: tuple[int, int] | None = None
+        """(step, world size): tier 2's newest step, written by this job at another world
+        size. A generation with no step of its own starts from it, resharded (set by the
+        shell from ``check_durable``)."""
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.reports = Reports(cfg.world_size, tier2)
@@ -825,6 +837,11 @@ class CoordinatorCore:
         )
 
     def _init_from(self) -> p.InitFrom | None:
+        """What a generation with no step of this world size starts from: tier 2's step of
+        another world size, else ``--init-from``, else nothing."""
+        if self.reshard is not None and self.tier2 is not None:
+            step, world_size = self.reshard
+            return p.InitFrom(path=self.tier2.url, step=step, world_size=world_size)
         path = self.cfg.init_from
         return None if path is None else p.InitFrom(path=path, step=self.cfg.init_step)
 
@@ -836,16 +853,28 @@ class CoordinatorCore:
         got = list(self.initialized.values())
         missing = sorted({k for m in got for k in m.missing})
         step, seconds = got[0].step, max(m.seconds for m in got)
-        self.out.log("initialized", path=self.cfg.init_from, step=step, missing=missing,
-                     seconds=seconds, generation=self.generation)  # fmt: skip
-        self.out.say(
-            f"started from {self.cfg.init_from} (step {step}; the job goes on at step "
-            f"{step + 1}) in {seconds:.2f} s"
-        )
+        init = self._init_from()
+        assert init is not None
+        ws = self.cfg.world_size
+        if init.world_size is not None:
+            self.out.log("resharded", path=init.path, step=step, world_size=ws,
+                         from_world_size=init.world_size, missing=missing, seconds=seconds,
+                         generation=self.generation, policy=RESHARD_POLICY)  # fmt: skip
+            self.out.say(
+                f"resumed step {step} of world size {init.world_size} at world size {ws} "
+                f"in {seconds:.2f} s: {RESHARD_POLICY}"
+            )
+        else:
+            self.out.log("initialized", path=init.path, step=step, missing=missing,
+                         seconds=seconds, generation=self.generation)  # fmt: skip
+            self.out.say(
+                f"started from {init.path} (step {step}; the job goes on at step "
+                f"{step + 1}) in {seconds:.2f} s"
+            )
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             shown = ", ".join(missing[:8]) + more
-            self.out.say(f"not in {self.cfg.init_from}, left as built: {shown}")
+            self.out.say(f"not in {init.path} step {step}, left as built: {shown}")
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
         gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []

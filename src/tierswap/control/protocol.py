@@ -91,6 +91,9 @@ class InitFrom(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     step: int | None = None
     """The step it holds; None reads its saved ``step`` value."""
+    world_size: int | None = None
+    """Set: ``path`` is the job's own tier-2 root, whose ``step`` was written by a job of
+    this world size (a resume at another size). None: a DCP folder (``--init-from``)."""
 
 
 class RankPlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,7 +3,8 @@
     tierswap run --nodes 2 examples/train_gpt.py --steps 40 --mode ddp --out final/
 
 With ``--out DIR`` every rank writes its final state (parameters, optimizer state and RNG
-states) to ``DIR/rank-<r>.safetensors``, so two runs can be compared bit for bit.
+states) to ``DIR/rank-<r>.safetensors``, so two runs can be compared bit for bit;
+``--out-start DIR`` the state it starts training from (restored, or as built).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128, help="the model's embedding width")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--out-start", default=None, help="also write the state as restored, before training"
+    )
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
     p.add_argument(
         "--train-last", type=int, default=0, help="fine-tune: train only the last N blocks"
@@ -69,7 +73,11 @@ def train(job: tierswap.Job) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     counter = Counter()
     state = {"model": model, "optim": opt, "counter": counter}
+    first = True
     for step in job.steps(state, total=args.steps):
+        if args.out_start and first:
+            save_final(args.out_start, job.rank, state)
+        first = False
         x, y = batch(step, job.rank, job.world_size, cfg)
         loss = model(x, y) + 0.0 * torch.rand(())  # draws from the RNG, which must be restored
         loss.backward()
