@@ -87,3 +87,20 @@ def test_rig_slot_holds_the_state_as_the_agent_checksummed_it() -> None:
                 assert torch.equal(views[entry.key], t), entry.key
         finally:
             rig.close()
+
+
+@pytest.mark.timeout(240)
+def test_bench_dcp_measures_exports_and_a_resharding_restore(tmp_path: Path) -> None:
+    out = tmp_path / "dcp.json"
+    args = argparse.Namespace(what="dcp", size_mib=1, repeats=1, json=str(out))
+    assert bench.main(args) == 0
+    res = json.loads(out.read_text())
+    export = res["export"]
+    for name in ("write_fsync", "tier2_read", "export_dcp", "export_hf"):
+        assert export[name]["bps"]["median"] > 0 and len(export[name]["seconds"]["samples"]) == 1
+    assert set(export["ratios"]) == {f"{n}/{b}" for n in ("export_dcp", "export_hf")
+                                     for b in ("tier2_read", "write_fsync")}  # fmt: skip
+    reshard = res["reshard"]
+    assert reshard["same_2_to_2"]["exact"] == reshard["reshard_2_to_4"]["exact"] == "1/1"
+    assert reshard["ratio"] > 0
+    assert not list(Path(tempfile.gettempdir()).glob("tierswap-bench-dcp-*"))

@@ -10,7 +10,6 @@ from tierswap.errors import (
     StateMismatchError,
     TierswapError,
     UsageError,
-    WorldSizeMismatchError,
 )
 from tierswap.job import Job
 from tierswap.worker import launch
@@ -25,7 +24,6 @@ __all__ = [
     "StateMismatchError",
     "TierswapError",
     "UsageError",
-    "WorldSizeMismatchError",
     "launch",
     "make_exact",
     "ordered_allreduce_hook",

@@ -406,6 +406,7 @@ def parser() -> argparse.ArgumentParser:
             "control-plane",
             "soak",
             "hosts",
+            "dcp",
         ],
     )
     bench.add_argument(

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -525,11 +526,19 @@ def init_from(
             target["step"] = None
     flat, _ = flatten_state_dict(target)
     missing = sorted(k for k in flat if k not in stored)
-    dcp_load(
-        target,
-        storage_reader=reader,
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-    )
+    source = f"{path} step {step}" if tier2 else f"--init-from {path}"
+    try:
+        dcp_load(
+            target,
+            storage_reader=reader,
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
+    except CheckpointException as e:  # DCP gathers every rank's failure: name the first
+        why = next((f"{type(err).__name__}: {err}" for err, _ in e.failures.values()), str(e))
+        raise StateMismatchError(
+            f"{source} does not load into this job's state ({why}); start it with the code "
+            "and sizes that wrote it"
+        ) from e
     if step is None:
         got = target["step"] if "step" in state else target.pop("step")
         try:

@@ -23,10 +23,6 @@ class StateMismatchError(UsageError):
     """A saved snapshot does not fit the state it is restored into (shape, dtype, keys)."""
 
 
-class WorldSizeMismatchError(UsageError):
-    """A durable checkpoint was written by a job of another world size."""
-
-
 class CorruptPartError(TierswapError):
     """A stored part is truncated, corrupt or missing; restores skip it for an older step."""
 

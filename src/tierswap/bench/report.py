@@ -113,6 +113,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import hosts
 
         return hosts.main(args)
+    if args.what == "dcp":
+        from tierswap.bench import convert
+
+        return convert.main(args)
     if args.what == "control-plane":
         from tierswap.bench import controlplane
 
