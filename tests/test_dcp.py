@@ -185,8 +185,9 @@ def test_hf_export_shards_and_loads_strictly(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="exists"):
         export_hf(root, 1, str(tmp_path / "one"))
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30
-    with pytest.raises(UsageError, match="max-shard-size"):
-        parse_size("lots")
+    for bad in ("lots", "5iB", "0"):
+        with pytest.raises(UsageError, match="max-shard-size"):
+            parse_size(bad)
 
 
 def test_init_from_loads_names_what_it_lacks_and_needs_a_step(tmp_path: Path) -> None:
@@ -200,8 +201,42 @@ def test_init_from_loads_names_what_it_lacks_and_needs_a_step(tmp_path: Path) ->
     got = init_from(state, str(tmp_path / "ck"), step=4)
     assert got.step == 4 and got.missing == ["counter.tokens_seen"]
     _same(_flat_full(m2, o2), _flat_full(model, opt))
-    with pytest.raises(FileNotFoundError, match="no DCP checkpoint"):
+    with pytest.raises(UsageError, match="no DCP checkpoint"):
         init_from(state, str(tmp_path / "nothing"), step=1)
+
+
+def test_init_from_weights_only_leaves_the_optimizer_as_built(tmp_path: Path) -> None:
+    model, _ = _trained(2)
+    dcp_save({"model": get_state_dict(model, [])[0], "step": 9},
+             checkpoint_id=str(tmp_path / "ck"), no_dist=True)  # fmt: skip
+    m2 = build_model(CFG, "single", seed=5)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=3e-3)
+    got = init_from({"model": m2, "optim": o2}, str(tmp_path / "ck"))
+    assert got.step == 9 and got.missing == ["optim"]
+    assert not o2.state, "no moments made for a checkpoint that has none"
+    _same(dict(m2.state_dict()), dict(model.state_dict()))
+
+
+def test_a_resume_from_tier_2_needs_every_key_and_checks_every_part(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    root = str(tmp_path / "root")
+    _write_step(root, 3, {"model": model, "optim": opt})
+    m2, o2, _ = _fresh()
+    with pytest.raises(StateMismatchError, match=r"lacks counter\.tokens_seen"):
+        init_from({"model": m2, "optim": o2, "counter": Counter()}, root, 3, tier2=True)
+    part = next((tmp_path / "root").glob("step-*/rank-00000.safetensors"))
+    raw = bytearray(part.read_bytes())
+    raw[-5] ^= 0xFF
+    part.write_bytes(raw)
+    with pytest.raises(CorruptPartError, match="checksum mismatch"):
+        init_from({"model": m2, "optim": o2}, root, 3, tier2=True)
+
+
+def test_a_tensor_inside_a_tuple_is_refused_not_pickled(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    _write_step(root, 1, {"pair": (torch.ones(2), 3)})
+    with pytest.raises(StateMismatchError, match="inside a tuple"):
+        View(root)
 
 
 # ---------------------------------------------------------------- real jobs
@@ -314,7 +349,7 @@ def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]
     before = _expected(jobs["fsdp"][2], "fsdp")  # its step 5, at 2 ranks
     code, run_dir, log = run_job(
         tmp, "fsdp4", nodes=4, steps=8, mode="fsdp",
-        extra=("--persist", root, "--persist-every", "5"),
+        extra=("--persist", root, "--persist-every", "5", "--keep", "4"),
         train_args=("--out-start", str(tmp / "fsdp4-start")),
     )  # fmt: skip
     assert code == 0, log
@@ -324,9 +359,10 @@ def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]
     started = load_final(tmp / "fsdp4-start")
     assert len(started) == 4
     _same(_expected(started, "fsdp"), before)
-    assert durable.committed_steps(root)[-1] == 7
+    # the 2-rank steps stay: a resume at 2 ranks must still take the newer 4-rank step 7
+    assert durable.committed_steps(root) == [0, 5, 6, 7]
     code, run_dir, log = run_job(
-        tmp, "fsdp2", nodes=2, steps=9, mode="fsdp", extra=("--persist", root),
+        tmp, "fsdp2", nodes=2, steps=9, mode="fsdp", extra=("--persist", root, "--keep", "4"),
         train_args=("--out-start", str(tmp / "fsdp2-start")),
     )  # fmt: skip
     assert code == 0, log

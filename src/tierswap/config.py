@@ -228,9 +228,8 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
         if default is None and str(f.type).startswith("int"):
             return int(raw)
     except ValueError:
-        raise ValueError(
-            f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {type(default).__name__}"
-        ) from None
+        kind = "int" if default is None else type(default).__name__
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {kind}") from None
     return raw
 
 

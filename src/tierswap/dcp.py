@@ -31,6 +31,7 @@ import io
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 from torch.futures import Future
 
 from tierswap import names
-from tierswap.errors import StateMismatchError
+from tierswap.errors import CorruptPartError, StateMismatchError, UsageError, listed
 from tierswap.state import (
     FQNS,
     KIND,
@@ -218,6 +219,16 @@ def _pieces(key: str, entries: Mapping[int, tuple[int, TensorEntry]]) -> Stored:
     return Stored(torch_dtype(e0.dtype), size, tuple(pieces.values()))
 
 
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, list | tuple):
+        return any(_holds_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    return False
+
+
 class View:
     """A committed tier-2 step as DCP sees it: flat keys, tensor chunks and values.
 
@@ -263,6 +274,11 @@ class View:
         for key, v in flats[0].items():
             ref = refs.get(id(v)) if isinstance(v, torch.Tensor) else None
             if ref is None:
+                if _holds_tensor(v):
+                    raise StateMismatchError(
+                        f"{root} step {step}: {key} holds a tensor inside a tuple, which DCP "
+                        "keeps as one pickled value; export this step with --format merged"
+                    )
                 self.values[key] = v
                 continue
             e = self.layouts[0].entries[ref[1]]
@@ -436,8 +452,9 @@ class Initialized:
     seconds: float
 
 
-def _targets(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's state as DCP state dicts (``get_model_state_dict`` and friends)."""
+def _targets(state: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's state as DCP state dicts (``get_model_state_dict`` and friends); an
+    optimizer of which ``stored`` holds nothing is left out (and so left as built)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -449,14 +466,16 @@ def _targets(state: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(obj, nn.Module):
             out[key] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
+            if not any(k.startswith(f"{key}.") for k in stored):
+                continue
             owner = names.optimizer_names(obj, modules)
             if owner is None:
                 raise StateMismatchError(
-                    f"state[{key!r}]: no module in the state owns all of this optimizer's "
-                    "parameters, so its state cannot be named as DCP names it; put the model "
-                    "in the state next to it"
+                    f"state[{key!r}]: no one module in the state owns all of this "
+                    "optimizer's parameters, so its state cannot be named as DCP names it; "
+                    "put one module that holds them all (their common parent) in the state"
                 )
-            init_optimizer_state(obj)
+            init_optimizer_state(obj)  # its moments exist to be loaded into
             out[key] = get_optimizer_state_dict(modules[owner[0]], obj)
         elif callable(getattr(obj, "state_dict", None)):
             out[key] = obj.state_dict()
@@ -473,6 +492,8 @@ def _apply(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
 
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     for key, obj in state.items():
+        if key not in loaded:
+            continue
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, loaded[key])
         elif isinstance(obj, torch.optim.Optimizer):
@@ -485,39 +506,44 @@ def _apply(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
             state[key] = loaded[key]
 
 
-def init_from(
-    state: MutableMapping[str, Any], path: str, step: int | None = None, *, tier2: bool = False
-) -> Initialized:
-    """Load a checkpoint into ``state``'s live objects through ``dcp.load``, which every
-    rank calls: it reshards to this job's world size and its DDP or FSDP2 wrapping.
-
-    ``path`` is a DCP folder (``--init-from``: the step it holds is ``step``, else a
-    ``step`` value saved in it), or with ``tier2`` a tierswap root whose committed
-    ``step`` was written at another world size. Keys of the state that the checkpoint
-    lacks are left as built and returned.
-    """
-    t0 = time.monotonic()
-    reader: _StorageReader
+def _metadata(path: str, step: int | None, tier2: bool) -> tuple[_StorageReader, Metadata]:
     if tier2:
         if step is None:
             raise ValueError("a resume from tier 2 names its step")
-        reader = StorageReader(path, step)
-        meta = reader.read_metadata()
-    else:
-        reader = FileSystemReader(path)
-        try:
-            meta = reader.read_metadata()  # a pickle: DCP's own reader, trusted input
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"--init-from {path}: no DCP checkpoint there (its .metadata is missing)"
-            ) from None
+        tier2_reader = StorageReader(path, step)
+        return tier2_reader, tier2_reader.read_metadata()
+    reader = FileSystemReader(path)
+    try:
+        return reader, reader.read_metadata()  # a pickle: DCP's own reader, trusted input
+    except FileNotFoundError:
+        raise UsageError(
+            f"--init-from {path}: no DCP checkpoint there on host {socket.gethostname()} "
+            "(no .metadata file); give a folder that every host reads at this path"
+        ) from None
+
+
+def init_from(
+    state: MutableMapping[str, Any], path: str, step: int | None = None, *, tier2: bool = False
+) -> Initialized:
+    """Load a checkpoint into ``state``'s live objects through ``dcp.load``: every rank
+    plans and reads its own chunks (no plans exchanged), resharded to this job's world
+    size and its DDP or FSDP2 wrapping.
+
+    ``path`` is a DCP folder (``--init-from``: the step it holds is ``step``, else a
+    ``step`` value saved in it; keys of the state it lacks are left as built and
+    returned), or with ``tier2`` a tierswap root whose committed ``step`` was written at
+    another world size (it must hold every key of the state).
+    """
+    t0 = time.monotonic()
+    reader, meta = _metadata(path, step, tier2)
     stored = meta.state_dict_metadata
-    target = _targets(state)
+    source = f"{path} step {step}" if tier2 else f"--init-from {path}"
+    target = _targets(state, stored)
     saved_step = stored.get("step")
     if step is None and saved_step is None:
         raise StateMismatchError(
-            f"--init-from {path}: the checkpoint holds no 'step' value; give the step it "
-            "was saved at with --init-step S (the job's first step is then S + 1)"
+            f"{source}: the checkpoint holds no 'step' value; give the step it was saved at "
+            "with --init-step S (the job's first step is then S + 1)"
         )
     if step is None and "step" not in state:
         if isinstance(saved_step, TensorStorageMetadata):
@@ -526,15 +552,26 @@ def init_from(
             target["step"] = None
     flat, _ = flatten_state_dict(target)
     missing = sorted(k for k in flat if k not in stored)
-    source = f"{path} step {step}" if tier2 else f"--init-from {path}"
+    missing += sorted(k for k in state if k not in target)  # an optimizer it has nothing of
+    if tier2 and missing:
+        raise StateMismatchError(
+            f"{source} lacks {listed(missing)} of this job's state (a step written before tierswap "
+            "recorded DCP's names, or by other code): resume it at the world size that "
+            "wrote it, or with the code that wrote it"
+        )
     try:
         dcp_load(
             target,
             storage_reader=reader,
             planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
         )
-    except CheckpointException as e:  # DCP gathers every rank's failure: name the first
-        why = next((f"{type(err).__name__}: {err}" for err, _ in e.failures.values()), str(e))
+    except CheckpointException as e:
+        errors = [err for err, _ in e.failures.values()]
+        corrupt = next((err for err in errors if isinstance(err, CorruptPartError)), None)
+        if corrupt is not None:
+            raise corrupt from e
+        why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else str(e)
         raise StateMismatchError(
             f"{source} does not load into this job's state ({why}); start it with the code "
             "and sizes that wrote it"
@@ -544,11 +581,10 @@ def init_from(
         try:
             step = int(got.item() if isinstance(got, torch.Tensor) else got)
         except (TypeError, ValueError, RuntimeError):
+            step = -1
+        if step < 0:
             raise StateMismatchError(
-                f"--init-from {path}: its 'step' value {got!r} is not a step number; give "
-                "--init-step S"
-            ) from None
+                f"{source}: its 'step' value {got!r} is not a step number; give --init-step S"
+            )
     _apply(state, target)
-    if step < 0:
-        raise StateMismatchError(f"--init-from {path}: step {step} is not a step number")
     return Initialized(step=step, missing=missing, seconds=time.monotonic() - t0)

@@ -50,3 +50,9 @@ class Deposed(BaseException):
     """This coordinator leads the job no more (``--rdzv-backend etcd``: another one took
     it over): it must act no further. A BaseException, so that no ``except Exception``
     on the way lets it act on."""
+
+
+def listed(items: list[str], most: int = 8) -> str:
+    """``items`` for a message: the first ``most`` of them and how many more."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more

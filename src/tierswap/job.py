@@ -164,6 +164,8 @@ class Job:
         collectively); the job goes on at the step after the one it holds."""
         from tierswap.dcp import init_from
 
+        if init.world_size is not None:  # a corrupt part names the step it belongs to
+            self.plan_step, self.plan_tier = init.step, 2
         got = init_from(state, init.path, init.step, tier2=init.world_size is not None)
         assert self._chan is not None
         seconds = time.monotonic() - t0

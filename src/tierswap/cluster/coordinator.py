@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierswap.cluster.launch import LocalNodes, check_durable, new_job_id
+from tierswap.cluster.launch import LocalNodes, check_durable, check_init_from, new_job_id
 from tierswap.cluster.multihost import HostLaunch, agent_env
 from tierswap.config import Config
 from tierswap.control import protocol as p
@@ -144,6 +144,7 @@ class Coordinator:
 
     def run(self) -> int:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
+        check_init_from(self.cfg)
         warning, self.core.reshard = check_durable(self.cfg)
         if self.claim is not None and warning is None:
             self.claim.acquire()  # RootInUseError names the job that holds the root

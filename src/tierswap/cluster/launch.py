@@ -191,6 +191,25 @@ def check_shared(url: str) -> None:
         raise UsageError(f"--persist {url}: {e}{extra}") from None
 
 
+def check_init_from(cfg: Config) -> None:
+    """Refuse an ``--init-from`` that holds no DCP checkpoint here; make its path absolute,
+    which every host must then read it at."""
+    if cfg.init_from is None:
+        return
+    given = cfg.init_from
+    if "://" in given:
+        raise UsageError(
+            f"--init-from {given}: give a folder (DCP's FileSystemReader reads local paths); "
+            "mount the store, or copy the checkpoint to a shared filesystem"
+        )
+    cfg.init_from = os.path.abspath(given)
+    if not os.path.isfile(os.path.join(cfg.init_from, ".metadata")):
+        raise UsageError(
+            f"--init-from {given}: no DCP checkpoint there (no .metadata file); give the "
+            "folder that dcp.save wrote"
+        )
+
+
 def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
     """A warning for a durable root that cannot be written (the job then trains on memory
     tiers), and ``(step, world size)`` where its newest restorable step was written at

@@ -50,6 +50,7 @@ from tierswap.control.recovery import RecoveryClock
 from tierswap.control.restore import Reports, lost_message, memory_lost
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
+from tierswap.errors import listed
 from tierswap.faults import Chaos, FaultPlan, Injection
 from tierswap.plan import Holdings, Plan, Tier
 from tierswap.tiers import peer
@@ -751,7 +752,10 @@ class CoordinatorCore:
         if self.tier2 is None:
             return frozenset()
         try:
-            return self.tier2.restorable_steps(self.cfg.world_size)
+            steps = self.tier2.restorable_steps(self.cfg.world_size)
+            if self.reshard is not None:  # older than a step of another size: superseded
+                steps = frozenset(s for s in steps if s > self.reshard[0])
+            return steps
         except OSError as e:
             self.persister.failing(f"cannot list {self.tier2.url}: {e}")
             return frozenset()
@@ -872,9 +876,7 @@ class CoordinatorCore:
                 f"{step + 1}) in {seconds:.2f} s"
             )
         if missing:
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            shown = ", ".join(missing[:8]) + more
-            self.out.say(f"not in {init.path} step {step}, left as built: {shown}")
+            self.out.say(f"not in {init.path}, left as built: {listed(missing)}")
 
     def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
         gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
@@ -909,6 +911,13 @@ class CoordinatorCore:
 
     def _corrupt(self, msg: p.Corrupt) -> None:
         rank, step, tier = msg.rank, msg.step, msg.tier
+        if self.reshard is not None and (step, tier) == (self.reshard[0], Tier.DURABLE):
+            raise JobStopped(
+                f"rank {rank}: {msg.where}: {msg.why}. Step {step} of world size "
+                f"{self.reshard[1]} is what this job would resume from at world size "
+                f"{self.cfg.world_size}; `tierswap verify {self.cfg.persist}` lists what is "
+                "damaged. Resume at the world size that wrote it, or remove the step."
+            )
         if step is not None and tier is not None:
             self.reports.bad.add((Tier(tier), step, rank))
             if tier == Tier.DURABLE:

@@ -195,6 +195,7 @@ def new_folder(out: str | os.PathLike[str]) -> Iterator[str]:
                     os.fsync(fh.fileno())
                 os.chmod(f, mode)
         tmp.chmod(0o777 & ~_umask())
+        fsync_dir(str(tmp))
         os.replace(tmp, dest)
         fsync_dir(str(dest.parent))
     except BaseException:
@@ -204,10 +205,10 @@ def new_folder(out: str | os.PathLike[str]) -> Iterator[str]:
 
 def parse_size(text: str) -> int:
     """``5GB``, ``500MB``, ``2GiB`` or a byte count: Hugging Face's shard-size notation."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMGT]i?)?)B?\s*", text, re.IGNORECASE)
     if m is None:
         raise UsageError(f"--max-shard-size {text!r}: give bytes, or a size such as 5GB or 500MB")
-    unit = m.group(2).upper().rstrip("B")
+    unit = m.group(2).upper()
     scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]  # fmt: skip
     size = int(float(m.group(1)) * scale)
