@@ -324,7 +324,7 @@ def test_ddp_step_out_to_dcp_and_hf_loads_the_same_bits(jobs: dict[str, Any]) ->
           {k: v for k, v in want.items() if k.startswith("model.")})  # fmt: skip
 
 
-def test_fsdp2_step_out_to_dcp_loads_the_same_bits_in_1_and_2_ranks(jobs: dict[str, Any]) -> None:
+def test_fsdp2_step_out_to_dcp_and_hf_loads_the_same_bits(jobs: dict[str, Any]) -> None:
     """Read at 4 ranks through the StorageReader: the resume test below."""
     tmp = jobs["tmp"]
     _, _, final = jobs["fsdp"]
@@ -339,6 +339,11 @@ def test_fsdp2_step_out_to_dcp_loads_the_same_bits_in_1_and_2_ranks(jobs: dict[s
     out = tmp / "fsdp-2.safetensors"
     _torchrun(2, GATHER, ["--mode", "fsdp", "--dcp", str(tmp / "fsdp-dcp"), str(out)], tmp)
     _same(load_file(out), want)
+    export_hf(root, 5, str(tmp / "fsdp-hf"))  # the shards put together, plain names
+    fresh = build_model(CFG, "single", seed=3)
+    fresh.load_state_dict(load_file(tmp / "fsdp-hf" / HF_WEIGHTS), strict=True)
+    _same({f"model.{k}": v for k, v in fresh.state_dict().items()},
+          {k: v for k, v in want.items() if k.startswith("model.")})  # fmt: skip
 
 
 def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]) -> None:
