@@ -27,6 +27,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from e2e import events, final_state, run_job
 from tierswap import names
 from tierswap.checksum import checksum_chunks
+from tierswap.cluster.launch import check_durable
+from tierswap.config import Config
+from tierswap.control.coordinator import CoordinatorCore
+from tierswap.control.ports import DurableRoot
 from tierswap.dcp import Piece, StorageReader, View, _pieces, export_dcp, init_from
 from tierswap.errors import CorruptPartError, StateMismatchError, UsageError
 from tierswap.examples import FOLDER, load_final
@@ -50,16 +54,17 @@ def _trained(steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _write_step(root: str, step: int, state: dict[str, Any]) -> None:
+def _write_step(root: str, step: int, state: dict[str, Any], world: int = 1) -> None:
+    """``state`` as every rank's part of a committed step of ``world`` ranks."""
     flat = flatten(state)
     layout = make_layout(flat)
     buf = memoryview(bytearray(layout.nbytes))
     for e, t in zip(layout.entries, flat.tensors, strict=True):
         tensor_view(buf, e).copy_(t)
-    part = durable.write_part(
-        root, step, 0, 1, layout, flat.tree, buf, checksum_chunks(layout.chunks(buf))
-    )
-    durable.write_commit(root, step, 1, {0: part})
+    cs = checksum_chunks(layout.chunks(buf))
+    parts = {r: durable.write_part(root, step, r, world, layout, flat.tree, buf, cs)
+             for r in range(world)}  # fmt: skip
+    durable.write_commit(root, step, world, parts)
 
 
 def _fresh(seed: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -377,3 +382,21 @@ def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]
         _expected(load_final(tmp / "fsdp2-start"), "fsdp"),
         _expected(final_state(tmp, "fsdp4"), "fsdp"),
     )
+
+
+def test_a_step_of_another_size_supersedes_older_ones_of_this_size(tmp_path: Path) -> None:
+    """Run at 1 rank, then 2, then 1 again (step 3): on every later launch at 1 rank the
+    2-rank step 2 is the floor, and the 1-rank step 1 below it is never planned."""
+    root = str(tmp_path / "root")
+    state = {"model": _trained(0)[0]}
+    for step, world in ((1, 1), (2, 2), (3, 1)):
+        _write_step(root, step, state, world)
+    cfg = Config(persist=root, init_from=str(tmp_path / "gone"))  # never read: steps exist
+    assert check_durable(cfg) == (None, (2, 2))
+    assert check_durable(Config(persist=root, nodes=2)) == (None, (3, 1))
+    core = CoordinatorCore(cfg, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
+                           tier2=DurableRoot(root), now=0.0)  # fmt: skip
+    core.reshard = (2, 2)
+    assert core.durable_steps() == {3}
+    with pytest.raises(UsageError, match="no DCP checkpoint"):
+        check_durable(Config(persist=str(tmp_path / "empty"), init_from=str(tmp_path / "gone")))

@@ -33,6 +33,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -277,7 +278,8 @@ class View:
                 if _holds_tensor(v):
                     raise StateMismatchError(
                         f"{root} step {step}: {key} holds a tensor inside a tuple, which DCP "
-                        "keeps as one pickled value; export this step with --format merged"
+                        "keeps as one pickled value: keep tensors in the state's dicts and "
+                        "lists, or export this step with --format merged"
                     )
                 self.values[key] = v
                 continue
@@ -560,12 +562,14 @@ def init_from(
             "wrote it, or with the code that wrote it"
         )
     try:
-        dcp_load(
-            target,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        with warnings.catch_warnings():  # no_dist is meant: each rank plans its own reads
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp_load(
+                target,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
     except CheckpointException as e:
         errors = [err for err, _ in e.failures.values()]
         corrupt = next((err for err in errors if isinstance(err, CorruptPartError)), None)

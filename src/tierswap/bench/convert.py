@@ -24,6 +24,8 @@ import shutil
 import socket
 import tempfile
 import time
+from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ from tierswap.tiers import durable
 
 DEPTH = 8
 STEP = 3
+GROUP_TIMEOUT_S = 600.0
+"""A group of restore ranks that has not ended by then is killed (the run fails)."""
 
 
 def _part(root: str, rank: int, world: int, state: dict[str, Any]) -> durable.PartInfo:
@@ -147,7 +151,7 @@ def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
     try:
         _work(rank, world, task)
         dist.barrier()  # nobody leaves while rank 0 still writes (gloo aborts on it)
@@ -210,13 +214,18 @@ def _group(world: int, task: dict[str, Any]) -> dict[str, Any]:
     procs = [ctx.Process(target=_worker, args=(r, world, port, task)) for r in range(world)]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join(600)
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    left = list(procs)
+    while left and time.monotonic() < deadline:  # one rank failing ends the group at once
+        wait([proc.sentinel for proc in left], timeout=deadline - time.monotonic())
+        left = [proc for proc in left if proc.exitcode is None]
+        if any(proc.exitcode not in (None, 0) for proc in procs):
+            break
     codes = [proc.exitcode for proc in procs]
     for proc in procs:
-        if proc.exitcode is None and proc.pid is not None:
+        if proc.exitcode is None:
             proc.kill()
-            proc.join()
+        proc.join()
     if any(c != 0 for c in codes):
         raise RuntimeError(f"bench dcp: {task['mode']} workers exited with {codes}")
     return json.loads(result.read_text()) if task["mode"] != "write" else {}

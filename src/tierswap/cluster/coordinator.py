@@ -144,8 +144,9 @@ class Coordinator:
 
     def run(self) -> int:
         """Run the job to its end; 0 when it finished, 1 when it stopped for good."""
-        check_init_from(self.cfg)
         warning, self.core.reshard = check_durable(self.cfg)
+        if self.cfg.init_from is not None and self.cfg.persist is None:
+            check_init_from(self.cfg)
         if self.claim is not None and warning is None:
             self.claim.acquire()  # RootInUseError names the job that holds the root
             self._renewed_at = time.monotonic()
@@ -224,7 +225,10 @@ class Coordinator:
         tier2 = self.core.persister.tier2
         if durable < 0 and tier2 is not None:  # a resumed job: the step it resumed from
             with contextlib.suppress(OSError):
-                durable = max(tier2.restorable_steps(self.cfg.world_size), default=-1)
+                reshard = self.core.reshard
+                durable = max(
+                    self.core.durable_steps(), default=-1 if reshard is None else reshard[0]
+                )
         tiers = {t: c.committed for t, c in self.core.tiers.items()}
         self.log.emit(
             "job_interrupted",

@@ -192,8 +192,8 @@ def check_shared(url: str) -> None:
 
 
 def check_init_from(cfg: Config) -> None:
-    """Refuse an ``--init-from`` that holds no DCP checkpoint here; make its path absolute,
-    which every host must then read it at."""
+    """Refuse an ``--init-from`` that holds no DCP checkpoint here; make its path absolute
+    (resolved on the coordinator's host), which every host must then read it at."""
     if cfg.init_from is None:
         return
     given = cfg.init_from
@@ -212,8 +212,9 @@ def check_init_from(cfg: Config) -> None:
 
 def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
     """A warning for a durable root that cannot be written (the job then trains on memory
-    tiers), and ``(step, world size)`` where its newest restorable step was written at
-    another world size than this job's: the job starts from it, resharded."""
+    tiers), and ``(step, world size)`` of the newest restorable step written at another
+    world size than this job's, if any: the job's steps at this size up to it are
+    superseded, and while none newer than it is left the job starts from it, resharded."""
     if cfg.persist is None:
         return None, None
     check_shared(cfg.persist)
@@ -221,9 +222,11 @@ def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
         restorable = [s for s in durable.list_steps(cfg.persist) if s.restorable]
     except OSError as e:
         return f"cannot list it: {e}", None
+    others = [s for s in restorable if s.world_size != cfg.world_size]
     reshard = None
-    if restorable and restorable[-1].world_size != cfg.world_size:
-        newest = restorable[-1]
-        assert newest.world_size is not None
-        reshard = (newest.step, newest.world_size)
+    if others:
+        assert others[-1].world_size is not None
+        reshard = (others[-1].step, others[-1].world_size)
+    if cfg.init_from is not None and not restorable:
+        check_init_from(cfg)  # only read where no step of the job is there to resume
     return durable.probe_writable(cfg.persist), reshard

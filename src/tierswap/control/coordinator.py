@@ -147,9 +147,9 @@ class CoordinatorCore:
         self.restored: dict[int, p.Restored] = {}
         self.initialized: dict[int, p.Initialized] = {}
         self.reshard: tuple[int, int] | None = None
-        """(step, world size): tier 2's newest step, written by this job at another world
-        size. A generation with no step of its own starts from it, resharded (set by the
-        shell from ``check_durable``)."""
+        """(step, world size): tier 2's newest step written by this job at another world
+        size (set by the shell from ``check_durable``). Steps of this size up to it are
+        superseded; a generation with no newer step of its own starts from it, resharded."""
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
         self.reports = Reports(cfg.world_size, tier2)
@@ -748,7 +748,8 @@ class CoordinatorCore:
                 f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
             )
 
-    def _durable_steps(self) -> frozenset[int]:
+    def durable_steps(self) -> frozenset[int]:
+        """Tier 2's restorable steps of this world size that this job may resume from."""
         if self.tier2 is None:
             return frozenset()
         try:
@@ -766,7 +767,7 @@ class CoordinatorCore:
 
     def _start_generation(self, now: float) -> None:
         holdings, plan, plans = self.reports.plan(
-            self._durable_steps, self.hosts.address_of, self._bad_commit
+            self.durable_steps, self.hosts.address_of, self._bad_commit
         )
         for step, why in plan.skipped:
             self.out.log("restore_skipped", step=step, reason=why)
