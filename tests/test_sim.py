@@ -27,8 +27,9 @@ from tierswap.control import hosts
 from tierswap.control import workers as worker_table
 from tierswap.control.sim import Chaos, Sim, Violation
 
-SCENARIOS = int(os.environ.get("TIERSWAP_SIM_SCENARIOS", "1500"))
-"""Seeded scenarios per run of the suite (about 40 a second on this machine)."""
+SCENARIOS = int(os.environ.get("TIERSWAP_SIM_SCENARIOS", "1000"))
+"""Seeded scenarios per run of the suite (about 50 a second on this machine; raise it
+with TIERSWAP_SIM_SCENARIOS for a deeper search)."""
 
 EXPLAINED = (
     "no step can be restored",  # every copy of some rank's state was lost with its hosts
