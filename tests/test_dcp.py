@@ -26,17 +26,17 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from e2e import events, final_state, run_job
 from tierswap import names
-from tierswap.checksum import checksum_chunks
 from tierswap.cluster.launch import check_durable
 from tierswap.config import Config
 from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
-from tierswap.dcp import Piece, StorageReader, View, _pieces, export_dcp, init_from
+from tierswap.dcp import Piece, StorageReader, View, _pieces, export_dcp
+from tierswap.dcp_init import init_from
 from tierswap.errors import CorruptPartError, StateMismatchError, UsageError
 from tierswap.examples import FOLDER, load_final
 from tierswap.examples.gpt import GPTConfig, batch, build_model
 from tierswap.examples.train_gpt import Counter
-from tierswap.state import TensorEntry, flatten, make_layout, tensor_view
+from tierswap.state import TensorEntry, flatten
 from tierswap.tiers import durable
 from tierswap.tiers.export import HF_INDEX, HF_WEIGHTS, export_hf, parse_size
 
@@ -57,13 +57,7 @@ def _trained(steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _write_step(root: str, step: int, state: dict[str, Any], world: int = 1) -> None:
     """``state`` as every rank's part of a committed step of ``world`` ranks."""
     flat = flatten(state)
-    layout = make_layout(flat)
-    buf = memoryview(bytearray(layout.nbytes))
-    for e, t in zip(layout.entries, flat.tensors, strict=True):
-        tensor_view(buf, e).copy_(t)
-    cs = checksum_chunks(layout.chunks(buf))
-    parts = {r: durable.write_part(root, step, r, world, layout, flat.tree, buf, cs)
-             for r in range(world)}  # fmt: skip
+    parts = {r: durable.write_flat(root, step, r, world, flat) for r in range(world)}
     durable.write_commit(root, step, world, parts)
 
 

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tierswap.checksum import checksum_chunks
 from tierswap.config import Config
 from tierswap.control import commands as cc
 from tierswap.control import protocol as p
 from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
-from tierswap.state import flatten, make_layout, tensor_view
+from tierswap.state import flatten
 from tierswap.tiers import durable, faulty
 from tierswap.tiers.durable import PartInfo
 
@@ -31,12 +30,7 @@ def faults() -> Iterator[faulty.Faults]:
 
 def _part(step: int, rank: int, seed: int = 0) -> PartInfo:
     flat = flatten({"w": torch.randn(256, generator=torch.Generator().manual_seed(seed))})
-    layout = make_layout(flat)
-    buf = memoryview(bytearray(layout.nbytes))
-    for e, t in zip(layout.entries, flat.tensors, strict=True):
-        tensor_view(buf, e).copy_(t)
-    checksum = checksum_chunks(layout.chunks(buf))
-    return durable.write_part(ROOT, step, rank, 2, layout, flat.tree, buf, checksum)
+    return durable.write_flat(ROOT, step, rank, 2, flat)
 
 
 def test_a_full_store_fails_the_part_and_leaves_no_half_file(faults: faulty.Faults) -> None:

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
-from tierswap.checksum import checksum_chunks
 from tierswap.examples import job_command
-from tierswap.state import flatten, make_layout, tensor_view
+from tierswap.state import flatten
 from tierswap.tiers import durable
 from tierswap.tiers.files import url_fs
 
@@ -87,12 +86,7 @@ def _write_part(root: str, step: int, rank: int, world: int, seed: int) -> durab
     """A rank's part of 12 MiB of float32 (more than one multipart chunk) and a counter."""
     g = torch.Generator().manual_seed(seed)
     flat = flatten({"w": torch.randn(3 << 20, generator=g), "n": torch.tensor(step)})
-    layout = make_layout(flat)
-    buf = memoryview(bytearray(layout.nbytes))
-    for e, t in zip(layout.entries, flat.tensors, strict=True):
-        tensor_view(buf, e).copy_(t)
-    checksum = checksum_chunks(layout.chunks(buf))
-    return durable.write_part(root, step, rank, world, layout, flat.tree, buf, checksum)
+    return durable.write_flat(root, step, rank, world, flat)
 
 
 def _commits(run_dir: Path) -> list[dict[str, object]]:

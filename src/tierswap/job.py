@@ -162,7 +162,7 @@ class Job:
     def _init(self, state: MutableMapping[str, Any], init: p.InitFrom, t0: float) -> int:
         """Load the job's ``--init-from`` DCP checkpoint (every rank: ``dcp.load`` reshards
         collectively); the job goes on at the step after the one it holds."""
-        from tierswap.dcp import init_from
+        from tierswap.dcp_init import init_from
 
         if init.world_size is not None:  # a corrupt part names the step it belongs to
             self.plan_step, self.plan_tier = init.step, 2

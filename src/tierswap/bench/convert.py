@@ -36,8 +36,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from tierswap.bench.common import WARMUP, Stats, interleave, run_and_report, stats, width
 from tierswap.bench.measure import make_state
-from tierswap.checksum import checksum_chunks
-from tierswap.state import flatten, init_optimizer_state, load, make_layout, tensor_view
+from tierswap.state import flatten, init_optimizer_state, load, tensor_view
 from tierswap.tiers import durable
 
 DEPTH = 8
@@ -47,13 +46,7 @@ GROUP_TIMEOUT_S = 600.0
 
 
 def _part(root: str, rank: int, world: int, state: dict[str, Any]) -> durable.PartInfo:
-    flat = flatten(state, with_rng=False)
-    layout = make_layout(flat)
-    buf = memoryview(bytearray(layout.nbytes))
-    for e, t in zip(layout.entries, flat.tensors, strict=True):
-        tensor_view(buf, e).copy_(t)
-    cs = checksum_chunks(layout.chunks(buf))
-    return durable.write_part(root, STEP, rank, world, layout, flat.tree, buf, cs)
+    return durable.write_flat(root, STEP, rank, world, flatten(state, with_rng=False))
 
 
 # ---------------------------------------------------------------- 1. export
@@ -162,7 +155,7 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
 def _work(rank: int, world: int, task: dict[str, Any]) -> None:
     from safetensors.torch import load_file, save_file
 
-    from tierswap.dcp import init_from
+    from tierswap.dcp_init import init_from
 
     work = Path(task["work"])
     root = str(work / "root")

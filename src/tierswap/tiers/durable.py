@@ -43,7 +43,7 @@ from tierswap import delta
 from tierswap.checksum import checksum_bytes, checksum_chunks
 from tierswap.errors import CorruptPartError
 from tierswap.shm import populated
-from tierswap.state import Layout
+from tierswap.state import Flat, Layout, make_layout, tensor_view
 from tierswap.tiers.files import (
     Reader,
     fsync_dir,
@@ -217,6 +217,17 @@ def write_part(
     head = _header_bytes(_header(flayout, step, rank))
     write_atomic(fs, f"{folder}/{_part(rank, 'safetensors')}", [head, *layout.chunks(mv)])
     return _write_meta(fs, folder, step, rank, world_size, flayout, tree, data_checksum, {})
+
+
+def write_flat(root: str, step: int, rank: int, world_size: int, flat: Flat) -> PartInfo:
+    """Write a flattened state as rank ``rank``'s part (laid out, copied and checksummed
+    here, not in a tier-0 slot): for tools, benchmarks and tests."""
+    layout = make_layout(flat)
+    buf = memoryview(bytearray(layout.nbytes))
+    for e, t in zip(layout.entries, flat.tensors, strict=True):
+        tensor_view(buf, e).copy_(t)
+    checksum = checksum_chunks(layout.chunks(buf))
+    return write_part(root, step, rank, world_size, layout, flat.tree, buf, checksum)
 
 
 def write_delta_part(
