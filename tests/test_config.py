@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
         ({"max_redo": -1}, "max_redo must be >= 0, got -1"),
         ({"nodes": 2, "slots": 3}, "slots=3 with tier 1 on: .* use 4 slots"),
         ({"nodes": 2, "slots": 3, "max_redo": 0}, "slots=3 with tier 1 on: .* use 4 slots"),
-        ({"on_no_spare": "retry"}, "on_no_spare must be 'wait' or 'fail', got 'retry'"),
+        ({"on_no_spare": "retry"}, "on_no_spare must be 'wait', 'fail' or 'shrink', got 'retry'"),
         ({"heartbeat": 1.0, "lease": 1.5}, r"lease \(1.5 s\) must be at least 2 heartbeats"),
         ({"collective_timeout": float("nan")}, "collective_timeout must be > 0"),
         ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl', got 'mpi'"),

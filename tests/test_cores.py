@@ -17,7 +17,7 @@ from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.sim import LAYOUT, FakeTier2, MemorySegment
 from tierswap.control.states import PHASES, IllegalTransition, Machine, Phase
 from tierswap.control.workers import Spawn, Tell
-from tierswap.tiers.memory import NodeRings
+from tierswap.tiers.memory import NodeRings, SlotState
 from tierswap.tiers.replicas import PeerStore
 
 
@@ -193,6 +193,108 @@ def test_a_failing_tier2_is_reported_and_training_goes_on() -> None:
     assert c.core.phase == Phase.RUNNING and not c.tier2.commits
 
 
+# ---------------------------------------------------------------- shrink and grow
+
+
+def _persisted(c: Coordinator, step: int, hosts: list[int]) -> p.Persist:
+    """Tier 0 commits ``step`` on ``hosts``; their parts are written; the Persist asked."""
+    before = len(c.sent(p.Persist))
+    for host in hosts:
+        c.say(host, p.Held(tier=0, step=step))
+    persist = c.sent(p.Persist)[before]
+    assert c.tier2 is not None and persist.step == step
+    for host in hosts:
+        node = c.core.hosts.node_of(host)
+        assert node is not None
+        ranks = range(node * 1, node * 1 + 1)
+        parts = [c.tier2.write_part(step, r, b"x" * 8) for r in ranks]
+        c.say(host, p.Parts(token=persist.token, step=step, parts=parts, errors={}))
+    return persist
+
+
+def test_shrink_goes_on_from_tier2_and_grows_back_when_a_host_joins() -> None:
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    assert c.tier2 is not None
+    _persisted(c, 0, [0, 1, 2])
+    assert c.tier2.commits[0][0] == 3
+    _fail_node(c, 1)
+    before = len(c.sent(p.Start))
+    for host in (0, 2):
+        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    starts = c.sent(p.Start)[before:]
+    assert [(s.node, s.ranks, s.world_size) for s in starts] == [(0, [0], 2), (1, [1], 2)]
+    assert {s.init for s in starts} == {p.InitFrom(path="sim://tier2", step=0, world_size=3)}
+    (shrank,) = c.logged("shrank")
+    assert (shrank["nodes"], shrank["from_world_size"], shrank["step"]) == (2, 3, 0)
+    assert shrank["renumbered"] == {"2": 1} and c.core.hosts.members == {0: 0, 1: 2}
+    assert c.core.restarts == 1
+
+    c.say(3, p.Hello(host=-1, pid=103, spare=True), -1)  # a host joins while it runs shrunk
+    c.say(3, p.Ready(replica=("h", 1003), workers=[]), -1)
+    assert c.logged("grow_pending") and not c.logged("growing")
+    persist = _persisted(c, 1, [0, 2])  # asked at once, whatever --persist-every says
+    assert persist.world_size == 2 and c.tier2.commits[1][0] == 2
+    (growing,) = c.logged("growing")
+    assert (growing["nodes"], growing["step"]) == (3, 1) and c.sent(p.Stop)[-1] == p.Stop()
+    before = len(c.sent(p.Start))
+    for host in (0, 2):
+        c.say(host, p.Stopped(holdings={0: {1: "c"}}, peer={}, peer_deltas={}))
+    starts = c.sent(p.Start)[before:]
+    assert [(s.node, s.world_size) for s in starts] == [(0, 3), (1, 3), (2, 3)]
+    assert {s.init for s in starts} == {p.InitFrom(path="sim://tier2", step=1, world_size=2)}
+    assert c.core.hosts.members == {0: 0, 1: 2, 2: 3} and c.core.restarts == 1
+    assert c.core.durable_steps() == frozenset(), "the 3-rank step 0 is superseded"
+
+
+def test_shrink_first_writes_the_newest_step_memory_holds_lost_ranks_from_replicas() -> None:
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    assert c.tier2 is not None
+    _persisted(c, 0, [0, 1, 2])
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(holdings={0: {0: "a", 5: "b"}}, peer={2: {5: "c"}}, peer_deltas={}))
+    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    (persist,) = c.sent(p.Persist)[-1:]
+    assert (persist.step, persist.world_size, persist.replicas) == (5, 3, {1: 2})
+    assert not c.logged("shrank"), "it shrinks once step 5 is in tier 2"
+    parts = {r: c.tier2.write_part(5, r, b"x" * 8) for r in range(3)}
+    c.say(0, p.Parts(token=persist.token, step=5, parts=[parts[0]], errors={}))
+    c.say(2, p.Parts(token=persist.token, step=5, parts=[parts[1], parts[2]], errors={}))
+    assert c.tier2.commits[5][0] == 3
+    (shrank,) = c.logged("shrank")
+    assert shrank["step"] == 5
+    starts = c.sent(p.Start)[-2:]
+    assert {s.init for s in starts} == {p.InitFrom(path="sim://tier2", step=5, world_size=3)}
+
+
+def test_a_failed_salvage_shrinks_from_the_older_tier2_step() -> None:
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    assert c.tier2 is not None
+    _persisted(c, 0, [0, 1, 2])
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
+    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    (persist,) = c.sent(p.Persist)[-1:]
+    c.say(0, p.Parts(token=persist.token, step=5, parts=[], errors={0: "disk gone"}))
+    c.say(2, p.Parts(token=persist.token, step=5, parts=[], errors={1: "x", 2: "y"}))
+    (shrank,) = c.logged("shrank")
+    assert shrank["step"] == 0 and 5 not in c.tier2.commits
+
+
+def test_shrink_with_nothing_in_tier2_waits_and_says_why() -> None:
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    _fail_node(c, 2)
+    for host in (0, 1):
+        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    (refused,) = c.logged("shrink_refused")
+    assert "holds no step yet" in refused["reason"] and c.logged("waiting_for_node")
+    assert c.core.phase == Phase.RECOVERING and c.core.nodes == 3
+
+
+def test_shrink_needs_a_tier2() -> None:
+    with pytest.raises(ValueError, match="shrink needs --persist"):
+        Config(nodes=2, on_no_spare="shrink")
+
+
 # ---------------------------------------------------------------- state machines
 
 
@@ -315,6 +417,38 @@ def test_an_injected_persist_failure_fails_every_part_of_that_step() -> None:
     assert not [c for c in out if isinstance(c, ae.WritePart)]
 
 
+def test_an_agent_writes_a_lost_ranks_part_from_the_replica_it_holds() -> None:
+    a = Agent()
+    a.start(0)
+    token, buf = a.core.peers.slot(1, 5, LAYOUT, 0)  # type: ignore[misc]
+    buf[:8] = b"12345678"
+    a.core.peers.written(1, token, True, 5, LAYOUT, {"v": 1}, "c5", generation=0)
+    persist = p.Persist(step=5, root="/x", world_size=2, token=3, bases={}, replicas={1: 0})
+    out = a.coordinator(persist, 0)
+    writes = {c.part.rank: c.part for c in out if isinstance(c, ae.WritePart)}
+    assert sorted(writes) == [1], "rank 0's tier 0 holds nothing of step 5"
+    assert writes[1].slot is token and writes[1].slot.leases == 1
+    out = a.core.handle(ae.PartWritten(1, 5, 3, token, None, "no room"), 0.0)
+    assert token.leases == 0, "the replica's lease is given back"
+    (parts,) = [m for m in a.to_coordinator(out) if isinstance(m, p.Parts)]
+    assert set(parts.errors) == {0, 1} and "tier 0 no longer holds it" in parts.errors[0]
+
+
+def test_a_node_drops_the_rings_of_ranks_it_no_longer_serves() -> None:
+    segs: dict[str, MemorySegment] = {}
+    rings = NodeRings("t", 2, create=lambda n, s: MemorySegment(n, s, segs))
+    rings.serve([4, 5], -1, -1, -1)
+    rings[4].allocate(LAYOUT)
+    rings[5].allocate(LAYOUT)
+    slot = rings[5].alloc.slots[0]  # type: ignore[union-attr]
+    slot.state, slot.step = SlotState.HELD, 3
+    assert rings[5].lease(3) is slot  # a part being written from it
+    rings.serve([2, 3], -1, -1, -1)  # the job shrank: this node's ranks are 2 and 3 now
+    assert sorted(rings.by_rank) == [2, 3] and len(segs) == 2, "rank 4's slots are gone"
+    assert rings.holdings() == {2: {}, 3: {}}
+    assert rings.unlease(slot) and not segs and not rings.left, "rank 5's once unleased"
+
+
 def test_a_step_a_node_no_longer_holds_is_not_counted_for_a_commit() -> None:
     """Found by review: a new layout made the agent's slots anew and dropped its held step;
     the coordinator still counted it and committed a step that node no longer had."""
@@ -356,3 +490,14 @@ def test_a_first_worker_dying_before_it_attaches_stops_the_job_a_replacement_is_
     out = core.handle(ae.WorkerExited(boot.local, boot.incarnation, 1), 0.0)
     told = [c.msg for c in out if isinstance(c, ae.ToCoordinator)]
     assert told == [p.StartFailed(local=0, code=1)], "the script is broken: the job stops"
+
+
+def test_an_agent_process_imports_no_torch() -> None:
+    """An agent only moves and checks bytes: importing torch would add seconds to every
+    host's start (a spare's boot, a revived host's) and hundreds of MB to each agent."""
+    import subprocess
+    import sys
+
+    code = "import sys, tierswap.cluster.agent; print(sorted({'torch', 'safetensors'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

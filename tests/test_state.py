@@ -336,3 +336,9 @@ def test_numpy_array_with_nan_is_strict_json() -> None:
     state: dict[str, Any] = {"a": None}
     _restore(state, snap)
     _assert_same(np.array([np.nan, np.inf, 1.0]), state["a"])
+
+
+def test_the_layouts_item_sizes_are_torchs() -> None:
+    from tierswap import layout, state
+
+    assert {code: d.itemsize for d, code in state._DTYPES.items()} == layout.ITEMSIZE

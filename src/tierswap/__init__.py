@@ -1,7 +1,15 @@
-"""tierswap: every-step tiered checkpoints and in-place recovery for PyTorch training."""
+"""tierswap: every-step tiered checkpoints and in-place recovery for PyTorch training.
+
+The names below are loaded when first used: ``import tierswap.cluster.agent`` (an agent,
+a replica server) then never imports torch, which takes seconds and hundreds of MB.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tierswap.config import Config
-from tierswap.ddp import make_exact, ordered_allreduce_hook
 from tierswap.errors import (
     CorruptPartError,
     GenerationEnded,
@@ -11,8 +19,28 @@ from tierswap.errors import (
     TierswapError,
     UsageError,
 )
-from tierswap.job import Job
-from tierswap.worker import launch
+
+if TYPE_CHECKING:
+    from tierswap.ddp import make_exact, ordered_allreduce_hook
+    from tierswap.job import Job
+    from tierswap.worker import launch
+
+_LAZY = {
+    "Job": "tierswap.job",
+    "launch": "tierswap.worker",
+    "make_exact": "tierswap.ddp",
+    "ordered_allreduce_hook": "tierswap.ddp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierswap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Config",

@@ -83,9 +83,12 @@ class Config:
     spare_workers: int = 0
     """Extra workers per node, imported and parked: a crashed worker's rank goes to one
     at once instead of to a process that must first start and import (seconds)."""
-    on_no_spare: Literal["wait", "fail"] = "wait"
+    on_no_spare: Literal["wait", "fail", "shrink"] = "wait"
     """When a node fails and no spare is parked: "wait" for a node to join (up to
-    ``join_timeout``), or "fail" (stop; every committed tier is kept for a resume)."""
+    ``join_timeout``), "fail" (stop; every committed tier is kept for a resume), or
+    "shrink" (go on with the nodes left, resharded from tier 2's newest step, which
+    leaves the bit-exact path; back to full size at the step boundary after hosts join;
+    needs ``persist``)."""
     join_timeout: float = 300.0
     """Seconds to wait for a node to join when a failed node's ranks have no spare."""
     heartbeat: float = 1.0
@@ -173,8 +176,15 @@ class Config:
                 f"delta_threshold must be in (0, 1] (a fraction of a snapshot's bytes), "
                 f"got {self.delta_threshold}"
             )
-        if self.on_no_spare not in ("wait", "fail"):
-            raise ValueError(f"on_no_spare must be 'wait' or 'fail', got {self.on_no_spare!r}")
+        if self.on_no_spare not in ("wait", "fail", "shrink"):
+            raise ValueError(
+                f"on_no_spare must be 'wait', 'fail' or 'shrink', got {self.on_no_spare!r}"
+            )
+        if self.on_no_spare == "shrink" and self.persist is None:
+            raise ValueError(
+                "--on-no-spare shrink needs --persist: the nodes left go on from tier 2's "
+                "newest step, resharded to their world size"
+            )
         if self.init_step is not None and (self.init_from is None or self.init_step < 0):
             raise ValueError(
                 f"init_step {self.init_step}: needs --init-from, and a step number >= 0"

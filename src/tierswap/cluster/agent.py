@@ -23,8 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
@@ -66,6 +64,16 @@ if TYPE_CHECKING:
 
 ASK_LIMIT_S = 120.0
 """How long a replica-server thread waits for the loop to answer it."""
+
+
+def gpu_count() -> int:
+    """The GPUs torch sees on this machine: 0 at once, without importing torch (seconds
+    of an agent's start), where no GPU driver is there (NVIDIA's or ROCm's device)."""
+    if not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/kfd")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 class Agent:
@@ -141,7 +149,7 @@ class Agent:
             replica_address=self.server.address,
             coord_host=coord_host,
             simulated=simulated,
-            devices=torch.cuda.device_count() if simulated else 0,
+            devices=gpu_count() if simulated else 0,
         )
         self._stop_accepting = serve(
             self.listener, self._on_worker_channel, "tierswap-accept", p.WorkerToAgent

@@ -22,7 +22,7 @@ from tierswap.control.agent_events import (
     ReplicationFailed,
     Sent,
 )
-from tierswap.state import Layout
+from tierswap.layout import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.delta_sender import BaseKeeper
 from tierswap.tiers.deltas import Base

@@ -579,22 +579,26 @@ class AgentCore:
     def _persist(self, msg: p.Persist) -> None:
         if msg.token in self.persisting:
             return  # the same request again: its parts are being written
-        pending = PendingParts(msg.step, set(self.ranks))
+        lost = sorted(r for r, node in msg.replicas.items() if node == self.node)
+        pending = PendingParts(msg.step, {*self.ranks, *lost})
         self.persisting[msg.token] = pending
         if self.faults.fails_persist(msg.step):
-            pending.errors = {r: "tier-2 write refused (injected)" for r in self.ranks}
-        for rank in [] if pending.errors else self.ranks:
-            ring = self.rings.by_rank.get(rank)
+            pending.errors = {r: "tier-2 write refused (injected)" for r in pending.ranks}
+        for rank in [] if pending.errors else sorted(pending.ranks):
+            # a lost node's rank is written from the replica this node holds (full only)
+            ring = self.peers.rings.get(rank) if rank in lost else self.rings.by_rank.get(rank)
             slot = None if ring is None else ring.lease(msg.step)
             if slot is None or ring is None:
-                pending.errors[rank] = "tier 0 no longer holds it"
+                where = "tier 1 (full replicas)" if rank in lost else "tier 0"
+                pending.errors[rank] = f"{where} no longer holds it"
                 continue
             part = Part(msg.root, msg.step, rank, msg.world_size, ring.layout(), slot, msg.token)
             self.out.append(WritePart(part, msg.bases, self.faults.persist_delay()))
         self._maybe_parts(msg.token)
 
     def _part_written(self, event: PartWritten) -> None:
-        self.rings.unlease(event.slot)
+        if not self.rings.unlease(event.slot):  # a lost rank's part, from a replica
+            self.peers.unlease(event.rank, event.slot)
         pending = self.persisting.get(event.token)
         if pending is None:
             return  # asked before a restart: not wanted any more

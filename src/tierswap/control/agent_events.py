@@ -14,7 +14,7 @@ from typing import Any
 
 from tierswap.control import protocol as p
 from tierswap.control.workers import Kill, Spawn, Tell
-from tierswap.state import Layout
+from tierswap.layout import Layout
 from tierswap.tiers.durable import PartInfo
 from tierswap.tiers.durable_deltas import Part
 from tierswap.tiers.memory import Slot

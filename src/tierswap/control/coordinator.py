@@ -130,15 +130,28 @@ class CoordinatorCore:
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
         self.generation = -1
         self.restarts = 0
-        self.replicas = min(cfg.replicas, cfg.nodes - 1)
-        self.targets = peer.placement(cfg.nodes, cfg.nproc_per_node, self.replicas)
+        self.nodes = cfg.nodes
+        """Nodes of the job now: ``cfg.nodes``, fewer while shrunk (``--on-no-spare
+        shrink``)."""
+        self.replicas = 0
+        self.targets: dict[int, tuple[int, ...]] = {}
         self.protects: dict[int, list[int]] = {}
         """node -> the ranks whose replicas it holds."""
-        for rank, nodes in sorted(self.targets.items()):
-            for n in nodes:
-                self.protects.setdefault(n, []).append(rank)
-        self.protectors = frozenset(self.protects)
+        self.protectors: frozenset[int] = frozenset()
         """Nodes that hold replicas of some rank: the voters of tier 1."""
+        self._place()
+        self.shrink_refused = False
+        """A shrink was refused and said so (once, until one is done)."""
+        self.salvage: int | None = None
+        """The step being written to tier 2 before the job shrinks."""
+        self.salvage_tried = False
+        """Whether this failure's shrink tried that already."""
+        self.resized: tuple[int, int] | None = None
+        """The job was just resized: the tier-2 step (step, world size) the next
+        generation starts from."""
+        self.grow_after: int | None = None
+        """Shrunk, with hosts parked to grow back: the newest step tier 0 had committed when
+        they came; a tier-2 step that new is where the job grows from."""
         self.tiers = {0: TierCommits(0), 1: TierCommits(1)}
         self.settled = -1
         """The newest step tier 1 committed or gave up on in this generation."""
@@ -167,6 +180,20 @@ class CoordinatorCore:
         """Taking over from another coordinator: the hosts it had, not reconnected yet."""
         self.old_host: int | None = None
         self.takeover_deadline = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.cfg.nproc_per_node
+
+    def _place(self) -> None:
+        """Where each rank's replicas go, for the job's size now."""
+        self.replicas = min(self.cfg.replicas, self.nodes - 1)
+        self.targets = peer.placement(self.nodes, self.cfg.nproc_per_node, self.replicas)
+        self.protects = {}
+        for rank, nodes in sorted(self.targets.items()):
+            for n in nodes:
+                self.protects.setdefault(n, []).append(rank)
+        self.protectors = frozenset(self.protects)
 
     # ---------------------------------------------------------------- the door
 
@@ -446,6 +473,8 @@ class CoordinatorCore:
             "restarts": self.restarts,
             "total": self.total,
             "ever_committed": self.ever_committed,
+            "nodes": self.nodes,
+            "reshard": None if self.reshard is None else list(self.reshard),
         }
 
     def _adopt(self, rec: Mapping[str, Any], old_host: int | None, now: float) -> None:
@@ -473,6 +502,10 @@ class CoordinatorCore:
         self.restarts = rec["restarts"]
         self.total = rec["total"]
         self.ever_committed = rec["ever_committed"]
+        if rec.get("reshard") is not None:
+            self.reshard = (int(rec["reshard"][0]), int(rec["reshard"][1]))
+        if rec.get("nodes", self.nodes) != self.nodes:  # it led the job shrunk
+            self._set_size(int(rec["nodes"]))
         # every host it had that was not fenced: members, spares, and hosts still starting
         self.expected = {host for host in h.pids if host not in h.fenced}
         self.old_host = old_host
@@ -547,6 +580,7 @@ class CoordinatorCore:
         else:
             self.out.log("node_joined", node=None, role="spare", **seen)
             self.out.say(f"spare host {host} (pid {pid}) parked")
+            self._maybe_grow(now)
         self._maybe_start(now)
 
     def _ranks_of(self, node: int) -> list[int]:
@@ -651,6 +685,9 @@ class CoordinatorCore:
         self.hosts.vacant.add(node)
         self.stopping.discard(node)
         self.reports.forget(node)
+        if self.salvage is not None:  # its parts never come: plan again with who is left
+            self.persister.cancel()
+            self.salvage, self.salvage_tried = None, False
         if phase == Phase.RUNNING:
             self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", now, host)
         self._maybe_start(now)
@@ -687,6 +724,7 @@ class CoordinatorCore:
             )
         self.phase.move(Phase.RECOVERING)
         self.persister.cancel()
+        self.salvage_tried = False
         self.deadline = now + self.cfg.startup_timeout
         self.reports.forget()
         self.stopping = set(self.hosts.agents())
@@ -739,6 +777,13 @@ class CoordinatorCore:
                 f"committed: {self._committed()}.{hint}"
             )
         self._revive(len(nodes))
+        if self.cfg.on_no_spare == "shrink":
+            if self.salvage is not None or self._salvage():
+                return  # the newest step goes to tier 2 first; its commit comes back here
+            if self._shrink(nodes):
+                self.waiting_since = None
+                self._start_generation(now)
+                return
         if self.waiting_since is None:
             self.waiting_since = now
             self.deadline = now + self.cfg.join_timeout
@@ -748,12 +793,146 @@ class CoordinatorCore:
                 f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
             )
 
+    # ---------------------------------------------------------------- shrink and grow
+
+    def _shrink(self, lost: list[int]) -> bool:
+        """``--on-no-spare shrink``: the nodes left go on by themselves, numbered anew,
+        from tier 2's newest step resharded to their world size. False (the job waits, as
+        with "wait") where tier 2 holds no step of this job yet or no node is left."""
+        source = self._newest_durable()
+        left = len(self.hosts.members)
+        if source is None or not left:
+            if not self.shrink_refused:
+                self.shrink_refused = True
+                why = "no node is left" if not left else f"{self.cfg.persist} holds no step yet"
+                self.out.log("shrink_refused", nodes=lost, reason=why)
+                self.out.say(f"cannot shrink past nodes {lost}: {why}; waiting instead")
+            return False
+        self.shrink_refused = False
+        before, redone = self.world_size, max(0, self.last_step - source[0])
+        moved = self.hosts.close_ranks()
+        self._resize(left, source)
+        self.out.log(
+            "shrank",
+            nodes=left,
+            world_size=self.world_size,
+            from_world_size=before,
+            lost=lost,
+            renumbered={str(old): new for old, new in sorted(moved.items()) if old != new},
+            step=source[0],
+            redone=redone,
+            reason=f"no spare for nodes {lost} (--on-no-spare shrink)",
+            policy=RESHARD_POLICY,
+        )
+        self.out.say(
+            f"no spare for nodes {lost}: going on with {left} nodes ({self.world_size} "
+            f"ranks) from tier-2 step {source[0]} ({redone} step(s) trained again). The run "
+            "leaves the bit-exact path: its batches and resharded state differ from a run at "
+            f"{before} ranks. It grows back once hosts join."
+        )
+        return True
+
+    def _salvage(self) -> bool:
+        """Before shrinking: write to tier 2 the newest step the memory tiers hold for
+        every rank, a lost rank's part from the replica a live node holds, so that the job
+        goes on a step or so back, as a hot-swap would, not from an older tier-2 step.
+        False (shrink from what tier 2 has) where no newer step is held so, or with delta
+        replicas, or once tried for this failure."""
+        if self.salvage_tried or self.tier2 is None or self.persister.gone is not None:
+            return False
+        self.salvage_tried = True
+        if self.cfg.memory_tiers != "full":
+            return False
+        _, plan, _ = self.reports.plan(self.durable_steps, self.hosts.address_of, self._bad_commit)
+        newest = self._newest_durable()
+        if plan.step is None or (newest is not None and plan.step <= newest[0]):
+            return False
+        live = {r for n in self.hosts.members for r in self._ranks_of(n)}
+        replicas: dict[int, int] = {}
+        for rank, src in plan.sources.items():
+            if (src.tier == Tier.MEMORY) != (rank in live) or src.tier == Tier.DURABLE:
+                return False  # only a rank's own node writes it from tier 0
+            if src.tier == Tier.PEER:
+                assert src.node is not None
+                replicas[rank] = src.node
+        self.salvage = plan.step
+        self.out.log("salvaging", step=plan.step, replicas={str(r): n for r, n in replicas.items()})
+        self.out.say(
+            f"writing step {plan.step} to tier 2 before shrinking (ranks {sorted(replicas)} "
+            "from their replicas)"
+        )
+        self.persister.salvage(plan.step, replicas)
+        return True
+
+    def _salvaged(self, committed: int | None, now: float) -> None:
+        """The step written before a shrink is committed (or failed: the shrink goes on
+        from what tier 2 had)."""
+        step, self.salvage = self.salvage, None
+        if committed is None:
+            self.out.say(f"step {step} could not be written to tier 2; shrinking from an older one")
+        self._maybe_start(now)
+
+    def _newest_durable(self) -> tuple[int, int] | None:
+        """(step, world size) of tier 2's newest step this job may go on from."""
+        steps = self.durable_steps()
+        if steps:
+            return max(steps), self.world_size
+        return self.reshard
+
+    def _maybe_grow(self, now: float) -> None:
+        """Shrunk, with hosts parked: grow back at a step boundary, from a tier-2 step at
+        least as new as the newest step tier 0 had committed when they came (asked for at
+        once, whatever ``--persist-every`` says)."""
+        if self.nodes >= self.cfg.nodes or not self.hosts.spares or self.phase != Phase.RUNNING:
+            return
+        if self.grow_after is None:
+            self.grow_after = self.tiers[0].committed
+            self.out.log("grow_pending", spares=list(self.hosts.spares), after=self.grow_after)
+        floor = -1 if self.reshard is None else self.reshard[0]
+        durable, memory = self.persister.committed, self.tiers[0].committed
+        if durable > floor and durable >= self.grow_after:
+            self._grow(durable, now)
+        elif self.persister.inflight is None and memory > max(durable, floor):
+            self.persister.maybe_persist(memory, final=True)
+
+    def _grow(self, step: int, now: float) -> None:
+        """End the shrunk generation and start one at the size the spares allow."""
+        before, nodes = self.world_size, min(self.cfg.nodes, self.nodes + len(self.hosts.spares))
+        self.out.log("growing", nodes=nodes, from_world_size=before, step=step)
+        self.out.say(
+            f"hosts {self.hosts.spares[: nodes - self.nodes]} joined: growing back to {nodes} "
+            f"nodes from tier-2 step {step}"
+        )
+        self.phase.move(Phase.RECOVERING)
+        self.persister.cancel()
+        self.deadline = now + self.cfg.startup_timeout
+        self.stopping = set(self.hosts.agents())
+        self._broadcast(p.Stop())
+        self.hosts.vacant = set(range(self.nodes, nodes))
+        self._resize(nodes, (step, before))
+
+    def _resize(self, nodes: int, source: tuple[int, int]) -> None:
+        """The job runs on ``nodes`` nodes from now on, its next generation started from
+        ``source`` (step, world size) in tier 2, resharded. What memory tiers hold is of
+        the old ranks and is dropped; the old size's tier-2 steps up to it are superseded."""
+        self._set_size(nodes)
+        self.reshard = self.resized = source
+        self.grow_after = None
+        self.persister.held = {}  # delta bases: parts of the old ranks
+        self._announce_placement()
+
+    def _set_size(self, nodes: int) -> None:
+        self.nodes = nodes
+        self._place()
+        self.reports = Reports(self.world_size, self.tier2)
+        self.clock.world_size = self.persister.world_size = self.world_size
+
     def durable_steps(self) -> frozenset[int]:
         """Tier 2's restorable steps of this world size that this job may resume from."""
         if self.tier2 is None:
             return frozenset()
         try:
-            steps = self.tier2.restorable_steps(self.cfg.world_size)
+            steps = self.tier2.restorable_steps(self.world_size)
             if self.reshard is not None:  # older than a step of another size: superseded
                 steps = frozenset(s for s in steps if s > self.reshard[0])
             return steps
@@ -766,13 +945,21 @@ class CoordinatorCore:
         self.persister.forget(step)
 
     def _start_generation(self, now: float) -> None:
+        if self.resized is not None:
+            self.reports.forget()  # what the memory tiers hold is of the old ranks
         holdings, plan, plans = self.reports.plan(
             self.durable_steps, self.hosts.address_of, self._bad_commit
         )
         for step, why in plan.skipped:
             self.out.log("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
-            raise JobStopped(lost_message(plan, self.cfg.persist))
+            if self.reshard is None:
+                raise JobStopped(lost_message(plan, self.cfg.persist))
+            if self.resized is None:  # nothing of this size is left: where it started
+                why = f"no step of world size {self.world_size} is left in any tier"
+                self.out.log("restore_fallback", step=self.reshard[0], tier=2, reason=why)
+                self.out.say(f"going on from tier-2 step {self.reshard[0]} again: {why}")
+        self.resized = None
         self._say_fallback(holdings, plan)
         self.plan = plan
         self.generation += 1
@@ -797,6 +984,7 @@ class CoordinatorCore:
             step=plan.step,
             members={str(n): h for n, h in sorted(self.hosts.members.items())},
             spares=list(self.hosts.spares),
+            world_size=self.world_size,
             stale_dropped=self.door.take_counts(),
         )
         self._inject_nodes(self.faults.at_generation(self.generation), now)
@@ -804,7 +992,7 @@ class CoordinatorCore:
     def _reset_commits(self, holdings: Holdings, restart: int) -> tuple[int, int]:
         """A new generation restored ``restart``: later steps are gone everywhere; each
         tier's commit is the newest step its holdings still have for every rank."""
-        ws = self.cfg.world_size
+        ws = self.world_size
         live = set(self.hosts.members)
         committed = (
             newest_in_memory(ws, holdings.memory, restart),
@@ -826,7 +1014,7 @@ class CoordinatorCore:
                 peers[to] = address
         return p.Start(
             node=node,
-            world_size=self.cfg.world_size,
+            world_size=self.world_size,
             ranks=ranks,
             store=self.store,
             backend=self.cfg.backend,
@@ -853,14 +1041,14 @@ class CoordinatorCore:
     def _initialized(self, msg: p.Initialized) -> None:
         """Every rank loaded ``--init-from``: one event and one line, naming what it lacked."""
         self.initialized[msg.rank] = msg
-        if len(self.initialized) < self.cfg.world_size:
+        if len(self.initialized) < self.world_size:
             return
         got = list(self.initialized.values())
         missing = sorted({k for m in got for k in m.missing})
         step, seconds = got[0].step, max(m.seconds for m in got)
         init = self._init_from()
         assert init is not None
-        ws = self.cfg.world_size
+        ws = self.world_size
         if init.world_size is not None:
             self.out.log("resharded", path=init.path, step=step, world_size=ws,
                          from_world_size=init.world_size, missing=missing, seconds=seconds,
@@ -888,7 +1076,7 @@ class CoordinatorCore:
 
     def _restored(self, msg: p.Restored, now: float) -> None:
         self.restored[msg.rank] = msg
-        if len(self.restored) < self.cfg.world_size:
+        if len(self.restored) < self.world_size:
             return
         tiers = {str(r): m.tier for r, m in sorted(self.restored.items())}
         seconds = max(m.seconds for m in self.restored.values())
@@ -916,7 +1104,7 @@ class CoordinatorCore:
             raise JobStopped(
                 f"rank {rank}: {msg.where}: {msg.why}. Step {step} of world size "
                 f"{self.reshard[1]} is what this job would resume from at world size "
-                f"{self.cfg.world_size}; `tierswap verify {self.cfg.persist}` lists what is "
+                f"{self.world_size}; `tierswap verify {self.cfg.persist}` lists what is "
                 "damaged. Resume at the world size that wrote it, or remove the step."
             )
         if step is not None and tier is not None:
@@ -980,6 +1168,7 @@ class CoordinatorCore:
             self.settled = max(self.settled, step)  # agents take a tier-1 commit as settled
         else:
             self.persister.maybe_persist(step)
+            self._maybe_grow(self.now)
         self._maybe_done()
 
     def _settle(self, step: int) -> None:
@@ -994,6 +1183,9 @@ class CoordinatorCore:
         if step is not None:
             self.ever_committed = True
             self.reports.durable_good(step)
+            self._maybe_grow(self.now)
+        if self.salvage is not None and self.persister.inflight is None:
+            self._salvaged(step, self.now)
         self._maybe_done()
 
     # ---------------------------------------------------------------- progress and the end
@@ -1065,7 +1257,7 @@ class CoordinatorCore:
             return
         self.finished.add(rank)
         self.last_step = max(self.last_step, step)
-        if len(self.finished) == self.cfg.world_size:
+        if len(self.finished) == self.world_size:
             self.phase.move(Phase.FINISHING)
             # the last step's checksums, commit and durable write: a slow disk is no failure
             self.deadline = now + max(self.cfg.startup_timeout, 600.0)

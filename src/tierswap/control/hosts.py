@@ -126,6 +126,15 @@ class Hosts:
             del self.members[node]
         return conn, node
 
+    def close_ranks(self) -> dict[int, int]:
+        """Shrinking: drop the vacant nodes and number the members left 0, 1, ... in
+        their order. Returns old node -> new node."""
+        moved = {old: new for new, old in enumerate(sorted(self.members))}
+        self.members = {moved[n]: h for n, h in self.members.items()}
+        self.node_by_host = {h: n for n, h in self.members.items()}
+        self.vacant.clear()
+        return moved
+
     def fill_vacancies(self) -> list[tuple[int, int]]:
         """Give vacant nodes to parked spares, lowest node first: (node, host) pairs."""
         taken = []

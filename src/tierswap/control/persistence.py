@@ -44,6 +44,8 @@ class Persistence:
         self, cfg: Config, tier2: Tier2 | None, out: Out, broadcast: Callable[[Persist], None]
     ) -> None:
         self.cfg = cfg
+        self.world_size = cfg.world_size
+        """Ranks of a step: ``cfg.world_size``, fewer while the job is shrunk."""
         self.tier2 = tier2
         self.out = out
         self.broadcast = broadcast
@@ -81,6 +83,18 @@ class Persistence:
         if self.deferred is not None:
             self.out.log("durable_step_deferred_written", due=self.deferred, step=step)
             self.deferred = None
+        self._request(step, {s: dict(parts) for s, parts in self.held.items()}, {})
+
+    def salvage(self, step: int, replicas: dict[int, int]) -> None:
+        """Write ``step`` now, whatever is due or being written: the lost ranks' parts
+        from the replicas the nodes in ``replicas`` (rank -> node) hold, full parts only."""
+        self.deferred = None
+        self._request(step, {}, replicas)
+
+    def _request(
+        self, step: int, bases: dict[int, dict[int, str]], replicas: dict[int, int]
+    ) -> None:
+        assert self.tier2 is not None
         self.last_request = step
         self.token += 1
         self.inflight = Request(step, self.token)
@@ -88,9 +102,10 @@ class Persistence:
             Persist(
                 step=step,
                 root=self.tier2.url,
-                world_size=self.cfg.world_size,
+                world_size=self.world_size,
                 token=self.token,
-                bases={s: dict(parts) for s, parts in self.held.items()},
+                bases=bases,
+                replicas=dict(replicas),
             )
         )
 
@@ -144,7 +159,7 @@ class Persistence:
         for rank, error in sorted(errors.items()):
             p.answered.add(rank)
             p.errors.append(f"rank {rank}: {error}")
-        if len(p.answered) < self.cfg.world_size:
+        if len(p.answered) < self.world_size:
             return None
         self.inflight = None
         if p.errors:
@@ -191,7 +206,7 @@ class Persistence:
         if self.gone is not None:
             return None
         try:
-            self.tier2.write_commit(p.step, self.cfg.world_size, p.parts)
+            self.tier2.write_commit(p.step, self.world_size, p.parts)
         except OSError as e:
             self.failing(f"step {p.step}: COMMIT not written: {e}")
             p.errors.append(f"COMMIT: {e}")

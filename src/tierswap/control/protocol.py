@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from tierswap.state import Layout
+from tierswap.layout import Layout
 from tierswap.tiers.durable import PartInfo
 
 Address = tuple[str, int]
@@ -631,6 +631,9 @@ class Persist(Message, frozen=True, kw_only=True, tag="persist"):
     token: int
     bases: dict[int, dict[int, str]]
     """step -> rank -> data checksum of full parts in tier 2 (``--persist-deltas``)."""
+    replicas: dict[int, int] = {}
+    """rank -> node: ranks of lost nodes whose parts that node writes from the replica it
+    holds (before the job shrinks, so that it goes on from the newest step)."""
 
 
 # ==================================================================== agent <-> agent

@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 from tierswap import delta
+from tierswap.layout import Layout
 from tierswap.shm import populated
-from tierswap.state import Layout
 from tierswap.tiers.deltas import Base, itemsize_of
 
 

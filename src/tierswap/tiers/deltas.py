@@ -22,8 +22,8 @@ from typing import Any
 from tierswap import delta
 from tierswap.checksum import checksum_chunks
 from tierswap.errors import CorruptPartError
+from tierswap.layout import Layout, itemsize
 from tierswap.shm import populated
-from tierswap.state import Layout, torch_dtype
 from tierswap.tiers import durable
 from tierswap.tiers.memory import CommitVotes
 
@@ -37,7 +37,7 @@ def itemsize_of(layout: Layout) -> int:
     byte planes by it (a wrong one costs ratio, never correctness)."""
     weights: Counter[int] = Counter()
     for e in layout.entries:
-        weights[torch_dtype(e.dtype).itemsize] += e.nbytes
+        weights[itemsize(e.dtype)] += e.nbytes
     return max(weights, key=lambda k: (weights[k], k)) if weights else 4
 
 

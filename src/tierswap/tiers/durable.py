@@ -37,13 +37,13 @@ import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierswap import delta
 from tierswap.checksum import checksum_bytes, checksum_chunks
 from tierswap.errors import CorruptPartError
+from tierswap.layout import Layout
 from tierswap.shm import populated
-from tierswap.state import Flat, Layout, make_layout, tensor_view
 from tierswap.tiers.files import (
     Reader,
     fsync_dir,
@@ -58,6 +58,9 @@ from tierswap.tiers.files import (
     url_fs,
     write_atomic,
 )
+
+if TYPE_CHECKING:
+    from tierswap.state import Flat
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,8 @@ def write_part(
 def write_flat(root: str, step: int, rank: int, world_size: int, flat: Flat) -> PartInfo:
     """Write a flattened state as rank ``rank``'s part (laid out, copied and checksummed
     here, not in a tier-0 slot): for tools, benchmarks and tests."""
+    from tierswap.state import make_layout, tensor_view  # torch: not in the agent
+
     layout = make_layout(flat)
     buf = memoryview(bytearray(layout.nbytes))
     for e, t in zip(layout.entries, flat.tensors, strict=True):

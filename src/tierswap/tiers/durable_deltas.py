@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierswap import delta
+from tierswap.layout import Layout
 from tierswap.shm import populated
-from tierswap.state import Layout
 from tierswap.tiers import durable
 from tierswap.tiers.deltas import itemsize_of
 from tierswap.tiers.durable import PartInfo

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from tierswap.layout import Layout
 from tierswap.shm import Segment, segment_name
-from tierswap.state import Layout
 
 SegmentFactory = Callable[[str, int], Segment]
 """``create(name, nbytes)``: a new shared-memory segment (``Segment.create``; tests and
@@ -183,6 +183,15 @@ class RankRing(CommitVotes):
         slot.leases = max(0, slot.leases - 1)
         slot.state, slot.step, slot.checksum, slot.tree = SlotState.FREE, -1, "", {}
 
+    def retire(self) -> None:
+        """The node no longer serves this rank (the job shrank and its ranks were numbered
+        anew): its slots go, each once its leases are returned."""
+        self.discard_after(-1)
+        if self.alloc is not None:
+            self.retired.append(self.alloc)
+            self.alloc = None
+        self._drop_retired()
+
     def abandon_writes(self) -> None:
         """The worker died: slots it was writing are free again."""
         if self.alloc is not None:
@@ -244,13 +253,15 @@ class RankRing(CommitVotes):
 
 
 class NodeRings:
-    """Tier 0 of one node: a ring per rank it serves (kept for the ranks it served before,
-    so a rank that comes back finds its snapshots), and the slots leased to restores."""
+    """Tier 0 of one node: a ring per rank it serves, and the slots leased to restores."""
 
     def __init__(self, job_id: str, nslots: int, create: SegmentFactory = Segment.create) -> None:
         self.job_id, self.nslots, self.create = job_id, nslots, create
         self.by_rank: dict[int, RankRing] = {}
         self.restore_leases: dict[int, Slot] = {}
+        self.left: list[RankRing] = []
+        """Rings of ranks this node served before the job was resized, kept only while a
+        slot of theirs is leased (a part being written)."""
 
     def __getitem__(self, rank: int) -> RankRing:
         return self.by_rank[rank]
@@ -261,6 +272,11 @@ class NodeRings:
     def serve(self, ranks: list[int], restart: int, committed: int, peer_committed: int) -> None:
         """A generation starts from ``restart``; ``committed`` is tier 0's newest commit and
         ``peer_committed`` tier 1's."""
+        for r in [r for r in self.by_rank if r not in ranks]:
+            ring = self.by_rank.pop(r)
+            ring.retire()
+            if ring.retired:
+                self.left.append(ring)
         for r in ranks:
             if r not in self.by_rank:
                 self.by_rank[r] = RankRing(self.job_id, r, self.nslots, self.create)
@@ -308,13 +324,18 @@ class NodeRings:
             for r, ring in self.by_rank.items()
         }
 
-    def unlease(self, slot: Slot) -> None:
-        """Return a lease on ``slot``, whichever ring (or retired allocation) it is of."""
-        for ring in self.by_rank.values():
+    def unlease(self, slot: Slot) -> bool:
+        """Return a lease on ``slot``, whichever ring (or retired allocation) it is of;
+        False when it is of none of this node's rings."""
+        found = False
+        for ring in [*self.by_rank.values(), *self.left]:
             allocs = [ring.alloc, *ring.retired] if ring.alloc is not None else ring.retired
             if any(slot in a.slots for a in allocs):
                 ring.unlease(slot)
-                return
+                found = True
+                break
+        self.left = [ring for ring in self.left if ring.retired]
+        return found
 
     def lease_for_restore(self, rank: int, step: int) -> Slot | None:
         slot = self.by_rank[rank].lease(step)
@@ -336,5 +357,5 @@ class NodeRings:
             ring.abandon_writes()
 
     def close(self) -> None:
-        for ring in self.by_rank.values():
+        for ring in [*self.by_rank.values(), *self.left]:
             ring.close()

@@ -17,8 +17,8 @@ from tierswap import delta
 from tierswap.checksum import checksum_chunks
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
+from tierswap.layout import Layout
 from tierswap.shm import populated
-from tierswap.state import Layout
 from tierswap.wire import Address, Channel, Server
 
 if TYPE_CHECKING:

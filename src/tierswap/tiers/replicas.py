@@ -17,8 +17,8 @@ from typing import Any
 from tierswap.checksum import checksum_chunks
 from tierswap.control import protocol as p
 from tierswap.faults import Injection
+from tierswap.layout import Layout
 from tierswap.shm import Segment, populated
-from tierswap.state import Layout
 from tierswap.tiers.deltas import Base, DeltaRing, Entry
 from tierswap.tiers.memory import RankRing, SegmentFactory, Slot, SlotState
 from tierswap.tiers.peer import Lease
@@ -236,7 +236,7 @@ class PeerStore:
         return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
 
     def unlease(self, rank: int, token: Any) -> None:
-        if isinstance(token, Slot):
+        if isinstance(token, Slot) and rank in self.rings:
             self.rings[rank].unlease(token)
 
     def holdings(self) -> dict[int, dict[int, str]]:
