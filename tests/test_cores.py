@@ -498,6 +498,9 @@ def test_an_agent_process_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, tierswap.cluster.agent; print(sorted({'torch', 'safetensors'} & set(sys.modules)))"
+    code = (
+        "import sys, tierswap.cluster.agent; "
+        "print(sorted({'torch', 'safetensors'} & set(sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
