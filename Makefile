@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean etcd
+.PHONY: test demo lint bench clean etcd gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,26 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tierswap bench snapshot
+
+# On a machine with an NVIDIA GPU whose python3 brings its own torch (the device machine's
+# has 2.11): the project runs from this checkout (PYTHONPATH), no venv and no torch install;
+# the few packages that python3 lacks come as wheels made beforehand by `make gpu-wheels`
+# (they travel in .whl, ignored by git). Ends within 8 minutes; the JSON goes to
+# $OUT/gpu-check.json where OUT is set (the device tool's output folder), else here.
+GPU_PY ?= python3
+GPU_SITE := /tmp/tierswap-gpu-site
+GPU_WHEELS := msgspec==0.22.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PY) -m pip install -q --no-index --no-deps \
+	  --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)/src PYTHONUNBUFFERED=1 $(GPU_PY) -m tierswap.cli bench \
+	  gpu-check --json $${OUT:-.}/gpu-check.json
+
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

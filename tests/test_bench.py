@@ -104,3 +104,74 @@ def test_bench_dcp_measures_exports_and_a_resharding_restore(tmp_path: Path) -> 
     assert reshard["same_2_to_2"]["exact"] == reshard["reshard_2_to_4"]["exact"] == "1/1"
     assert reshard["ratio"] > 0
     assert not list(Path(tempfile.gettempdir()).glob("tierswap-bench-dcp-*"))
+
+
+# ---------------------------------------------------------------- make gpu-check, its CPU side
+
+
+def test_gpu_check_sizes_its_model_to_dev_shm_and_reads_pytests_summary() -> None:
+    from tierswap.bench import gpu
+
+    layers, width = gpu.model_size(64 * 2**30, slots=4)
+    assert (layers, width) == (23, 1024), "about 300 M parameters where /dev/shm holds them"
+    layers, width = gpu.model_size(64 * 2**20, slots=4)  # a container's default 64 MiB
+    assert 12 * gpu.gpt_params(layers, width) * 4 <= 64 * 2**20, (layers, width)
+    assert gpu.summary_counts("..s\n3 passed, 1 skipped in 2.10s\n") == {"passed": 3, "skipped": 1}
+    assert gpu.summary_counts("== 1 failed, 2 passed, 1 error in 9s ==") == {
+        "failed": 1, "passed": 2, "error": 1,
+    }  # fmt: skip
+
+
+def test_gpu_check_table_names_every_section_and_every_verdict() -> None:
+    from tierswap.bench import gpu
+
+    ab = {
+        "with_snapshot": {"step_s": {"median": 0.105}, "stall_s": {"median": 0.0004}},
+        "without": {"step_s": {"median": 0.100}},
+        "overhead": {"median": 0.05},
+    }
+    res = {
+        "env": {"torch": "2.11.0", "cuda": "13.0", "dev_shm": {"free": 2**36},
+                "device": {"name": "NVIDIA H200"}},
+        "cuda_tests": {"code": 0, "counts": {"passed": 4}},
+        "snapshot": {"params": 302_000_000, "state_bytes": 12 * 302_000_000, "pairs": 6,
+                     "ab": ab, "copy_gbps": 20.0, "pinned_copy": {"gbps": 25.0}},
+        "jobs": {"gloo_worker_kill": {"bit_exact": True}, "section_s": 80.0,
+                 "nccl_worker_kill": {"error": "RuntimeError: exited with code 1"},
+                 "gloo_node_kill_spare": {"bit_exact": False, "differing": ["rank-1: x"]}},
+    }  # fmt: skip
+    text = gpu.table(res)
+    assert "NVIDIA H200, torch 2.11.0, CUDA 13.0" in text and "4 passed" in text
+    assert "100.0 ms without, 105.0 ms with (+5.0%, median of 6 A/B pairs)" in text
+    assert "0.40 ms a step (0.40% of it)" in text and "(0.80x)" in text
+    lines = dict(line.split(None, 1) for line in text.splitlines())
+    assert lines["gloo_worker_kill"].strip() == "bit for bit"
+    assert "exited with code 1" in lines["nccl_worker_kill"]
+    assert "DIFFERS" in lines["gloo_node_kill_spare"] and "section_s" not in lines
+    assert "OSError: no room" in gpu.table({"env": {}, "snapshot": {"error": "OSError: no room"}})
+
+
+def test_gpu_check_without_a_gpu_says_so_and_fails() -> None:
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: make gpu-check runs for real")
+    done = subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "bench", "gpu-check"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+
+
+def test_gpu_check_snapshot_section_runs_tiny_on_the_cpu() -> None:
+    """The section's code path (model, A/B blocks through the real agent, the figures the
+    table reads), on the CPU at 1 M parameters so that it cannot rot where no GPU is."""
+    from tierswap.bench import gpu
+
+    before = _bench_segments()
+    res = gpu.snapshot(2**30, pairs=1, device="cpu", want_params=1_000_000, batch=1)
+    assert res["params"] < 2_000_000 and res["skipped"] == 0
+    assert res["ab"]["with_snapshot"]["stall_s"]["median"] >= 0 and res["copy_gbps"] > 0
+    assert "trainer stall" in gpu.table({"env": {}, "snapshot": res})
+    assert _bench_segments() == before

@@ -407,6 +407,7 @@ def parser() -> argparse.ArgumentParser:
             "soak",
             "hosts",
             "dcp",
+            "gpu-check",
         ],
     )
     bench.add_argument(

@@ -117,6 +117,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import convert
 
         return convert.main(args)
+    if args.what == "gpu-check":
+        from tierswap.bench import gpu
+
+        return gpu.main(args)
     if args.what == "control-plane":
         from tierswap.bench import controlplane
 

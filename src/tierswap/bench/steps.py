@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,12 @@ STEP_PAIRS_PER_REPEAT = 4
 """Section 4 runs 4 A/B pairs per ``--repeats``: its blocks last about a second, and on a
 shared VM their step time moves by +-15 % from one block to the next, so a median of a
 5 % effect needs tens of pairs (20 by default)."""
+
+
+class Loop(Protocol):
+    def step(self, rig: Rig | None) -> float:
+        """One training step, snapshotted through ``rig`` unless it is None; its seconds."""
+        ...
 
 
 @dataclass(slots=True)
@@ -53,7 +59,7 @@ class _Loop:
         return time.monotonic() - t0
 
 
-def _block(loop: _Loop, rig: Rig, snapshot: bool) -> Sample:
+def _block(loop: Loop, rig: Rig, snapshot: bool) -> Sample:
     """Mean step time over ``LOOP_BLOCK`` steps after an untimed one that enters the block;
     with snapshots also the stall (time in take and at fences) and the background copy."""
     who = rig if snapshot else None
@@ -68,7 +74,7 @@ def _block(loop: _Loop, rig: Rig, snapshot: bool) -> Sample:
     return {"step_s": seconds, "stall_s": stall / LOOP_BLOCK, "copy_s": copy / LOOP_BLOCK}
 
 
-def step_overhead(loop: _Loop, rig: Rig, pairs: int) -> dict[str, Any]:
+def step_overhead(loop: Loop, rig: Rig, pairs: int) -> dict[str, Any]:
     """``pairs`` A/B blocks (with a snapshot every step, without), order alternating: the
     stats of each, and of the overhead of each pair."""
     methods: dict[str, Callable[[], Sample]] = {

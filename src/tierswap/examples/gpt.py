@@ -155,7 +155,12 @@ def batch(
 
 
 def build_model(
-    cfg: GPTConfig, mode: str = "single", *, seed: int = 0, train_last: int = 0
+    cfg: GPTConfig,
+    mode: str = "single",
+    *,
+    seed: int = 0,
+    train_last: int = 0,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """A GPT with the same initial weights on every rank, wrapped for ``mode``.
 
@@ -169,7 +174,9 @@ def build_model(
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = GPT(cfg)  # made on the CPU: the same weights whatever the device
+    if device is not None:
+        model.to(device)
     if train_last:
         keep = {f"blocks.{cfg.n_layer - 1 - i}." for i in range(train_last)} | {"ln_f."}
         for name, p in model.named_parameters():

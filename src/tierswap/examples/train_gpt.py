@@ -48,6 +48,7 @@ def parse() -> argparse.Namespace:
         "--out-start", default=None, help="also write the state as restored, before training"
     )
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the rank's GPU")
     p.add_argument(
         "--train-last", type=int, default=0, help="fine-tune: train only the last N blocks"
     )
@@ -57,7 +58,8 @@ def parse() -> argparse.Namespace:
 def save_final(out: str, rank: int, state: dict[str, Any]) -> None:
     flat = flatten(state)
     tensors = {
-        e.key: t.contiguous().clone() for e, t in zip(flat.entries, flat.tensors, strict=True)
+        e.key: t.detach().cpu().contiguous().clone()
+        for e, t in zip(flat.entries, flat.tensors, strict=True)
     }
     tensors["counter"] = torch.tensor(state["counter"].tokens_seen)
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -69,7 +71,8 @@ def train(job: tierswap.Job) -> None:
     random.seed(0)  # every RNG the run touches starts from a seed, so runs can be compared
     np.random.seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
-    model = build_model(cfg, args.mode, seed=0, train_last=args.train_last)
+    device = job.device if args.device == "cuda" else torch.device("cpu")
+    model = build_model(cfg, args.mode, seed=0, train_last=args.train_last, device=device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     counter = Counter()
     state = {"model": model, "optim": opt, "counter": counter}
@@ -78,7 +81,7 @@ def train(job: tierswap.Job) -> None:
         if args.out_start and first:
             save_final(args.out_start, job.rank, state)
         first = False
-        x, y = batch(step, job.rank, job.world_size, cfg)
+        x, y = (t.to(device) for t in batch(step, job.rank, job.world_size, cfg))
         loss = model(x, y) + 0.0 * torch.rand(())  # draws from the RNG, which must be restored
         loss.backward()
         opt.step()

@@ -1,0 +1,359 @@
+"""``make gpu-check`` (``tierswap bench gpu-check``): the GPU paths, on one NVIDIA machine,
+in one script that ends within 8 minutes and prints its table last.
+
+1. ``env``: torch, CUDA, the device, host memory and ``/dev/shm`` (where tier 0 lives).
+2. ``cuda_tests``: ``tests/test_cuda.py`` (side-stream copy into page-locked slots, the
+   slot's bytes as checksummed, the fence before ``optimizer.step()``, NCCL abort and
+   rebuild in one process).
+3. ``snapshot``: a GPT of a few hundred million parameters (fp32 weights and AdamW state,
+   bf16 autocast), a snapshot every step against none in interleaved A/B blocks: step
+   time, the trainer's stall per step, and the device-to-host copy's throughput against a
+   plain copy into pinned memory of the same bytes. Sized to what ``/dev/shm`` holds.
+4. ``jobs``: real ``tierswap run`` jobs of the example GPT on CUDA tensors, two ranks
+   sharing the GPU over gloo, through a worker kill and a node kill with a spare, and one
+   NCCL rank through a worker kill (its communicator aborted, a new one built): each must
+   end bit for bit equal to the same job run without failures.
+
+Each section runs under its own deadline and records its error instead of stopping the
+rest. The JSON goes to ``--json`` (default ``gpu-check.json`` in the current folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[3] / "tests" / "test_cuda.py"
+"""The CUDA tests, beside the package in a checkout (absent from an installed wheel)."""
+SECTION_S = {"cuda_tests": 150.0, "snapshot": 150.0, "jobs": 150.0}
+"""Each section's deadline: together under 8 minutes with the imports and starts."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# ---------------------------------------------------------------- 1. env
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+    shm = shutil.disk_usage("/dev/shm")
+    out["dev_shm"] = {"total": shm.total, "free": shm.free}
+    with contextlib.suppress(OSError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        out["host_memory"] = pages
+    if torch.cuda.is_available():
+        prop = torch.cuda.get_device_properties(0)
+        out["device"] = {"name": prop.name, "memory": prop.total_memory,
+                         "count": torch.cuda.device_count()}  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- 2. the CUDA tests
+
+
+def summary_counts(text: str) -> dict[str, int]:
+    """pytest's last line (``3 passed, 1 skipped in 2.1s``) as counts."""
+    counts: dict[str, int] = {}
+    for line in reversed(text.strip().splitlines()):
+        words = line.strip("= ").replace(",", "").split()
+        pairs = [(words[i - 1], w) for i, w in enumerate(words) if i and words[i - 1].isdigit()]
+        found = {w: int(n) for n, w in pairs if w in ("passed", "failed", "skipped", "error",
+                                                      "errors")}  # fmt: skip
+        if found:
+            counts = found
+            break
+    return counts
+
+
+def cuda_tests(deadline_s: float) -> dict[str, Any]:
+    if not TESTS.exists():
+        return {"skipped": f"{TESTS} is not here (run from a checkout)"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline_s)
+    text = done.stdout + done.stderr
+    return {"code": done.returncode, "counts": summary_counts(text), "tail": text[-3000:]}
+
+
+# ---------------------------------------------------------------- 3. snapshot on a real step
+
+
+BLOCK = 1024
+"""Context length of the check's GPT."""
+
+
+def gpt_params(layers: int, width: int) -> int:
+    """Parameters of the example GPT: 12 w^2 a block, and the token and position tables."""
+    return 12 * layers * width * width + (256 + BLOCK) * width
+
+
+def model_size(shm_free: int, slots: int, want_params: int = 300_000_000) -> tuple[int, int]:
+    """(layers, width) of the GPT whose state (weights and two AdamW moments, fp32: 12
+    bytes a parameter) fits ``slots`` tier-0 slots in ``shm_free`` bytes with a quarter
+    to spare, at most about ``want_params`` parameters."""
+    budget = min(want_params, int(shm_free * 0.75 / max(slots, 1) / 12))
+    width = 1024 if budget >= gpt_params(4, 1024) else 256
+    layers = max(1, (budget - (256 + BLOCK) * width) // (12 * width * width))
+    return int(layers), width
+
+
+class _GPTLoop:
+    """A training step of the example GPT, timed on the GPU's compute stream only: the
+    snapshot's copy runs on its own stream, overlapped, as in a job. (On the CPU, for the
+    test suite's tiny run.)"""
+
+    def __init__(self, layers: int, width: int, batch: int, device: str = "cuda") -> None:
+        import torch
+
+        from tierswap.examples.gpt import GPTConfig, build_model
+
+        self.torch, self.device = torch, torch.device(device)
+        self.cfg = GPTConfig(n_layer=layers, n_embd=width, n_head=width // 64, block_size=BLOCK)
+        self.model = build_model(self.cfg, "single", seed=0, device=self.device)
+        cuda = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=cuda)
+        gen = torch.Generator().manual_seed(0)
+        shape = (batch, self.cfg.block_size)
+        self.x = torch.randint(0, self.cfg.vocab_size, shape, generator=gen).to(self.device)
+        self.y = torch.randint(0, self.cfg.vocab_size, shape, generator=gen).to(self.device)
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.current_stream().synchronize()
+
+    def step(self, rig: Any) -> float:
+        torch = self.torch
+        self._sync()
+        t0 = time.monotonic()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.model(self.x, self.y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if rig is not None:
+            rig.take({"model": self.model, "optim": self.opt}, required=False)
+        self._sync()
+        return time.monotonic() - t0
+
+
+def _pinned_copy(loop: _GPTLoop) -> dict[str, Any]:
+    """A plain device-to-host copy of the same tensors into page-locked memory."""
+    import torch
+
+    from tierswap.bench.common import stats
+
+    tensors = [p.detach() for p in loop.model.parameters()]
+    tensors += [t for s in loop.opt.state.values() for t in s.values() if t.is_cuda]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.monotonic() - t0)
+    return {"bytes": nbytes, "seconds": stats(times[1:]),
+            "gbps": nbytes / sorted(times[1:])[len(times[1:]) // 2] / 1e9}  # fmt: skip
+
+
+def snapshot(
+    shm_free: int,
+    pairs: int,
+    *,
+    device: str = "cuda",
+    want_params: int = 300_000_000,
+    batch: int = 8,
+) -> dict[str, Any]:
+    from tierswap.bench.rig import NSLOTS, Rig
+    from tierswap.bench.steps import step_overhead
+
+    layers, width = model_size(shm_free, NSLOTS + 1, want_params)
+    loop = _GPTLoop(layers, width, batch, device)
+    out: dict[str, Any] = {"layers": layers, "width": width, "params": loop.params,
+                           "state_bytes": 12 * loop.params, "pairs": pairs}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tierswap-gpu-") as tmp:
+        rig = Rig(f"gpu-{os.getpid()}")
+        try:
+            rig.start(Path(tmp))
+            out["ab"] = step_overhead(loop, rig, pairs)
+            st = rig.snapshotter.stats
+            copies = st.copy_times[1:] or st.copy_times
+            if copies:
+                out["copy_gbps"] = out["state_bytes"] / sorted(copies)[len(copies) // 2] / 1e9
+            out["skipped"] = st.skipped
+        finally:
+            rig.close()
+    if device == "cuda":
+        out["pinned_copy"] = _pinned_copy(loop)
+    return out
+
+
+# ---------------------------------------------------------------- 4. jobs on CUDA tensors
+
+
+JOBS: dict[str, tuple[list[str], list[str]]] = {
+    "gloo_worker_kill": (["--nodes", "2"], ["--inject", "kill:rank=1:step=6"]),
+    "gloo_node_kill_spare": (["--nodes", "2", "--spares", "1"], ["--inject", "kill:node=1:step=6"]),
+    "nccl_worker_kill": (["--nodes", "1", "--backend", "nccl"], ["--inject", "kill:rank=0:step=6"]),
+}
+"""name -> (the job's shape, the failure): each against the same shape without it."""
+
+
+def _job(tmp: Path, name: str, shape: list[str], extra: list[str], timeout: float) -> Path:
+    from tierswap.examples import job_command
+
+    out = tmp / f"{name}-final"
+    cmd = job_command(tmp / name, [*shape, *extra],
+                      ["--steps", "12", "--device", "cuda", "--out", str(out)])  # fmt: skip
+    with (tmp / f"{name}.log").open("w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+                              timeout=timeout, start_new_session=True)  # fmt: skip
+    if done.returncode != 0:
+        tail = (tmp / f"{name}.log").read_text()[-1500:]
+        raise RuntimeError(f"{name} exited with code {done.returncode}:\n{tail}")
+    return out
+
+
+def jobs(deadline_s: float) -> dict[str, Any]:
+    from tierswap.examples import differing, load_final
+
+    end = time.monotonic() + deadline_s
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tierswap-gpu-") as tmp_s:
+        tmp = Path(tmp_s)
+        baselines: dict[str, Path] = {}
+        for name, (shape, fault) in JOBS.items():
+            left = end - time.monotonic()
+            if left < 20:
+                out[name] = {"error": "no time left"}
+                continue
+            t0 = time.monotonic()
+            try:
+                key = " ".join(shape)
+                if key not in baselines:
+                    baselines[key] = _job(tmp, f"base-{len(baselines)}", shape, [], left)
+                got = _job(tmp, name, shape, fault, end - time.monotonic())
+                diff = differing(load_final(baselines[key]), load_final(got))
+                out[name] = {"bit_exact": not diff, "differing": diff[:5],
+                             "seconds": time.monotonic() - t0}  # fmt: skip
+            except Exception as e:  # recorded; the other jobs still run
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+# ---------------------------------------------------------------- the run and its table
+
+
+def _guarded(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    t0 = time.monotonic()
+    try:
+        results[name] = fn()
+    except Exception as e:  # one section failing must not hide the others
+        results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    results[name]["section_s"] = time.monotonic() - t0
+    print(f"[gpu-check] {name}: {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def run(pairs: int = 6) -> dict[str, Any]:
+    import torch
+
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _guarded(results, "env", environment)
+    if not torch.cuda.is_available():
+        return results
+    _guarded(results, "cuda_tests", lambda: cuda_tests(SECTION_S["cuda_tests"]))
+    shm_free = int(results["env"].get("dev_shm", {}).get("free", 0))
+    _guarded(results, "snapshot", lambda: snapshot(shm_free, pairs))
+    _guarded(results, "jobs", lambda: jobs(SECTION_S["jobs"]))
+    return results
+
+
+def _med(d: Any, *path: str) -> float | None:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return float(d) if isinstance(d, int | float) else None
+
+
+def table(res: dict[str, Any]) -> str:
+    """The figures a reader checks first, one per line."""
+    env = res.get("env", {})
+    dev = env.get("device", {})
+    shm = _gib(env.get("dev_shm", {}).get("free", 0))
+    machine = f"{dev.get('name', 'no CUDA device')}, torch {env.get('torch')}"
+    rows = [("machine", f"{machine}, CUDA {env.get('cuda')}, /dev/shm {shm} free")]
+    t = res.get("cuda_tests", {})
+    if t:
+        counts = ", ".join(f"{n} {k}" for k, n in t.get("counts", {}).items())
+        rows.append(("tests/test_cuda.py", t.get("error") or t.get("skipped") or counts))
+    rows += _snapshot_rows(res.get("snapshot", {}))
+    for name, j in res.get("jobs", {}).items():
+        if isinstance(j, dict) and name != "error":
+            exact = "bit for bit" if j.get("bit_exact") else f"DIFFERS: {j.get('differing')}"
+            rows.append((name, j.get("error") or exact))
+    if "error" in res.get("jobs", {}):
+        rows.append(("jobs", res["jobs"]["error"]))
+    wide = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{wide}}  {v}" for k, v in rows)
+
+
+def _snapshot_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    if "error" in s:
+        return [("snapshot every step", s["error"])]
+    rows = []
+    w = _med(s, "ab", "with_snapshot", "step_s", "median")
+    wo = _med(s, "ab", "without", "step_s", "median")
+    over = _med(s, "ab", "overhead", "median")
+    stall = _med(s, "ab", "with_snapshot", "stall_s", "median")
+    if w is not None and wo is not None and over is not None and stall is not None:
+        size = f"{s['params'] / 1e6:.0f} M parameters, {_gib(s['state_bytes'])} of state"
+        pairs = f"median of {s['pairs']} A/B pairs"
+        times = f"{wo * 1e3:.1f} ms without, {w * 1e3:.1f} ms with ({over:+.1%}, {pairs})"
+        rows += [("GPT", size), ("step, snapshot every step", times)]
+        rows.append(("trainer stall", f"{stall * 1e3:.2f} ms a step ({stall / wo:.2%} of it)"))
+    copy, plain = s.get("copy_gbps"), s.get("pinned_copy", {}).get("gbps")
+    if copy is not None and plain:
+        ratio = f"{copy:.1f} GB/s, a plain pinned copy {plain:.1f} GB/s ({copy / plain:.2f}x)"
+        rows.append(("device-to-host copy", ratio))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check needs a CUDA device: torch sees none here", file=sys.stderr)
+        return 2
+    res = run(pairs=max(2, args.repeats))
+    path = Path(args.json or "gpu-check.json")
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"[gpu-check] figures in {path}")
+    print(table(res))
+    failed = res.get("cuda_tests", {}).get("code", 0) != 0 or any(
+        isinstance(j, dict) and (j.get("error") or j.get("bit_exact") is False)
+        for j in res.get("jobs", {}).values()
+    )
+    return 1 if failed else 0
