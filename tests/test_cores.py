@@ -280,6 +280,59 @@ def test_a_failed_salvage_shrinks_from_the_older_tier2_step() -> None:
     assert shrank["step"] == 0 and 5 not in c.tier2.commits
 
 
+def _salvage_pending(spares: int = 0) -> Coordinator:
+    """3 nodes, step 0 in tier 2, node 1 lost; step 5 is being written before a shrink."""
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    _persisted(c, 0, [0, 1, 2])
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
+    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    assert c.core.salvage == 5
+    return c
+
+
+def test_a_spare_parking_while_the_step_is_written_takes_the_node_after_it() -> None:
+    c = _salvage_pending()
+    before = len(c.sent(p.Start))
+    c.say(3, p.Hello(host=-1, pid=103, spare=True), -1)
+    c.say(3, p.Ready(replica=("h", 1003), workers=[]), -1)
+    assert len(c.sent(p.Start)) == before, "no generation while step 5 is written"
+    assert c.tier2 is not None
+    (persist,) = c.sent(p.Persist)[-1:]
+    parts = {r: c.tier2.write_part(5, r, b"x" * 8) for r in range(3)}
+    c.say(0, p.Parts(token=persist.token, step=5, parts=[parts[0]], errors={}))
+    c.say(2, p.Parts(token=persist.token, step=5, parts=[parts[1], parts[2]], errors={}))
+    starts = c.sent(p.Start)[before:]
+    assert [(s.node, s.world_size) for s in starts] == [(0, 3), (1, 3), (2, 3)]
+    assert not c.logged("shrank") and c.logged("spare_assigned")[-1]["host"] == 3
+    assert {s.restart_step for s in starts} == {5}, "a hot-swap from memory, at full size"
+
+
+def test_tier2_lost_while_the_step_is_written_waits_instead() -> None:
+    c = _salvage_pending()
+    c.out += c.core.handle(cc.DurableLost(why="another job took the root"), c.now + 0.01)
+    assert c.core.salvage is None and not c.logged("shrank")
+    # tier 2 is not the job's any more: nothing to go on from, so it waits and says why
+    (refused,) = c.logged("shrink_refused")
+    assert "another job took the root" in refused["reason"] and c.logged("waiting_for_node")
+    assert c.core.phase == Phase.RECOVERING
+
+
+def test_shrink_from_the_last_step_finishes_at_once() -> None:
+    c = Coordinator(
+        nodes=2, persist="sim://t2", persist_every=1, on_no_spare="shrink", revive=False
+    )
+    c.say(0, p.Report(rank=0, step=-1, total=4))
+    for step in range(4):
+        _persisted(c, step, [0, 1])  # every step trained and in tier 2
+    _fail_node(c, 1)  # before the Finished came
+    c.say(0, p.Stopped(holdings={0: {3: "a"}}, peer={1: {3: "b"}}, peer_deltas={}))
+    (shrank,) = c.logged("shrank")
+    assert shrank["step"] == 3 and c.core.phase == Phase.RUNNING
+    c.say(0, p.Finished(rank=0, step=3))  # its worker trains no step past 3
+    assert c.core.phase == Phase.DONE and c.logged("job_finished")
+
+
 def test_shrink_with_nothing_in_tier2_waits_and_says_why() -> None:
     c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
     _fail_node(c, 2)
@@ -504,3 +557,19 @@ def test_an_agent_process_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_node_drops_the_replicas_of_ranks_it_no_longer_protects() -> None:
+    segs: dict[str, MemorySegment] = {}
+    peers = PeerStore("t", 2, 0, lambda m, g: None, create=lambda n, s: MemorySegment(n, s, segs))
+    for rank in (3, 4):
+        token, _ = peers.slot(rank, 7, LAYOUT)  # type: ignore[misc]
+        peers.written(rank, token, True, 7, LAYOUT, {}, f"c{rank}")
+    lease = peers.lease(4, 7)  # rank 4's replica is being served to a restoring worker
+    assert lease is not None and len(segs) == 4
+    peers.keep_only([3])  # resized: this node protects rank 3 only
+    assert sorted(peers.holdings()) == [3] and len(segs) == 4, "kept while it is leased"
+    peers.unlease(4, lease.token)
+    assert len(segs) == 2 and not peers.left, "rank 4's slots go once it is given back"
+    peers.keep_only([])
+    assert not segs

@@ -67,9 +67,17 @@ ASK_LIMIT_S = 120.0
 
 
 def gpu_count() -> int:
-    """The GPUs torch sees on this machine: 0 at once, without importing torch (seconds
-    of an agent's start), where no GPU driver is there (NVIDIA's or ROCm's device)."""
-    if not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/kfd")):
+    """The GPUs a worker here may use, without importing torch (seconds of an agent's
+    start): ``CUDA_VISIBLE_DEVICES`` where it is set, else the NVIDIA driver's list of
+    GPUs; torch is asked only where another driver (ROCm's) is there."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip()]
+        return len(ids[: next((i for i, v in enumerate(ids) if v.strip() == "-1"), len(ids))])
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    if nvidia.is_dir():
+        return sum(1 for _ in nvidia.iterdir())
+    if not os.path.exists("/dev/kfd"):
         return 0
     import torch
 

@@ -288,6 +288,7 @@ class AgentCore:
         self.peers.generation = generation
         self.peers.discard_after(restart, replicated)
         self.peers.protects = list(msg.protects)
+        self.peers.keep_only(self.peers.protects)
         self.peers.corrupt = self.faults.corruptions()
         self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated)}
         self.persisting.clear()

@@ -146,6 +146,9 @@ class CoordinatorCore:
         """The step being written to tier 2 before the job shrinks."""
         self.salvage_tried = False
         """Whether this failure's shrink tried that already."""
+        self.resharded_from: int | None = None
+        """The tier-2 step this generation started from, resharded (no tier holds a step
+        of this size): what it has trained when it trains no step past it."""
         self.resized: tuple[int, int] | None = None
         """The job was just resized: the tier-2 step (step, world size) the next
         generation starts from."""
@@ -215,6 +218,8 @@ class CoordinatorCore:
                     self._host_exited(host, code, now)
                 case DurableLost(why=why):
                     self.persister.lost(why)
+                    if self.salvage is not None:
+                        self._salvaged(None, now)
                 case Begin():
                     self._begin(event, now)
                 case TakeOver(record=record, old_host=old_host):
@@ -742,6 +747,8 @@ class CoordinatorCore:
             return
         if self.expected is not None:
             return  # taking over: the hosts it had come back first (``_resume`` starts)
+        if self.salvage is not None:
+            return  # the newest step is being written before a shrink: ``_salvaged`` starts
         if self.hosts.waiting or self.stopping:
             # a host for a vacancy no spare will fill boots meanwhile (seconds of imports)
             self._revive(len(self.hosts.vacant) - len(self.hosts.spares))
@@ -799,12 +806,17 @@ class CoordinatorCore:
         """``--on-no-spare shrink``: the nodes left go on by themselves, numbered anew,
         from tier 2's newest step resharded to their world size. False (the job waits, as
         with "wait") where tier 2 holds no step of this job yet or no node is left."""
-        source = self._newest_durable()
+        gone = self.persister.gone
+        source = None if gone is not None else self._newest_durable()
         left = len(self.hosts.members)
         if source is None or not left:
             if not self.shrink_refused:
                 self.shrink_refused = True
-                why = "no node is left" if not left else f"{self.cfg.persist} holds no step yet"
+                why = (
+                    "no node is left"
+                    if not left
+                    else gone or f"{self.cfg.persist} holds no step yet"
+                )
                 self.out.log("shrink_refused", nodes=lost, reason=why)
                 self.out.say(f"cannot shrink past nodes {lost}: {why}; waiting instead")
             return False
@@ -856,6 +868,7 @@ class CoordinatorCore:
                 assert src.node is not None
                 replicas[rank] = src.node
         self.salvage = plan.step
+        self.deadline = self.now + max(self.cfg.startup_timeout, 600.0)  # a whole step to write
         self.out.log("salvaging", step=plan.step, replicas={str(r): n for r, n in replicas.items()})
         self.out.say(
             f"writing step {plan.step} to tier 2 before shrinking (ranks {sorted(replicas)} "
@@ -868,6 +881,7 @@ class CoordinatorCore:
         """The step written before a shrink is committed (or failed: the shrink goes on
         from what tier 2 had)."""
         step, self.salvage = self.salvage, None
+        self.deadline = now + self.cfg.startup_timeout
         if committed is None:
             self.out.say(f"step {step} could not be written to tier 2; shrinking from an older one")
         self._maybe_start(now)
@@ -885,6 +899,10 @@ class CoordinatorCore:
         once, whatever ``--persist-every`` says)."""
         if self.nodes >= self.cfg.nodes or not self.hosts.spares or self.phase != Phase.RUNNING:
             return
+        if self.expected is not None:
+            return  # taking over: the generation the hosts had is stopped first
+        if self.total is not None and self.tiers[0].committed >= self.total - 1:
+            return  # every step is trained: nothing to grow for
         if self.grow_after is None:
             self.grow_after = self.tiers[0].committed
             self.out.log("grow_pending", spares=list(self.hosts.spares), after=self.grow_after)
@@ -953,13 +971,16 @@ class CoordinatorCore:
         for step, why in plan.skipped:
             self.out.log("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
-            if self.reshard is None:
+            if self.reshard is None or not self._nothing_newer(self.reshard[0]):
                 raise JobStopped(lost_message(plan, self.cfg.persist))
             if self.resized is None:  # nothing of this size is left: where it started
                 why = f"no step of world size {self.world_size} is left in any tier"
                 self.out.log("restore_fallback", step=self.reshard[0], tier=2, reason=why)
                 self.out.say(f"going on from tier-2 step {self.reshard[0]} again: {why}")
         self.resized = None
+        self.resharded_from = (
+            self.reshard[0] if plan.step is None and self.reshard is not None else None
+        )
         self._say_fallback(holdings, plan)
         self.plan = plan
         self.generation += 1
@@ -988,6 +1009,17 @@ class CoordinatorCore:
             stale_dropped=self.door.take_counts(),
         )
         self._inject_nodes(self.faults.at_generation(self.generation), now)
+
+    def _nothing_newer(self, step: int) -> bool:
+        """Whether tier 2 lists no step of this world size newer than ``step`` (one that a
+        restore passed over as unreadable would be a timeline to keep, not to go back
+        past), and could be listed."""
+        if self.tier2 is None:
+            return False
+        try:
+            return not any(s > step for s in self.tier2.restorable_steps(self.world_size))
+        except OSError:
+            return False
 
     def _reset_commits(self, holdings: Holdings, restart: int) -> tuple[int, int]:
         """A new generation restored ``restart``: later steps are gone everywhere; each
@@ -1091,6 +1123,8 @@ class CoordinatorCore:
     def _stepped(self, rank: int, now: float) -> None:
         """A worker finished its first step of this generation."""
         step = -1 if self.plan is None or self.plan.step is None else self.plan.step
+        if self.resharded_from is not None:
+            step = self.resharded_from
         resumed = self.clock.worker_stepped(rank, step, now)
         if resumed is None:
             return
@@ -1239,7 +1273,8 @@ class CoordinatorCore:
         """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""
         for fault in due:
             host = self.hosts.members.get(fault.index)
-            if host is None:
+            if host is None:  # a node the job does not have now (it shrank)
+                self.out.log("fault_skipped", spec=str(fault), reason=f"no node {fault.index}")
                 continue
             self.out.log("fault_injected", spec=str(fault), host=host)
             self.clock.fault(now)
@@ -1264,7 +1299,9 @@ class CoordinatorCore:
             self._maybe_done()
 
     def _maybe_done(self) -> None:
-        memory = self.tiers[0].committed
+        memory = max(
+            self.tiers[0].committed, -1 if self.resharded_from is None else self.resharded_from
+        )
         if self.phase != Phase.FINISHING or memory < self.last_step:
             return
         if self.persister.inflight is not None:
@@ -1297,6 +1334,11 @@ class CoordinatorCore:
             return f"waiting for a node to join to take the place of nodes {vacant} (no spare left)"
         if self.stopping:
             return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
+        if self.salvage is not None:
+            return (
+                f"waiting for step {self.salvage} to be written to {self.cfg.persist} before "
+                "the job shrinks"
+            )
         if self.persister.inflight is not None:
             step = self.persister.inflight.step
             return f"waiting for step {step} to be written to {self.cfg.persist}"

@@ -51,6 +51,9 @@ class PeerStore:
         self.threshold = threshold
         self.rings: dict[int, RankRing] = {}
         self.drings: dict[int, DeltaRing] = {}
+        self.left: list[RankRing] = []
+        """Rings of ranks this node no longer protects (the job was resized), kept only
+        while a slot of theirs is leased."""
         self.protects: list[int] = []
         self.corrupt: list[Injection] = []
         self.peak = 0
@@ -236,8 +239,26 @@ class PeerStore:
         return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
 
     def unlease(self, rank: int, token: Any) -> None:
-        if isinstance(token, Slot) and rank in self.rings:
-            self.rings[rank].unlease(token)
+        if not isinstance(token, Slot):
+            return
+        for ring in [r for r in (self.rings.get(rank), *self.left) if r is not None]:
+            allocs = [a for a in (ring.alloc, *ring.retired) if a is not None]
+            if any(token in a.slots for a in allocs):
+                ring.unlease(token)
+                break
+        self.left = [ring for ring in self.left if ring.retired]
+
+    def keep_only(self, ranks: list[int]) -> None:
+        """Drop the replicas of ranks this node no longer protects (the job was resized,
+        its ranks placed anew): full slots go once no transfer leases them; a delta
+        ring's memory once no reader holds it."""
+        for r in [r for r in self.rings if r not in ranks]:
+            ring = self.rings.pop(r)
+            ring.retire()
+            if ring.retired:
+                self.left.append(ring)
+        for r in [r for r in self.drings if r not in ranks]:
+            del self.drings[r]
 
     def holdings(self) -> dict[int, dict[int, str]]:
         out = {r: {s: x.checksum for s, x in ring.held().items()} for r, ring in self.rings.items()}
@@ -311,5 +332,5 @@ class PeerStore:
             ring.protect(committed)
 
     def close(self) -> None:
-        for ring in self._all():
+        for ring in [*self._all(), *self.left]:
             ring.close()
