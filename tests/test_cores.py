@@ -280,6 +280,33 @@ def test_a_failed_salvage_shrinks_from_the_older_tier2_step() -> None:
     assert shrank["step"] == 0 and 5 not in c.tier2.commits
 
 
+def test_a_shrunk_job_with_no_host_joining_finishes_on_the_nodes_it_has() -> None:
+    c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
+    assert c.tier2 is not None
+    c.say(0, p.Report(rank=0, step=-1, total=4))
+    _persisted(c, 0, [0, 1, 2])
+    _fail_node(c, 1)
+    for host in (0, 2):
+        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    assert c.core.world_size == 2 and c.logged("shrank")
+    answered = len(c.sent(p.Persist))
+    for step in (1, 2, 3):
+        for host in (0, 2):
+            c.say(host, p.Held(tier=0, step=step))
+        if step == 3:
+            for rank, host in ((0, 0), (1, 2)):
+                c.say(host, p.Finished(rank=rank, step=3))
+        for persist in c.sent(p.Persist)[answered:]:  # each write asked, at 2 ranks
+            answered += 1
+            assert persist.world_size == 2
+            for rank, host in ((0, 0), (1, 2)):
+                part = c.tier2.write_part(persist.step, rank, b"x" * 8)
+                c.say(host, p.Parts(token=persist.token, step=persist.step, parts=[part],
+                                    errors={}))  # fmt: skip
+    assert c.core.phase == Phase.DONE and c.tier2.commits[3][0] == 2
+    assert c.logged("job_finished")[0]["restarts"] == 1
+
+
 def _salvage_pending(spares: int = 0) -> Coordinator:
     """3 nodes, step 0 in tier 2, node 1 lost; step 5 is being written before a shrink."""
     c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
