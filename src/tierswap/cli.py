@@ -408,6 +408,7 @@ def parser() -> argparse.ArgumentParser:
             "hosts",
             "dcp",
             "gpu-check",
+            "goodput",
         ],
     )
     bench.add_argument(
@@ -430,9 +431,17 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--failures", type=int, default=100, help="soak: random failures in all (default 100)"
     )
+    bench.add_argument("--seed", type=int, default=None, help="goodput: the chaos runs' seed")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 
+    simulate = sub.add_parser(
+        "simulate", help="project a month's goodput at cluster scale: tierswap and the others"
+    )
+    from tierswap import goodput
+
+    goodput.add_arguments(simulate)
+    simulate.set_defaults(func=lambda a: goodput.main(a))
     demo = sub.add_parser("demo", help="train a small GPT through a failure, prove the bits")
     demo.add_argument("--steps", type=int, default=40)
     demo.set_defaults(func=_demo)

@@ -117,6 +117,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import convert
 
         return convert.main(args)
+    if args.what == "goodput":
+        from tierswap.bench import projection
+
+        return projection.main(args)
     if args.what == "gpu-check":
         from tierswap.bench import gpu
 
