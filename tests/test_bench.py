@@ -175,3 +175,24 @@ def test_gpu_check_snapshot_section_runs_tiny_on_the_cpu() -> None:
     assert res["ab"]["with_snapshot"]["stall_s"]["median"] >= 0 and res["copy_gbps"] > 0
     assert "trainer stall" in gpu.table({"env": {}, "snapshot": res})
     assert _bench_segments() == before
+
+
+def test_gpu_check_fails_on_any_section_that_did_not_pass() -> None:
+    from tierswap.bench import gpu
+
+    good = {
+        "env": {}, "cuda_tests": {"code": 0, "counts": {"passed": 4}},
+        "snapshot": {"skipped": 0}, "jobs": {"a": {"bit_exact": True}, "section_s": 1.0},
+    }  # fmt: skip
+    assert gpu.failures(good) == []
+    for broken in (
+        {"cuda_tests": {"error": "TimeoutExpired: pytest"}},
+        {"cuda_tests": {"skipped": "tests/test_cuda.py is not here"}},
+        {"cuda_tests": {"code": 1, "counts": {"failed": 1}}},
+        {"snapshot": {"error": "OSError: no room"}},
+        {"snapshot": {"skipped": 3}},
+        {"jobs": {"error": "RuntimeError: boom"}},
+        {"jobs": {"a": {"bit_exact": False, "differing": ["rank-0: x"]}}},
+        {"jobs": {"a": {"error": "exited with code 1"}}},
+    ):
+        assert gpu.failures({**good, **broken}), broken

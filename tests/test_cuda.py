@@ -24,8 +24,9 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-WIDTH, DEPTH = 1024, 4
-"""4 MiB of parameters, 12 MiB with AdamW: three slots fit a container's 64 MiB /dev/shm."""
+WIDTH, DEPTH = 512, 4
+"""1 M parameters, 12.6 MB a slot with AdamW: three slots fit a container's 64 MiB
+/dev/shm."""
 
 
 @pytest.fixture

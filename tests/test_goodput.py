@@ -86,7 +86,7 @@ def test_simulate_prints_its_table_and_refuses_what_cannot_be() -> None:
     done = subprocess.run([*cmd, "--sweep", "512", "4096"], capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip
     lines = done.stdout.splitlines()
-    assert lines[0].split()[:2] == ["GPUs", "fail/mo"] and len(lines) == 3
+    assert lines[0].split()[:2] == ["GPUs", "failures"] and len(lines) == 3
     bad = subprocess.run([*cmd, "--step-s", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--step-s must be positive" in bad.stderr
 
@@ -96,3 +96,24 @@ def test_the_plot_is_drawn_where_matplotlib_is_installed(tmp_path: Path) -> None
     rows = g.sweep(g.Model(), [512, 4096], seeds=1)
     g.plot(rows, str(tmp_path / "goodput.png"))
     assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_in_memory_goes_back_to_its_copy_or_to_storage_by_the_failures_kind() -> None:
+    m = g.Model(gpus=8, step_s=60.0, state_gb=0.0, mem_restart_s=0.0, restart_s=0.0,
+                replace_s=0.0, read_gbps=1.0, hours=10.0)  # fmt: skip
+    crash = g.memory(m, [g.Failure(1.0 + 7 / 60, 0, False)], every_min=120, mem_every=5)
+    assert crash.lost_h["redone"] == pytest.approx(2 / 60), "back to the copy at 1:05"
+    node = g.memory(m, [g.Failure(1.0 + 7 / 60, 0, True)], every_min=45, mem_every=5)
+    assert node.lost_h["redone"] == pytest.approx(22 / 60), "back to storage at 0:45"
+
+
+def test_a_repaired_node_parks_again_and_a_spare_that_fails_leaves_the_pool() -> None:
+    m = g.Model(gpus=2, gpus_per_node=1, step_s=1.0, ts_overhead=0.0, ts_stall_s=0.0,
+                ts_swap_s=0.0, replace_s=1e6, repair_h=10 * H, hours=1e9)  # fmt: skip
+    work = 100 * H
+    # node 0 at 5 s takes the spare; it is repaired at 15 s and takes node 1's place at 20 s
+    back = g.tierswap(m, [g.Failure(5 * H, 0, True), g.Failure(20 * H, 1, True)], 1, work)
+    assert back.lost_h["waiting"] == 0 and back.wall_h == pytest.approx(102 * H)
+    # the spare (node 2) fails at 1 s: node 0 at 5 s waits for its repair at 11 s
+    gone = g.tierswap(m, [g.Failure(1 * H, 2, True), g.Failure(5 * H, 0, True)], 1, work)
+    assert gone.lost_h["waiting"] == pytest.approx(6 * H)

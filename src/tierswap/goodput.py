@@ -273,7 +273,7 @@ def tierswap(
 
 EVERY_MIN = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)
 SPARES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-MEM_EVERY = (1, 2, 5, 10, 20, 50, 100)
+MEM_EVERY = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 """Steps between two in-memory copies (``memory``)."""
 
 
@@ -294,7 +294,9 @@ def project(model: Model, seeds: int = 5) -> dict[str, Any]:
         return sum(o.goodput for o in outs) / len(outs), outs[0]
 
     out: dict[str, Any] = {"model": asdict(model), "nodes": model.nodes, "seeds": seeds}
-    out["failures_per_month"] = model.node_rate * model.nodes * model.hours
+    out["failures_per_month"] = model.node_rate * model.nodes * MONTH_H
+    out["failures"] = model.node_rate * model.nodes * model.hours
+    # over model.hours (the table's column); each lost_h below is seed 0's breakdown
     best = max(EVERY_MIN, key=lambda k: mean(restart, k, model.nodes)[0])
     g, one = mean(restart, best, model.nodes)
     out["restart"] = {"goodput": g, "every_min": best, "lost_h": one.lost_h}
@@ -322,14 +324,14 @@ def sweep(model: Model, gpus: Sequence[int], seeds: int = 3) -> list[dict[str, A
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
-        f"{'GPUs':>7} {'fail/mo':>8}  {'restart (K min)':>16}  {'memory (M, K min)':>20}  "
+        f"{'GPUs':>7} {'failures':>8}  {'restart (K min)':>16}  {'memory (M, K min)':>20}  "
         f"{'tierswap (spares)':>18}"
     )
     lines = [head]
     for r in rows:
         rs, mem, ts = r["restart"], r["memory"], r["tierswap"]
         lines.append(
-            f"{r['model']['gpus']:>7} {r['failures_per_month']:>8.0f}  "
+            f"{r['model']['gpus']:>7} {r['failures']:>8.0f}  "
             f"{rs['goodput']:>9.1%} ({rs['every_min']:>3})  "
             f"{mem['goodput']:>9.1%} ({mem['mem_every']:>3}, {mem['every_min']:>3})  "
             f"{ts['goodput']:>10.1%} ({ts['spares']:>4})"
@@ -365,10 +367,9 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     m = rows[0]["model"]
-    ax.set_title(
-        f"step {m['step_s']:g} s, {m['state_gb']:g} GB/GPU, failures at Llama 3's rate",
-        fontsize=9,
-    )
+    rate = "Llama 3's rate" if m["mtbf_hours"] is None else f"node MTBF {m['mtbf_hours']:g} h"
+    ax.set_title(f"step {m['step_s']:g} s, {m['state_gb']:g} GB/GPU, failures at {rate}",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -391,6 +392,10 @@ def main(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in asdict(Model())}
     model = Model(**fields)
     bad = [k for k, v in fields.items() if v is not None and v <= 0 and k != "hardware"]
+    if args.seeds < 1:
+        bad.append("seeds")
+    if any(n <= 0 for n in args.sweep or []):
+        bad.append("sweep")
     if bad or not 0 <= model.hardware <= 1:
         names = ", ".join("--" + k.replace("_", "-") for k in bad) or "--hardware"
         raise SystemExit(f"tierswap simulate: {names} must be positive (--hardware in [0, 1])")

@@ -9,13 +9,18 @@ in one script that ends within 8 minutes and prints its table last.
    bf16 autocast), a snapshot every step against none in interleaved A/B blocks: step
    time, the trainer's stall per step, and the device-to-host copy's throughput against a
    plain copy into pinned memory of the same bytes. Sized to what ``/dev/shm`` holds.
-4. ``jobs``: real ``tierswap run`` jobs of the example GPT on CUDA tensors, two ranks
-   sharing the GPU over gloo, through a worker kill and a node kill with a spare, and one
-   NCCL rank through a worker kill (its communicator aborted, a new one built): each must
-   end bit for bit equal to the same job run without failures.
+4. ``jobs``: real ``tierswap run`` jobs of the example GPT on CUDA tensors (deterministic
+   kernels), two ranks sharing the GPU over gloo, through a worker kill and a node kill
+   with a spare, and one NCCL rank through a worker kill (its replacement process builds
+   a new communicator and restores from tier 0): each must end bit for bit equal to the
+   same job run without failures. (The abort of a live communicator and its rebuild in
+   the same process is ``tests/test_cuda.py``'s.)
 
-Each section runs under its own deadline and records its error instead of stopping the
-rest. The JSON goes to ``--json`` (default ``gpu-check.json`` in the current folder).
+The tests and the jobs run under deadlines (a job past its own is killed, every host it
+started with it); the snapshot section is bounded by its size and pairs. Each section
+records its error instead of stopping the rest, and any error, skip, failed test,
+difference or skipped snapshot makes the exit code 1. The JSON goes to ``--json``
+(default ``gpu-check.json`` in the current folder).
 """
 
 from __future__ import annotations
@@ -227,13 +232,38 @@ def _job(tmp: Path, name: str, shape: list[str], extra: list[str], timeout: floa
     out = tmp / f"{name}-final"
     cmd = job_command(tmp / name, [*shape, *extra],
                       ["--steps", "12", "--device", "cuda", "--out", str(out)])  # fmt: skip
-    with (tmp / f"{name}.log").open("w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-                              timeout=timeout, start_new_session=True)  # fmt: skip
-    if done.returncode != 0:
+    code = run_bounded(cmd, tmp / f"{name}.log", tmp, tmp / name, timeout)
+    if code != 0:
         tail = (tmp / f"{name}.log").read_text()[-1500:]
-        raise RuntimeError(f"{name} exited with code {done.returncode}:\n{tail}")
+        raise RuntimeError(f"{name} exited with code {code}:\n{tail}")
     return out
+
+
+def run_bounded(cmd: list[str], log: Path, cwd: Path, run_dir: Path, timeout: float) -> int:
+    """Run a job to its end; past ``timeout`` its launcher's group and every host it
+    started (each a session of its own) are killed, by their ids from the run's events,
+    so that nothing holds the GPU or /dev/shm for the next one."""
+    import signal
+
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            pids = [proc.pid]
+            events = run_dir / "events.jsonl"
+            if events.exists():
+                for line in events.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        e = json.loads(line)
+                        if e.get("event") == "node_joined":
+                            pids.append(int(e["pid"]))
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            proc.wait()
+            return -9
 
 
 def jobs(deadline_s: float) -> dict[str, Any]:
@@ -334,11 +364,31 @@ def _snapshot_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         times = f"{wo * 1e3:.1f} ms without, {w * 1e3:.1f} ms with ({over:+.1%}, {pairs})"
         rows += [("GPT", size), ("step, snapshot every step", times)]
         rows.append(("trainer stall", f"{stall * 1e3:.2f} ms a step ({stall / wo:.2%} of it)"))
+    if s.get("skipped"):
+        rows.append(("snapshots skipped", f"{s['skipped']}: the A/B figures understate the cost"))
     copy, plain = s.get("copy_gbps"), s.get("pinned_copy", {}).get("gbps")
     if copy is not None and plain:
         ratio = f"{copy:.1f} GB/s, a plain pinned copy {plain:.1f} GB/s ({copy / plain:.2f}x)"
         rows.append(("device-to-host copy", ratio))
     return rows
+
+
+def failures(res: dict[str, Any]) -> list[str]:
+    """What did not pass: a section's error or skip, tests that did not all pass, a job's
+    error or difference, snapshots skipped during the A/B blocks."""
+    out = [f"{name}: {sec['error']}" for name, sec in res.items()
+           if isinstance(sec, dict) and "error" in sec]  # fmt: skip
+    tests = res.get("cuda_tests", {})
+    if "skipped" in tests:
+        out.append(f"cuda_tests: {tests['skipped']}")
+    elif "error" not in tests and (tests.get("code") != 0 or not tests.get("counts")):
+        out.append(f"cuda_tests: exit code {tests.get('code')}, {tests.get('counts')}")
+    for name, j in res.get("jobs", {}).items():
+        if isinstance(j, dict) and ("error" in j or j.get("bit_exact") is not True):
+            out.append(f"{name}: {j.get('error') or j.get('differing')}")
+    if res.get("snapshot", {}).get("skipped"):
+        out.append(f"snapshot: {res['snapshot']['skipped']} snapshots skipped (no free slot)")
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -352,8 +402,7 @@ def main(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(res, indent=1, default=str))
     print(f"[gpu-check] figures in {path}")
     print(table(res))
-    failed = res.get("cuda_tests", {}).get("code", 0) != 0 or any(
-        isinstance(j, dict) and (j.get("error") or j.get("bit_exact") is False)
-        for j in res.get("jobs", {}).values()
-    )
-    return 1 if failed else 0
+    bad = failures(res)
+    for line in bad:
+        print(f"[gpu-check] FAILED {line}")
+    return 1 if bad else 0

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tierswap.bench.gpu import run_bounded
 from tierswap.examples import job_command
 from tierswap.goodput import Failure, Model, tierswap
 
@@ -78,11 +78,9 @@ def _run(tmp: Path, name: str, nodes: int, spares: int, extra: list[str]) -> lis
     run_dir = tmp / name
     cmd = job_command(run_dir, ["--nodes", str(nodes), "--spares", str(spares), *extra],
                       ["--steps", str(STEPS), *SLEEP])  # fmt: skip
-    with (tmp / f"{name}.log").open("w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-                              timeout=300, start_new_session=True)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"{name}: exit code {done.returncode}: "
+    code = run_bounded(cmd, tmp / f"{name}.log", tmp, run_dir, 300)
+    if code != 0:
+        raise RuntimeError(f"{name}: exit code {code}: "
                            f"{(tmp / f'{name}.log').read_text()[-1500:]}")  # fmt: skip
     return _events(run_dir)
 

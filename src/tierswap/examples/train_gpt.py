@@ -72,6 +72,11 @@ def train(job: tierswap.Job) -> None:
     np.random.seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
     device = job.device if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # runs compared bit for bit: deterministic kernels only
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.enable_flash_sdp(False)  # the math attention kernel: its
+        torch.backends.cuda.enable_mem_efficient_sdp(False)  # backward is deterministic
+        torch.use_deterministic_algorithms(True)
     model = build_model(cfg, args.mode, seed=0, train_last=args.train_last, device=device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     counter = Counter()
