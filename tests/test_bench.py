@@ -196,3 +196,35 @@ def test_gpu_check_fails_on_any_section_that_did_not_pass() -> None:
         {"jobs": {"a": {"error": "exited with code 1"}}},
     ):
         assert gpu.failures({**good, **broken}), broken
+
+
+# ---------------------------------------------------------------- bench memory
+
+
+def test_host_memory_per_node_counts_both_tiers_against_the_nodes_own_state() -> None:
+    from tierswap.bench.hostmem import node_memory
+
+    mib = 2**20
+    evs = [  # 2 nodes, a rank each, 4 slots of 1 MiB; node 1's ring was made anew, bigger
+        {"event": "memory", "node": 0, "rank": 0, "tier": 0, "bytes": 4 * mib},
+        {"event": "memory", "node": 1, "rank": 1, "tier": 0, "bytes": 4 * mib},
+        {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 4 * mib},
+        {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 2 * mib},
+        {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 4 * mib},
+        {"event": "report", "step": 0},
+    ]
+    out = node_memory(evs, slots=4)
+    assert {n: v["total_x"] for n, v in out.items()} == {"0": 8.0, "1": 8.0}
+    delta = [*evs[:2], {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 3 * mib,
+                        "scope": "node"}]  # fmt: skip
+    assert node_memory(delta, slots=4)["0"]["tier1_x"] == 3.0
+
+
+def test_bench_memory_runs_tiny() -> None:
+    from tierswap.bench import hostmem
+
+    res = hostmem.run(nodes=2, steps=6, modes={"default": []})
+    (r,) = res.values()
+    assert r["nodes"]["0"]["total_x"] == 8.0, r  # 4 tier-0 slots + a ring of 4 replicas
+    assert 6.0 <= r["shm_x"] <= 8.5, "what /dev/shm held agrees with what was allocated"
+    assert "8.0x" in hostmem.report(res)

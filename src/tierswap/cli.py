@@ -409,6 +409,7 @@ def parser() -> argparse.ArgumentParser:
             "dcp",
             "gpu-check",
             "goodput",
+            "memory",
         ],
     )
     bench.add_argument(

@@ -117,6 +117,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import convert
 
         return convert.main(args)
+    if args.what == "memory":
+        from tierswap.bench import hostmem
+
+        return hostmem.main(args)
     if args.what == "goodput":
         from tierswap.bench import projection
 
