@@ -600,3 +600,12 @@ def test_a_node_drops_the_replicas_of_ranks_it_no_longer_protects() -> None:
     assert len(segs) == 2 and not peers.left, "rank 4's slots go once it is given back"
     peers.keep_only([])
     assert not segs
+
+
+def test_replication_is_told_the_generations_world_size() -> None:
+    """A base written to tier 2 records the job's size now, not the configured one (the
+    job may have shrunk)."""
+    a = Agent()
+    out = a.start(0)
+    (conf,) = [c for c in out if isinstance(c, ae.ConfigureReplication)]
+    assert conf.world_size == 2

@@ -82,6 +82,7 @@ class Replicator:
         refuse it anyway); a transfer stuck on a node replaced or gone fails now."""
         self.targets, self.addresses = cfg.targets, dict(cfg.addresses)
         self.generation = cfg.generation
+        self.world_size = cfg.world_size or self.world_size
         self.delay = cfg.delay
         self.announce = cfg.announce
         if self.keeper is not None:

@@ -302,6 +302,7 @@ class AgentCore:
                 restart=restart,
                 delay=self.faults.delay_of(self.node),
                 announce=self.faults.watches_transfers(),
+                world_size=msg.world_size,
             )
         )
         if self.simulated:  # every rank of the job runs on this machine

@@ -193,6 +193,9 @@ class ConfigureReplication:
     """Seconds each transfer is held (an injected slow network)."""
     announce: bool
     """Tell the coordinator as each transfer starts (an injection waits for one)."""
+    world_size: int = 0
+    """The job's size in this generation (fewer while shrunk): what a base written to
+    tier 2 records."""
 
 
 @dataclass(frozen=True, slots=True)
