@@ -39,7 +39,7 @@ import argparse
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -135,13 +135,45 @@ class Outcome:
     """With a fixed amount of work: when it was done."""
 
 
-def _useful(model: Model, trained_h: float, paid_nodes: int, lost: dict[str, float]) -> Outcome:
+def _useful(
+    model: Model, trained_h: float, paid_nodes: int, lost: dict[str, float], failures: int
+) -> Outcome:
     return Outcome(
         goodput=trained_h * model.nodes / (model.hours * paid_nodes),
         useful_h=trained_h,
-        failures=0,
+        failures=failures,
         lost_h=dict(lost),
     )
+
+
+def _roll_back(
+    model: Model,
+    failures: Sequence[Failure],
+    rate: float,
+    back: Callable[[Failure, float], tuple[float, float]],
+    steady: str,
+) -> Outcome:
+    """A job that goes back on each failure: ``back(failure, trained since the last one)``
+    gives (what of that is kept, hours down); between failures it trains at ``rate``,
+    the rest of the time lost as ``steady`` (checkpoint blocking, copy stalls). A failure
+    during an outage is part of that outage."""
+    trained, t = 0.0, 0.0
+    lost = {steady: 0.0, "redone": 0.0, "restarts": 0.0}
+    for f in failures:
+        if f.at_h < t:
+            continue
+        run = f.at_h - t
+        done = run * rate
+        kept, down = back(f, done)
+        trained += kept
+        lost[steady] += run - done
+        lost["redone"] += done - kept
+        lost["restarts"] += min(down, model.hours - f.at_h)
+        t = f.at_h + down
+    if t < model.hours:
+        trained += (model.hours - t) * rate
+        lost[steady] += (model.hours - t) * (1 - rate)
+    return _useful(model, trained, model.nodes, lost, len(failures))
 
 
 def restart(model: Model, failures: Sequence[Failure], every_min: float) -> Outcome:
@@ -149,26 +181,12 @@ def restart(model: Model, failures: Sequence[Failure], every_min: float) -> Outc
     interval = every_min / 60.0
     block = model.ckpt_block_s / 3600.0
     load = model.state_gb / model.read_gbps / 3600.0
-    rate = interval / (interval + block)  # training hours per wall hour between failures
-    trained, t, lost = 0.0, 0.0, {"checkpoints": 0.0, "redone": 0.0, "restarts": 0.0}
-    for f in failures:
-        if f.at_h < t:
-            continue  # the job was down: this one is part of that outage
-        run = f.at_h - t
-        done = run * rate
-        kept = math.floor(done / interval) * interval  # up to the last checkpoint
-        trained += kept
-        lost["checkpoints"] += run - done
-        lost["redone"] += done - kept
-        down = model.restart_s / 3600.0 + load + (model.replace_s / 3600.0 if f.hardware else 0)
-        lost["restarts"] += min(down, model.hours - f.at_h)
-        t = f.at_h + down
-    if t < model.hours:
-        trained += (model.hours - t) * rate
-        lost["checkpoints"] += (model.hours - t) * (1 - rate)
-    out = _useful(model, trained, model.nodes, lost)
-    out.failures = len(failures)
-    return out
+
+    def back(f: Failure, done: float) -> tuple[float, float]:  # to the last checkpoint
+        replace = model.replace_s / 3600.0 if f.hardware else 0.0
+        return math.floor(done / interval) * interval, model.restart_s / 3600.0 + load + replace
+
+    return _roll_back(model, failures, interval / (interval + block), back, "checkpoints")
 
 
 def memory(
@@ -181,30 +199,14 @@ def memory(
     rate = model.step_s * mem_every / (model.step_s * mem_every + copy_s)
     mem_h = model.step_s * mem_every / 3600.0  # training between two in-memory copies
     load = model.state_gb / model.read_gbps / 3600.0
-    trained, t = 0.0, 0.0
-    lost = {"stalls": 0.0, "redone": 0.0, "restarts": 0.0}
-    for f in failures:
-        if f.at_h < t:
-            continue
-        run = f.at_h - t
-        done = run * rate
+
+    def back(f: Failure, done: float) -> tuple[float, float]:
         if f.hardware:  # the node's memory is gone: back to the newest persisted step
-            kept = math.floor(done / interval) * interval
             down = (model.replace_s + model.restart_s) / 3600.0 + load
-        else:  # back to the last in-memory copy
-            kept = math.floor(done / mem_h) * mem_h
-            down = model.mem_restart_s / 3600.0
-        trained += kept
-        lost["stalls"] += run - done
-        lost["redone"] += done - kept
-        lost["restarts"] += min(down, model.hours - f.at_h)
-        t = f.at_h + down
-    if t < model.hours:
-        trained += (model.hours - t) * rate
-        lost["stalls"] += (model.hours - t) * (1 - rate)
-    out = _useful(model, trained, model.nodes, lost)
-    out.failures = len(failures)
-    return out
+            return math.floor(done / interval) * interval, down
+        return math.floor(done / mem_h) * mem_h, model.mem_restart_s / 3600.0
+
+    return _roll_back(model, failures, rate, back, "stalls")
 
 
 def tierswap(
@@ -260,14 +262,13 @@ def tierswap(
     if work_h is not None:
         wall = t + max(0.0, work_h - trained) / rate
         lost["overhead"] += (wall - t) * (1 - rate)
-        out = _useful(model, work_h, model.nodes + spares, lost)
+        out = _useful(model, work_h, model.nodes + spares, lost, len(failures))
         out.wall_h = wall
     else:
         if t < model.hours:
             trained += (model.hours - t) * rate
             lost["overhead"] += (model.hours - t) * (1 - rate)
-        out = _useful(model, trained, model.nodes + spares, lost)
-    out.failures = len(failures)
+        out = _useful(model, trained, model.nodes + spares, lost, len(failures))
     return out
 
 
