@@ -21,6 +21,7 @@ from typing import Any
 
 from tierswap.config import Config
 from tierswap.control import protocol as p
+from tierswap.control import resize
 from tierswap.control.commands import (
     AgentClosed,
     AgentMessage,
@@ -47,6 +48,7 @@ from tierswap.control.hosts import Hosts, refusal
 from tierswap.control.persistence import Persistence
 from tierswap.control.ports import Tier2
 from tierswap.control.recovery import RecoveryClock
+from tierswap.control.resize import RESHARD_POLICY
 from tierswap.control.restore import Reports, lost_message, memory_lost
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
@@ -68,14 +70,6 @@ class JobStopped(Exception):
 
 def _fields(msg: p.Message, *names: str) -> dict[str, Any]:
     return {n: getattr(msg, n) for n in names}
-
-
-RESHARD_POLICY = (
-    "parameters and optimizer state resharded by torch.distributed.checkpoint; every "
-    "other value (data cursors, counters) taken from old rank 0 by every rank; RNG "
-    "streams left as the script seeded them"
-)
-"""What a resume at another world size does with each kind of value (README, docs)."""
 
 
 class CoordinatorCore:
@@ -219,7 +213,7 @@ class CoordinatorCore:
                 case DurableLost(why=why):
                     self.persister.lost(why)
                     if self.salvage is not None:
-                        self._salvaged(None, now)
+                        resize.salvaged(self, None, now)
                 case Begin():
                     self._begin(event, now)
                 case TakeOver(record=record, old_host=old_host):
@@ -510,7 +504,7 @@ class CoordinatorCore:
         if rec.get("reshard") is not None:
             self.reshard = (int(rec["reshard"][0]), int(rec["reshard"][1]))
         if rec.get("nodes", self.nodes) != self.nodes:  # it led the job shrunk
-            self._set_size(int(rec["nodes"]))
+            resize.set_size(self, int(rec["nodes"]))
         # every host it had that was not fenced: members, spares, and hosts still starting
         self.expected = {host for host in h.pids if host not in h.fenced}
         self.old_host = old_host
@@ -585,7 +579,7 @@ class CoordinatorCore:
         else:
             self.out.log("node_joined", node=None, role="spare", **seen)
             self.out.say(f"spare host {host} (pid {pid}) parked")
-            self._maybe_grow(now)
+            resize.maybe_grow(self, now)
         self._maybe_start(now)
 
     def _ranks_of(self, node: int) -> list[int]:
@@ -785,9 +779,9 @@ class CoordinatorCore:
             )
         self._revive(len(nodes))
         if self.cfg.on_no_spare == "shrink":
-            if self.salvage is not None or self._salvage():
+            if resize.salvage(self):
                 return  # the newest step goes to tier 2 first; its commit comes back here
-            if self._shrink(nodes):
+            if resize.shrink(self, nodes):
                 self.waiting_since = None
                 self._start_generation(now)
                 return
@@ -799,151 +793,6 @@ class CoordinatorCore:
                 f"no spare for nodes {nodes}: waiting up to {self.cfg.join_timeout:g} s for a "
                 f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
             )
-
-    # ---------------------------------------------------------------- shrink and grow
-
-    def _shrink(self, lost: list[int]) -> bool:
-        """``--on-no-spare shrink``: the nodes left go on by themselves, numbered anew,
-        from tier 2's newest step resharded to their world size. False (the job waits, as
-        with "wait") where tier 2 holds no step of this job yet or no node is left."""
-        gone = self.persister.gone
-        source = None if gone is not None else self._newest_durable()
-        left = len(self.hosts.members)
-        if source is None or not left:
-            if not self.shrink_refused:
-                self.shrink_refused = True
-                why = (
-                    "no node is left"
-                    if not left
-                    else gone or f"{self.cfg.persist} holds no step yet"
-                )
-                self.out.log("shrink_refused", nodes=lost, reason=why)
-                self.out.say(f"cannot shrink past nodes {lost}: {why}; waiting instead")
-            return False
-        self.shrink_refused = False
-        before, redone = self.world_size, max(0, self.last_step - source[0])
-        moved = self.hosts.close_ranks()
-        self._resize(left, source)
-        self.out.log(
-            "shrank",
-            nodes=left,
-            world_size=self.world_size,
-            from_world_size=before,
-            lost=lost,
-            renumbered={str(old): new for old, new in sorted(moved.items()) if old != new},
-            step=source[0],
-            redone=redone,
-            reason=f"no spare for nodes {lost} (--on-no-spare shrink)",
-            policy=RESHARD_POLICY,
-        )
-        self.out.say(
-            f"no spare for nodes {lost}: going on with {left} nodes ({self.world_size} "
-            f"ranks) from tier-2 step {source[0]} ({redone} step(s) trained again). The run "
-            "leaves the bit-exact path: its batches and resharded state differ from a run at "
-            f"{before} ranks. It grows back once hosts join."
-        )
-        return True
-
-    def _salvage(self) -> bool:
-        """Before shrinking: write to tier 2 the newest step the memory tiers hold for
-        every rank, a lost rank's part from the replica a live node holds, so that the job
-        goes on a step or so back, as a hot-swap would, not from an older tier-2 step.
-        False (shrink from what tier 2 has) where no newer step is held so, or with delta
-        replicas, or once tried for this failure."""
-        if self.salvage_tried or self.tier2 is None or self.persister.gone is not None:
-            return False
-        self.salvage_tried = True
-        if self.cfg.memory_tiers != "full":
-            return False
-        _, plan, _ = self.reports.plan(self.durable_steps, self.hosts.address_of, self._bad_commit)
-        newest = self._newest_durable()
-        if plan.step is None or (newest is not None and plan.step <= newest[0]):
-            return False
-        live = {r for n in self.hosts.members for r in self._ranks_of(n)}
-        replicas: dict[int, int] = {}
-        for rank, src in plan.sources.items():
-            if (src.tier == Tier.MEMORY) != (rank in live) or src.tier == Tier.DURABLE:
-                return False  # only a rank's own node writes it from tier 0
-            if src.tier == Tier.PEER:
-                assert src.node is not None
-                replicas[rank] = src.node
-        self.salvage = plan.step
-        self.deadline = self.now + max(self.cfg.startup_timeout, 600.0)  # a whole step to write
-        self.out.log("salvaging", step=plan.step, replicas={str(r): n for r, n in replicas.items()})
-        self.out.say(
-            f"writing step {plan.step} to tier 2 before shrinking (ranks {sorted(replicas)} "
-            "from their replicas)"
-        )
-        self.persister.salvage(plan.step, replicas)
-        return True
-
-    def _salvaged(self, committed: int | None, now: float) -> None:
-        """The step written before a shrink is committed (or failed: the shrink goes on
-        from what tier 2 had)."""
-        step, self.salvage = self.salvage, None
-        self.deadline = now + self.cfg.startup_timeout
-        if committed is None:
-            self.out.say(f"step {step} could not be written to tier 2; shrinking from an older one")
-        self._maybe_start(now)
-
-    def _newest_durable(self) -> tuple[int, int] | None:
-        """(step, world size) of tier 2's newest step this job may go on from."""
-        steps = self.durable_steps()
-        if steps:
-            return max(steps), self.world_size
-        return self.reshard
-
-    def _maybe_grow(self, now: float) -> None:
-        """Shrunk, with hosts parked: grow back at a step boundary, from a tier-2 step at
-        least as new as the newest step tier 0 had committed when they came (asked for at
-        once, whatever ``--persist-every`` says)."""
-        if self.nodes >= self.cfg.nodes or not self.hosts.spares or self.phase != Phase.RUNNING:
-            return
-        if self.expected is not None:
-            return  # taking over: the generation the hosts had is stopped first
-        if self.total is not None and self.tiers[0].committed >= self.total - 1:
-            return  # every step is trained: nothing to grow for
-        if self.grow_after is None:
-            self.grow_after = self.tiers[0].committed
-            self.out.log("grow_pending", spares=list(self.hosts.spares), after=self.grow_after)
-        floor = -1 if self.reshard is None else self.reshard[0]
-        durable, memory = self.persister.committed, self.tiers[0].committed
-        if durable > floor and durable >= self.grow_after:
-            self._grow(durable, now)
-        elif self.persister.inflight is None and memory > max(durable, floor):
-            self.persister.maybe_persist(memory, final=True)
-
-    def _grow(self, step: int, now: float) -> None:
-        """End the shrunk generation and start one at the size the spares allow."""
-        before, nodes = self.world_size, min(self.cfg.nodes, self.nodes + len(self.hosts.spares))
-        self.out.log("growing", nodes=nodes, from_world_size=before, step=step)
-        self.out.say(
-            f"hosts {self.hosts.spares[: nodes - self.nodes]} joined: growing back to {nodes} "
-            f"nodes from tier-2 step {step}"
-        )
-        self.phase.move(Phase.RECOVERING)
-        self.persister.cancel()
-        self.deadline = now + self.cfg.startup_timeout
-        self.stopping = set(self.hosts.agents())
-        self._broadcast(p.Stop())
-        self.hosts.vacant = set(range(self.nodes, nodes))
-        self._resize(nodes, (step, before))
-
-    def _resize(self, nodes: int, source: tuple[int, int]) -> None:
-        """The job runs on ``nodes`` nodes from now on, its next generation started from
-        ``source`` (step, world size) in tier 2, resharded. What memory tiers hold is of
-        the old ranks and is dropped; the old size's tier-2 steps up to it are superseded."""
-        self._set_size(nodes)
-        self.reshard = self.resized = source
-        self.grow_after = None
-        self.persister.held = {}  # delta bases: parts of the old ranks
-        self._announce_placement()
-
-    def _set_size(self, nodes: int) -> None:
-        self.nodes = nodes
-        self._place()
-        self.reports = Reports(self.world_size, self.tier2)
-        self.clock.world_size = self.persister.world_size = self.world_size
 
     def durable_steps(self) -> frozenset[int]:
         """Tier 2's restorable steps of this world size that this job may resume from."""
@@ -971,7 +820,7 @@ class CoordinatorCore:
         for step, why in plan.skipped:
             self.out.log("restore_skipped", step=step, reason=why)
         if plan.step is None and (self.ever_committed or holdings.durable):
-            if self.reshard is None or not self._nothing_newer(self.reshard[0]):
+            if self.reshard is None or not resize.nothing_newer(self, self.reshard[0]):
                 raise JobStopped(lost_message(plan, self.cfg.persist))
             if self.resized is None:  # nothing of this size is left: where it started
                 why = f"no step of world size {self.world_size} is left in any tier"
@@ -1009,17 +858,6 @@ class CoordinatorCore:
             stale_dropped=self.door.take_counts(),
         )
         self._inject_nodes(self.faults.at_generation(self.generation), now)
-
-    def _nothing_newer(self, step: int) -> bool:
-        """Whether tier 2 lists no step of this world size newer than ``step`` (one that a
-        restore passed over as unreadable would be a timeline to keep, not to go back
-        past), and could be listed."""
-        if self.tier2 is None:
-            return False
-        try:
-            return not any(s > step for s in self.tier2.restorable_steps(self.world_size))
-        except OSError:
-            return False
 
     def _reset_commits(self, holdings: Holdings, restart: int) -> tuple[int, int]:
         """A new generation restored ``restart``: later steps are gone everywhere; each
@@ -1202,7 +1040,7 @@ class CoordinatorCore:
             self.settled = max(self.settled, step)  # agents take a tier-1 commit as settled
         else:
             self.persister.maybe_persist(step)
-            self._maybe_grow(self.now)
+            resize.maybe_grow(self, self.now)
         self._maybe_done()
 
     def _settle(self, step: int) -> None:
@@ -1217,9 +1055,9 @@ class CoordinatorCore:
         if step is not None:
             self.ever_committed = True
             self.reports.durable_good(step)
-            self._maybe_grow(self.now)
+            resize.maybe_grow(self, self.now)
         if self.salvage is not None and self.persister.inflight is None:
-            self._salvaged(step, self.now)
+            resize.salvaged(self, step, self.now)
         self._maybe_done()
 
     # ---------------------------------------------------------------- progress and the end
