@@ -1,12 +1,21 @@
 """What every measurement shares: rounds of the methods in turn, warm-up left out, the
-stats of what they return, and the width of a state of a given size."""
+stats of what they return, the width of a state of a given size, and running a job with
+a deadline."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from tierswap.shm import remove_job_segments
 
 WARMUP = 1  # rounds of each measurement run first and left out
 
@@ -64,3 +73,38 @@ def run_and_report(
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
+
+
+def run_bounded(
+    cmd: list[str], log: Path, cwd: Path, timeout: float, run_dir: Path | None = None
+) -> int:
+    """Run a job in a session of its own, its output to ``log``; its exit code, or -9
+    past ``timeout``. What is left of the launcher's group is killed either way, and past
+    the timeout every host it started too (each a session of its own, their ids from
+    ``run_dir``'s events) and the job's shared memory removed, so that nothing holds
+    memory or a GPU for the next job."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(max(1.0, timeout))
+            pids = [proc.pid]
+        except subprocess.TimeoutExpired:
+            code, pids = -9, [proc.pid]
+        jobs: list[str] = []
+        events = None if run_dir is None else run_dir / "events.jsonl"
+        if code == -9 and events is not None and events.exists():
+            for line in events.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError):
+                    e = json.loads(line)
+                    if e.get("event") == "node_joined":
+                        pids.append(int(e["pid"]))
+                    elif e.get("event") == "job_started":
+                        jobs.append(str(e["job_id"]))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        proc.wait()
+    for job in jobs:  # a killed job leaves its tier-0 memory: no agent lived to unlink it
+        remove_job_segments(job)
+    return code

@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierswap.bench.common import run_bounded
+
 TESTS = Path(__file__).resolve().parents[3] / "tests" / "test_cuda.py"
 """The CUDA tests, beside the package in a checkout (absent from an installed wheel)."""
 SECTION_S = {"cuda_tests": 150.0, "snapshot": 150.0, "jobs": 150.0}
@@ -232,38 +234,11 @@ def _job(tmp: Path, name: str, shape: list[str], extra: list[str], timeout: floa
     out = tmp / f"{name}-final"
     cmd = job_command(tmp / name, [*shape, *extra],
                       ["--steps", "12", "--device", "cuda", "--out", str(out)])  # fmt: skip
-    code = run_bounded(cmd, tmp / f"{name}.log", tmp, tmp / name, timeout)
+    code = run_bounded(cmd, tmp / f"{name}.log", tmp, timeout, tmp / name)
     if code != 0:
         tail = (tmp / f"{name}.log").read_text()[-1500:]
         raise RuntimeError(f"{name} exited with code {code}:\n{tail}")
     return out
-
-
-def run_bounded(cmd: list[str], log: Path, cwd: Path, run_dir: Path, timeout: float) -> int:
-    """Run a job to its end; past ``timeout`` its launcher's group and every host it
-    started (each a session of its own) are killed, by their ids from the run's events,
-    so that nothing holds the GPU or /dev/shm for the next one."""
-    import signal
-
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)  # fmt: skip
-        try:
-            return proc.wait(max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            pids = [proc.pid]
-            events = run_dir / "events.jsonl"
-            if events.exists():
-                for line in events.read_text().splitlines():
-                    with contextlib.suppress(ValueError):
-                        e = json.loads(line)
-                        if e.get("event") == "node_joined":
-                            pids.append(int(e["pid"]))
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-            proc.wait()
-            return -9
 
 
 def jobs(deadline_s: float) -> dict[str, Any]:

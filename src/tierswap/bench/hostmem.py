@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tierswap.bench.common import run_bounded
 from tierswap.examples import job_command
 from tierswap.shm import PREFIX, SHM_DIR
 
@@ -89,8 +90,6 @@ def _shm_peak(run_dir: Path, stop: threading.Event, peak: list[int]) -> None:
 
 
 def measure_mode(tmp: Path, name: str, extra: list[str], nodes: int, steps: int) -> dict[str, Any]:
-    from tierswap.bench.gpu import run_bounded
-
     run_dir = tmp / name
     cmd = job_command(run_dir, ["--nodes", str(nodes), *extra],
                       ["--steps", str(steps), "--sleep", "0.05"])  # fmt: skip
@@ -98,7 +97,7 @@ def measure_mode(tmp: Path, name: str, extra: list[str], nodes: int, steps: int)
     poll = threading.Thread(target=_shm_peak, args=(run_dir, stop, peak), daemon=True)
     poll.start()
     try:
-        code = run_bounded(cmd, tmp / f"{name}.log", tmp, run_dir, 300)
+        code = run_bounded(cmd, tmp / f"{name}.log", tmp, 300, run_dir)
     finally:
         stop.set()
         poll.join()

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierswap.bench.gpu import run_bounded
+from tierswap.bench.common import run_bounded
 from tierswap.examples import job_command
 from tierswap.goodput import Failure, Model, tierswap
 
@@ -78,7 +78,7 @@ def _run(tmp: Path, name: str, nodes: int, spares: int, extra: list[str]) -> lis
     run_dir = tmp / name
     cmd = job_command(run_dir, ["--nodes", str(nodes), "--spares", str(spares), *extra],
                       ["--steps", str(STEPS), *SLEEP])  # fmt: skip
-    code = run_bounded(cmd, tmp / f"{name}.log", tmp, run_dir, 300)
+    code = run_bounded(cmd, tmp / f"{name}.log", tmp, 300, run_dir)
     if code != 0:
         raise RuntimeError(f"{name}: exit code {code}: "
                            f"{(tmp / f'{name}.log').read_text()[-1500:]}")  # fmt: skip

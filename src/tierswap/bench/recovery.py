@@ -17,16 +17,13 @@ models), with the restore part and the failed rank's state size reported side by
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierswap.bench.common import stats
+from tierswap.bench.common import run_bounded, stats
 from tierswap.config import Config
 from tierswap.examples import EXAMPLE, job_command
 
@@ -37,22 +34,8 @@ SLEEP = ("--sleep", "0.05")
 
 
 def _run(cmd: list[str], cwd: Path, log: Path, timeout: float) -> tuple[int, str]:
-    """Run a job in its own session; on timeout its whole group is killed (code -1)."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = -1
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # what is left of it (all of it on timeout)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return code, log.read_text()[-3000:]
+    """Run a job in its own session; on timeout its whole group is killed."""
+    return run_bounded(cmd, log, cwd, timeout), log.read_text()[-3000:]
 
 
 def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
