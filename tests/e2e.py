@@ -102,6 +102,10 @@ def assert_hot_swapped(run_dir: Path, survivors: list[int], replaced: list[int])
     for r in resumed:
         assert r["redone"] <= 1, r
         assert set(r["phases"]) == {"detect", "decide", "rebuild", "restore", "resume"}
+        for rank in r["replaced"]:  # its own account of the way back, part by part
+            parts = r["ranks"][str(rank)]
+            assert {"enter", "plan", "load", "sync", "step", "snapshot"} <= set(parts), parts
+            assert all(v >= 0 for v in parts.values()), parts
     pids = [{int(k): v for k, v in g["pids"].items()} for g in events(run_dir, "rebuilt")]
     for rank in survivors:
         assert len({p[rank] for p in pids}) == 1, f"rank {rank} was restarted: {pids}"

@@ -228,3 +228,41 @@ def test_bench_memory_runs_tiny() -> None:
     assert r["nodes"]["0"]["total_x"] == 8.0, r  # 4 tier-0 slots + a ring of 4 replicas
     assert 6.0 <= r["shm_x"] <= 8.5, "what /dev/shm held agrees with what was allocated"
     assert "8.0x" in hostmem.report(res)
+
+
+# ---------------------------------------------------------------- recovery and overhead, tiny
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
+    tmp_path: Path,
+) -> None:
+    from tierswap.bench import recovery
+
+    curve = recovery.size_curve(tmp_path, (1,), 1)
+    entry = curve["1"]
+    assert entry["limits"]["memcpy"]["median"] > 0 and entry["limits"]["tcp"]["median"] > 0
+    for kind in ("worker", "node"):
+        s = entry[kind]
+        assert s["seconds"]["median"] > 0 and s["redone"] <= 1
+        assert set(s["lost"]) == set(recovery.PARTS) and s["lost"]["step"] > 0
+        assert s["floors"]["restore"] > 0 and s["restore_vs_floor"] > 0
+    assert entry["worker"]["floors"]["fetch"] == 0, "a worker's state is mapped, not sent"
+    assert entry["node"]["floors"]["fetch"] > 0
+    table = recovery._sizes_table(curve)
+    assert table.row_count == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_overhead_runs_tiny_plain_and_pinned() -> None:
+    from tierswap.bench import overhead
+
+    res = overhead.run(1, 1, steps=7)
+    for key in ("plain", "tier0", "tier01", "plain_pinned", "tier0_pinned", "tier01_pinned"):
+        assert res[key]["step_s"]["median"] > 0, key
+    assert res["plain"]["agents_cpu_s_per_gib"]["median"] == 0, "nothing snapshotted"
+    assert res["tier01"]["copy_cpu_s_per_gib"]["median"] > 0
+    assert res["memcpy_cpu_s_per_gib"] > 0
+    overhead.report(res)

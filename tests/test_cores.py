@@ -388,8 +388,8 @@ def test_an_illegal_transition_names_both_states() -> None:
 
 
 class Agent:
-    def __init__(self, nproc: int = 1) -> None:
-        cfg = Config(nodes=2, nproc_per_node=nproc, console=False)
+    def __init__(self, nproc: int = 1, **kw: Any) -> None:
+        cfg = Config(nodes=2, nproc_per_node=nproc, console=False, **kw)
         segs: dict[str, MemorySegment] = {}
         rings = NodeRings("t", cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
         peers = PeerStore("t", cfg.slots, 0, lambda m, g: None,
@@ -609,3 +609,79 @@ def test_replication_is_told_the_generations_world_size() -> None:
     out = a.start(0)
     (conf,) = [c for c in out if isinstance(c, ae.ConfigureReplication)]
     assert conf.world_size == 2
+
+
+# ---------------------------------------------------------------- a spare made ready ahead
+
+
+def test_a_spare_is_told_the_segments_a_node_holds_and_again_when_they_grow() -> None:
+    c = Coordinator(spares=1)
+    c.say(0, p.Memory(rank=0, tier=0, nbytes=400, segments=[100] * 4))
+    c.say(0, p.Memory(rank=1, tier=1, nbytes=400, segments=[100] * 4))
+    warm = [m for m in c.sent(p.Warm)]
+    assert warm[-1].segments == [100] * 8, "its tier-0 slots and the replicas it keeps"
+    sends = [x for x in c.out if isinstance(x, cc.Send) and isinstance(x.msg, p.Warm)]
+    assert {x.conn for x in sends} == {3}, "to the spare (host 2) only"
+    n = len(warm)
+    c.say(1, p.Memory(rank=1, tier=0, nbytes=400, segments=[100] * 4))
+    assert len(c.sent(p.Warm)) == n, "node 1 takes no more than node 0: nothing new"
+    c.say(1, p.Memory(rank=1, tier=0, nbytes=1200, segments=[300] * 4))
+    assert c.sent(p.Warm)[-1].segments == [300] * 4, "the node that takes the most"
+
+
+def test_warm_spares_off_tells_spares_nothing() -> None:
+    c = Coordinator(spares=1, warm_spares=False)
+    c.say(0, p.Memory(rank=0, tier=0, nbytes=400, segments=[100] * 4))
+    assert not c.sent(p.Warm)
+
+
+def test_a_spare_agent_makes_segments_ahead_and_frees_the_rest_once_it_committed() -> None:
+    a = Agent()
+    out = a.coordinator(p.Warm(segments=[10, 10, 20]), 0)
+    assert [c for c in out if isinstance(c, ae.WarmSegments)] == [ae.WarmSegments((10, 10, 20))]
+    a.start(0)
+    assert not [c for c in a.coordinator(p.Warm(segments=[5]), 0) if isinstance(c, ae.WarmSegments)]
+    out = a.coordinator(p.Committed(tier=1, step=3), 0)
+    assert [c for c in out if isinstance(c, ae.WarmSegments)] == [ae.WarmSegments(())]
+    out = a.coordinator(p.Committed(tier=1, step=4), 0)
+    assert not [c for c in out if isinstance(c, ae.WarmSegments)], "once"
+
+
+# ---------------------------------------------------------------- a crashed worker replaced
+
+
+def _exit(a: Agent, local: int) -> list[Any]:
+    w = a.core.workers.procs[local]
+    out = a.core.handle(ae.WorkerExited(local, w.incarnation, -9), 0.0)
+    a.out += out
+    return out
+
+
+def test_a_crashed_workers_replacement_waits_until_the_spare_worker_has_stepped() -> None:
+    a = Agent(spare_workers=1)
+    a.start(0)
+    assert a.core.workers.by_rank[0].local == 0
+    out = _exit(a, 0)
+    assert not [c for c in out if isinstance(c, Spawn)], "no import while the job recovers"
+    a.coordinator(p.Stop(), 0)
+    a.start(1)
+    assert a.core.workers.by_rank[0].local == 1, "the spare worker took the rank"
+    out = a.worker(11, p.Stepped(rank=0, step=5))
+    assert [c.local for c in out if isinstance(c, Spawn)] == [0]
+    assert not a.core.workers.deferred
+
+
+def test_a_crashed_worker_without_a_spare_is_replaced_at_once() -> None:
+    a = Agent()
+    a.start(0)
+    assert [c.local for c in _exit(a, 0) if isinstance(c, Spawn)] == [0]
+
+
+def test_held_back_replacements_start_when_a_generation_needs_them() -> None:
+    a = Agent(nproc=2, spare_workers=1)
+    a.start(0)
+    assert not [c for c in _exit(a, 0) if isinstance(c, Spawn)]
+    assert not [c for c in _exit(a, 1) if isinstance(c, Spawn)], "the spare is still parked"
+    a.coordinator(p.Stop(), 0)
+    out = a.start(1)  # two ranks, one parked worker: both held back start now
+    assert sorted(c.local for c in out if isinstance(c, Spawn)) == [0, 1]

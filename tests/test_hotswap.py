@@ -67,6 +67,8 @@ def test_spare_takes_failed_node_ddp(tmp_path: Path, baseline) -> None:
     spares = [e for e in events(run_dir, "node_joined") if e["role"] == "spare"]
     assert assigned["node"] == 1 and assigned["host"] == spares[0]["host"]
     assert events(run_dir, "generation_started")[-1]["members"]["1"] == assigned["host"]
+    warm = events(run_dir, "spare_warm")
+    assert warm and warm[0]["host"] == assigned["host"] and warm[0]["bytes"] > 0, warm
     restored = events(run_dir, "restored")[-1]
     assert restored["tiers"] == {"0": 0, "1": 1}, "survivor from tier 0, the spare from a peer"
     assert_hot_swapped(run_dir, survivors=[0], replaced=[1])

@@ -87,8 +87,8 @@ def test_recovery_clock_splits_phases_and_names_kept_ranks() -> None:
     assert rebuilt["kept"] == [0] and rebuilt["pids"] == {"0": 10, "1": 21}
     assert rebuilt["seconds"] == 0.5
     clock.restored(12.0)
-    clock.worker_stepped(0, 7, 12.5)
-    resumed: Any = clock.worker_stepped(1, 7, 13.0)
+    clock.worker_stepped(0, 7, 12.5, {"load": 0.25})
+    resumed: Any = clock.worker_stepped(1, 7, 13.0, {"fetch": 0.5, "load": 0.5})
     assert resumed["kept"] == [0] and resumed["replaced"] == [1] and resumed["redone"] == 1
     assert resumed["phases"] == {
         "detect": 0.5,
@@ -98,6 +98,7 @@ def test_recovery_clock_splits_phases_and_names_kept_ranks() -> None:
         "resume": 1.0,
     }
     assert resumed["seconds"] == 3.0
+    assert resumed["ranks"] == {"0": {"load": 0.25}, "1": {"fetch": 0.5, "load": 0.5}}
 
 
 def test_a_node_is_ready_once_not_again_when_a_worker_is_replaced() -> None:

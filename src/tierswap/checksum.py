@@ -14,6 +14,11 @@ def checksum_bytes(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def hasher() -> xxhash.xxh3_64:
+    """A streaming checksum: ``update`` it with the bytes in order, then ``hexdigest``."""
+    return xxhash.xxh3_64()
+
+
 def checksum_chunks(chunks: Iterable[bytes | bytearray | memoryview]) -> str:
     """Checksum of the concatenation of ``chunks``, without concatenating them."""
     h = xxhash.xxh3_64()

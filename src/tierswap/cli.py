@@ -192,6 +192,10 @@ def _run(args: argparse.Namespace) -> int:
         from tierswap.cluster.multihost import job_key, read_secret
 
         key = job_key(read_secret(None, os.environ, "tierswap run"))
+    if cfg.agent_cpus:  # the coordinator runs beside the agents, off the trainers' cores
+        from tierswap.affinity import parse_cpus, pin_process
+
+        pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
     return Coordinator(cfg, script, run_dir, key=key).run()
 
 
@@ -410,13 +414,16 @@ def parser() -> argparse.ArgumentParser:
             "gpu-check",
             "goodput",
             "memory",
+            "overhead",
         ],
     )
     bench.add_argument(
         "--size-mib",
         type=int,
+        nargs="+",
         default=None,
-        help="state size (default: 1024 for snapshot, 256 for replication)",
+        help="state size (default: 1024 for snapshot, 256 for replication); recovery: "
+        "the sizes per rank of its curve (default 5 75 384)",
     )
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument(

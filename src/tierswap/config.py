@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tierswap.affinity import parse_cpus
 from tierswap.faults import Chaos, Injection
 
 ENV_PREFIX = "TIERSWAP_"
@@ -75,11 +76,22 @@ class Config:
     """Seconds to wait for agents and workers to start and join."""
     threads: int = 0
     """torch threads per worker; 0 leaves torch's default."""
+    agent_cpus: str | None = None
+    """CPUs (a list such as ``0-3,8``) that tierswap's own work runs on, by affinity:
+    each host's agent, the launcher, and the workers' snapshot copy and restore fetch
+    threads, so that the trainers keep their cores, as on a GPU host. None: no pinning."""
+    worker_cpus: str | None = None
+    """CPUs the workers' training threads run on; None: every CPU but ``agent_cpus``
+    when those are given, else no pinning."""
     console: bool = True
     """Print progress and failures on the launcher's console."""
     spares: int = 0
     """Spare nodes, started with their workers imported and parked; a failed node's ranks
     go to one while the survivors keep their processes."""
+    warm_spares: bool = True
+    """Parked spare hosts make the shared memory a node's snapshots take (its tier-0
+    slots and tier-1 rings, as the members report them) while they wait, so that taking
+    over a node allocates none; off leaves that memory free until a spare takes a node."""
     spare_workers: int = 0
     """Extra workers per node, imported and parked: a crashed worker's rank goes to one
     at once instead of to a process that must first start and import (seconds)."""
@@ -189,6 +201,12 @@ class Config:
             raise ValueError(
                 f"init_step {self.init_step}: needs --init-from, and a step number >= 0"
             )
+        for name in ("agent_cpus", "worker_cpus"):
+            if getattr(self, name) is not None:
+                try:
+                    parse_cpus(getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
         if self.chaos is not None:
             Chaos.parse(self.chaos)  # refused here, with the forms, rather than mid-run
         for inj in self.inject:

@@ -13,13 +13,11 @@ import torch
 import torch.distributed as dist
 
 from tierswap import snapshot
-from tierswap.checksum import checksum_chunks
 from tierswap.control import protocol as p
-from tierswap.errors import CorruptPartError, GenerationEnded
+from tierswap.errors import GenerationEnded
 from tierswap.faults import Injection
-from tierswap.shm import Segment
-from tierswap.state import load, tensor_view
-from tierswap.tiers import durable, peer
+from tierswap.fetch import Fetched, Prefetch, fetch
+from tierswap.state import load
 from tierswap.wire import Channel
 
 
@@ -58,12 +56,22 @@ class Job:
         """This rank's injected kills, freezes and slowness (``FaultPlan.of_rank``)."""
         self._ended = ended if ended is not None else threading.Event()
         self._snap: snapshot.Snapshotter | None = None
+        self._prefetch: Prefetch[Fetched] | None = None
         self._tier1 = tier1
         self._max_redo = max_redo
         self.restored_step: int | None = None
         self.plan_step: int | None = None
         self.plan_tier: int | None = None
         self.last_step = -1
+        self.joined_at: float | None = None
+        """When this worker joined the generation's process group (``time.monotonic``)."""
+        self.timeline: dict[str, float] = {}
+        """Seconds this rank spent in each part of entering the generation, in order:
+        ``enter`` (from joining the group to ``job.steps``: the script builds and wraps its
+        model), ``plan``, ``fetch`` and ``verify`` (on a thread, during ``enter``),
+        ``waited`` (in ``job.steps`` for what was still being fetched), ``load``, ``sync``
+        (waiting for the other ranks), ``step`` (the first step) and ``snapshot`` (its
+        snapshot, slots allocated if new); sent with ``Stepped``."""
 
     def steps(self, state: MutableMapping[str, Any], total: int) -> Iterator[int]:
         """Restore the newest committed ``state``, then yield the remaining steps up to
@@ -73,23 +81,33 @@ class Job:
         if not isinstance(state, MutableMapping):
             raise TypeError(f"state must be a dict of Stateful objects and values, got {state!r}")
         self._check()
+        t = time.monotonic()
+        if self.joined_at is not None:
+            self.timeline["enter"] = t - self.joined_at
         start = self._restore(state)
         if self._chan is not None:
             self._chan.send(p.Report(rank=self.rank, step=start - 1, total=total))
+        t = time.monotonic()
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # nobody trains until every rank holds the same step
+        self.timeline["sync"] = time.monotonic() - t
         if self._chan is not None and self._snap is None:
             self._snap = snapshot.Snapshotter(self._chan, self.rank, self._tier1, self._max_redo)
             if any(f.during == "snapshot" for f in self._faults):
                 self._snap.midway = self._in_copy
         for step in range(start, total):
             self._check()
+            t = time.monotonic()
             yield step
             self.last_step = step
+            if step == start:
+                self.timeline["step"] = time.monotonic() - t
+            t = time.monotonic()
             if self._snap is not None:
                 self._snap.take(step, state, wait=60.0 if step == total - 1 else 0.0)
             if step == start and self._chan is not None:
-                self._chan.send(p.Stepped(rank=self.rank, step=step))
+                self.timeline["snapshot"] = time.monotonic() - t
+                self._chan.send(p.Stepped(rank=self.rank, step=step, phases=self.timeline))
             self._maybe_inject(step)
         self.fence()
 
@@ -117,45 +135,79 @@ class Job:
         if self._snap is not None:
             self._snap.fence()
 
+    @property
+    def snapshot_stats(self) -> snapshot.Stats | None:
+        """What this generation's snapshots cost so far (None before the first one)."""
+        return self._snap.stats if self._snap is not None else None
+
+    @property
+    def stall(self) -> float:
+        """Seconds the last step waited for snapshots: the fence before its optimizer step,
+        the synchronous part of its snapshot, and the wait for tier 1 (``--max-redo``)."""
+        return self._snap.stats.last_stall() if self._snap is not None else 0.0
+
     def report(self, step: int, **metrics: float) -> None:
         """Show metrics of a step on the launcher's console and in the event log."""
         clean = {k: float(v) for k, v in metrics.items()}
         if self._chan is not None:
-            stall = self._snap.stats.last_stall() if self._snap is not None else 0.0
-            self._chan.send(p.Report(rank=self.rank, step=step, metrics=clean, stall=stall))
+            self._chan.send(p.Report(rank=self.rank, step=step, metrics=clean, stall=self.stall))
 
     def close(self) -> None:
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None:  # train(job) never reached steps(): drop what was fetched
+            try:
+                pending.result().release()
+            except BaseException:
+                pass  # a fetch that failed holds nothing
         if self._snap is not None:
             self._snap.close()
             self._snap = None
 
     # ---------------------------------------------------------------- restore
 
+    def prefetch(self) -> None:
+        """Ask for this rank's plan and fetch its step now, on a thread, while
+        ``train(job)`` builds and wraps its model; ``steps`` loads what arrived. The worker
+        calls this once it has joined its generation."""
+        if self._chan is not None and self._prefetch is None:
+            self._prefetch = Prefetch(self._fetch)
+
+    def _fetch(self) -> Fetched:
+        assert self._chan is not None
+        t0 = time.monotonic()
+        plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
+        self.timeline["plan"] = time.monotonic() - t0
+        for fault in self._faults:
+            if fault.during == "restore" and fault.gen == self.generation:
+                self._fire(fault)
+        if plan.step is None or plan.source is None:
+            return Fetched(plan, t0)
+        self.plan_step, self.plan_tier = plan.step, plan.tier
+        return fetch(plan, t0, self.rank, self._secret, self._tls, self.timeline)
+
     def _restore(self, state: MutableMapping[str, Any]) -> int:
         if self._chan is None:
             return 0
         t0 = time.monotonic()
-        plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
-        for fault in self._faults:
-            if fault.during == "restore" and fault.gen == self.generation:
-                self._fire(fault)
-        step, source = plan.step, plan.source
-        if (step is None or source is None) and plan.init is not None:
+        pending, self._prefetch = self._prefetch, None
+        got = pending.result() if pending is not None else self._fetch()
+        if pending is not None:
+            self.timeline["waited"] = time.monotonic() - t0
+        plan = got.plan
+        step, tier = plan.step, plan.tier
+        if (step is None or tier is None) and plan.init is not None:
             return self._init(state, plan.init, t0)
-        if step is None or source is None:
+        if step is None or tier is None:
             return 0
-        self.plan_step, self.plan_tier = step, plan.tier
-        match source:
-            case p.FromSlot():
-                self._load_memory(state, source, step)
-            case p.FromPeer():
-                self._load_peer(state, source, step)
-            case p.FromDurable():
-                self._load_durable(state, source, step)
+        try:
+            assert got.layout is not None
+            t = time.monotonic()
+            load(state, got.tree, got.views, got.layout, what=got.what)
+            self._lap("load", t)
+        finally:
+            got.release()
         seconds = time.monotonic() - t0
         self.restored_step = step
-        tier = plan.tier
-        assert tier is not None
         self._chan.send(p.Restored(rank=self.rank, step=step, tier=tier, seconds=seconds))
         return step + 1
 
@@ -174,31 +226,11 @@ class Job:
         )
         return got.step + 1
 
-    def _load_memory(self, state: MutableMapping[str, Any], source: p.FromSlot, step: int) -> None:
-        layout = source.layout
-        layout.check()
-        seg = Segment.attach(source.segment, layout.nbytes)
-        try:
-            got = checksum_chunks(layout.chunks(seg.buf))
-            if got != source.checksum:
-                raise CorruptPartError(str(seg.path), "checksum mismatch in tier-0 memory")
-            views = [tensor_view(seg.buf, e) for e in layout.entries]
-            load(state, source.tree, views, layout, what=f"tier-0 step {step}")
-            del views
-        finally:
-            seg.close()
-
-    def _load_peer(self, state: MutableMapping[str, Any], source: p.FromPeer, step: int) -> None:
-        layout, tree, buf = peer.fetch(source.address, self._secret, self.rank, step, self._tls)
-        views = [tensor_view(memoryview(buf), e) for e in layout.entries]
-        load(state, tree, views, layout, what=f"node {source.node}'s replica of step {step}")
-
-    def _load_durable(
-        self, state: MutableMapping[str, Any], source: p.FromDurable, step: int
-    ) -> None:
-        layout, tree, buf = durable.read_part(source.root, step, self.rank, source.part)
-        views = [tensor_view(memoryview(buf), e) for e in layout.entries]
-        load(state, tree, views, layout, what=f"{source.root} step {step}")
+    def _lap(self, phase: str, since: float) -> float:
+        """Record the seconds since ``since`` as ``phase`` of the timeline; returns now."""
+        now = time.monotonic()
+        self.timeline[phase] = now - since
+        return now
 
     def _maybe_inject(self, step: int) -> None:
         for fault in self._faults:

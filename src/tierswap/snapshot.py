@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierswap.affinity import helper_cpus, pin_thread
+from tierswap.checksum import hasher
 from tierswap.control import protocol as p
 from tierswap.errors import UsageError
 from tierswap.shm import Segment
@@ -97,6 +99,8 @@ class Stats:
     fence_waits: list[float] = field(default_factory=list)
     sync_copies: list[float] = field(default_factory=list)
     copy_times: list[float] = field(default_factory=list)
+    copy_cpu: list[float] = field(default_factory=list)
+    """CPU seconds of each background copy (with its checksum), on the copy thread."""
     tier1_waits: list[float] = field(default_factory=list)
     """Each optimizer step's wait for tier 1 (``--max-redo``), zeros included."""
 
@@ -147,6 +151,26 @@ class _Job:
     flat: Flat
     alloc: _Allocation
     event: Any = None  # a CUDA event, when the copy went on a side stream
+
+
+CHUNK = 256 << 10
+"""Bytes the copy writes before it hashes them: small enough to be read back from cache."""
+
+
+def _copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest: Any) -> None:
+    """``dst.copy_(src)`` in chunks, each hashed into ``digest`` from ``raw`` (``dst``'s
+    bytes) as soon as it is written."""
+    if not src.is_contiguous() or src.numel() * src.element_size() <= CHUNK:
+        dst.copy_(src)
+        digest.update(raw)
+        return
+    flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+    per = max(1, CHUNK // src.element_size())
+    size = src.element_size()
+    for start in range(0, flat_src.numel(), per):
+        end = min(start + per, flat_src.numel())
+        flat_dst[start:end].copy_(flat_src[start:end])
+        digest.update(raw[start * size : end * size])
 
 
 class Snapshotter:
@@ -305,6 +329,7 @@ class Snapshotter:
     # ---------------------------------------------------------------- copy thread
 
     def _run(self) -> None:
+        pin_thread(helper_cpus())  # --agent-cpus: the copy is tierswap's work, not training
         while (job := self._queue.get()) is not None:
             try:
                 self._copy(job)
@@ -314,25 +339,34 @@ class Snapshotter:
                 self._idle.set()
 
     def _copy(self, job: _Job) -> None:
-        t0 = time.monotonic()
+        """Copy the deferred tensors into the slot, checksumming the slot's bytes in the
+        same pass: each chunk is hashed right after it is written, while it is in cache.
+        Bytes a GPU copied (by DMA, on the side stream) are hashed once they are in."""
+        t0, cpu0 = time.monotonic(), time.thread_time()
         views = job.alloc.slot_views(job.slot)
         entries = job.alloc.layout.entries
+        buf = job.alloc.segments[job.slot].buf
         here = [
             e.deferred and not t.is_cuda for e, t in zip(entries, job.flat.tensors, strict=True)
         ]
         half, copied = sum(here) // 2, 0
         if not any(here) and self.midway is not None:  # nothing is copied here: at once
             self.midway(job.step)
-        with torch.no_grad():
-            for entry, src, dst in zip(entries, job.flat.tensors, views, strict=True):
-                if entry.deferred and not src.is_cuda:
-                    if copied == half and self.midway is not None:
-                        self.midway(job.step)
-                    copied += 1
-                    dst.copy_(src)
         if job.event is not None:
             job.event.synchronize()
+        digest = hasher()
+        with torch.no_grad():
+            for entry, src, dst, mine in zip(entries, job.flat.tensors, views, here, strict=True):
+                raw = buf[entry.offset : entry.offset + entry.nbytes]
+                if not mine:  # copied in take(), or by the GPU
+                    digest.update(raw)
+                    continue
+                if copied == half and self.midway is not None:
+                    self.midway(job.step)
+                copied += 1
+                _copy_hashing(dst, src, raw, digest)
         self.stats.record(self.stats.copy_times, time.monotonic() - t0)
+        self.stats.record(self.stats.copy_cpu, time.thread_time() - cpu0)
         self.stats.taken += 1
         written = p.Written(
             rank=self.rank,
@@ -341,5 +375,6 @@ class Snapshotter:
             alloc=job.alloc.id,
             tree=job.flat.tree,
             stall=self.stats.last_stall(),
+            checksum=digest.hexdigest(),
         )
         self.chan.send(written)

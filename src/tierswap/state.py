@@ -362,6 +362,14 @@ def _at(seq: list[Any] | tuple[Any, ...], i: int) -> Any:
     return seq[i] if i < len(seq) else None
 
 
+def _takes_copies(opt: torch.optim.Optimizer) -> bool:
+    """Whether an optimizer without state can be given its loaded state as copies: its
+    parameters are plain tensors on the CPU, where ``load_state_dict`` keeps the tensors it
+    is handed. Sharded (DTensor) or GPU parameters need state made like theirs first."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return all(type(p.data) is torch.Tensor and p.device.type == "cpu" for p in params)
+
+
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily made state without changing any parameter.
 
@@ -420,7 +428,11 @@ def load(
         if _is_stateful(obj):
             if not isinstance(saved, dict) or "__stateful__" not in saved:
                 raise StateMismatchError(f"state[{name!r}] was a plain value in {what}")
-            if isinstance(obj, torch.optim.Optimizer) and saved["__stateful__"].get("state"):
+            if (
+                isinstance(obj, torch.optim.Optimizer)
+                and saved["__stateful__"].get("state")
+                and not _takes_copies(obj)
+            ):
                 init_optimizer_state(obj)
             loader.in_place = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
             value = loader.value(name, saved["__stateful__"], obj.state_dict())

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
+from tierswap.affinity import pin_worker
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
@@ -141,8 +142,10 @@ def _abort_communicator() -> None:
 
 
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
+    pin_worker()  # --worker-cpus, or every CPU but --agent-cpus
     secret = bytes.fromhex(env["TIERSWAP_KEY"])
     _warm_up()  # before attaching: a worker counts as parked once it is ready to run
+    gc.freeze()  # what is loaded by now lives as long as the process: never scanned again
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
     local, incarnation = int(env["TIERSWAP_LOCAL"]), int(env.get("TIERSWAP_INCARNATION", "0"))
@@ -197,6 +200,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             timeout=collective,
         )
         chan.send(p.Joined(rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0))
+        job.joined_at = time.monotonic()
+        job.prefetch()  # the restore's bytes arrive while train(job) builds its model
         code = _train_once(train, job, chan, control, grace)
         if code is None:
             continue  # parked: the next assignment enters train(job) again
@@ -313,7 +318,7 @@ def _leave(job: Job) -> None:
     destroy the process group (its peers may be dead, so nothing here waits on them)."""
     pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     try:
-        job.close()
+        job.close()  # the copy in flight may hold the step the next generation restores
     except BaseException as e:  # a copy that failed with its generation: nothing to keep
         print(f"[tierswap] rank {job.rank}: snapshot copy ended with {e}", file=sys.stderr)
     try:
@@ -322,6 +327,7 @@ def _leave(job: Job) -> None:
         print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
     # the ended generation's model and optimizer (DDP and FSDP hold them in reference
     # cycles) must be gone before train(job) builds new ones: on a GPU they hold memory
+    # (quick: what the worker loaded before its first rank is frozen, out of the scan)
     gc.collect()
     if pg is not None:
         last = [pg]  # the last reference: cleared on the freeing thread only

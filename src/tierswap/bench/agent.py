@@ -89,10 +89,11 @@ class _Agent:
         with self.lock:
             slot = self.ring.written(msg.slot, msg.step, msg.alloc, msg.tree)
             layout = self.ring.layout()
-        self.checks.append(self.pool.submit(self._check, slot, layout, msg.step))
+        self.checks.append(self.pool.submit(self._check, slot, layout, msg.step, msg.checksum))
 
-    def _check(self, slot: Slot, layout: Layout, step: int) -> None:
-        digest = checksum_chunks(layout.chunks(slot.segment.buf))
+    def _check(self, slot: Slot, layout: Layout, step: int, given: str) -> None:
+        """As the agent does: the copy's own checksum, or one computed here."""
+        digest = given or checksum_chunks(layout.chunks(slot.segment.buf))
         with self.lock:
             self.ring.checked(slot, digest)
             self.ring.set_committed(step)  # one rank: held by all ranks means committed

@@ -65,7 +65,11 @@ def run_and_report(
     import json
     from pathlib import Path
 
-    size = default_mib if args.size_mib is None else args.size_mib
+    given = args.size_mib
+    sizes = [default_mib] if given is None else [given] if isinstance(given, int) else list(given)
+    if len(sizes) != 1:
+        raise ValueError(f"--size-mib {' '.join(map(str, sizes))}: this bench takes one size")
+    size = sizes[0]
     if size < 1 or args.repeats < 1:
         raise ValueError(f"--size-mib {size}, --repeats {args.repeats}: use >= 1 each")
     res = run(size, args.repeats)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from tierswap.bench.common import WARMUP, Sample, interleave, width
+from tierswap.bench.limits import write_fsync_once
 from tierswap.bench.rig import NSLOTS, BenchPersist, Persisted, Rig
 from tierswap.bench.steps import bench_steps
 from tierswap.state import flatten, make_layout, tensor_view
@@ -38,7 +39,6 @@ COMPUTE_FACTOR = 2.0
 """Section 1's stand-in forward and backward lasts this many plain copies of the state,
 far less than a real model holding that much state computes."""
 STATE_DEPTH = 8
-_CHUNK = 64 << 20
 _BASELINES = ("torch_save", "dcp_save", "dcp_async_save")
 
 
@@ -162,18 +162,7 @@ def _write_part_once(rig: Rig, root: Path) -> Sample:
 
 
 def _sequential_once(path: Path, buf: bytearray, nbytes: int) -> Sample:
-    data = memoryview(buf)[:nbytes]
-    t0 = time.monotonic()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        while data:
-            data = data[os.write(fd, data[:_CHUNK]) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.monotonic() - t0
-    path.unlink()
-    return {"bps": nbytes / seconds}
+    return write_fsync_once(path, memoryview(buf)[:nbytes])
 
 
 def _bench_throughput(

@@ -10,8 +10,13 @@ Baseline, the same model in the same run, interleaved: ``torchrun --max-restarts
 ``torch.distributed.checkpoint``; the time from the kill to the last rank's first step
 after the restart.
 
-Then the curve: the job grown to 4 and 8 simulated nodes, and the state grown (wider
-models), with the restore part and the failed rank's state size reported side by side.
+Then the curves: the job grown to 4 and 8 simulated nodes; and the state grown, on the
+reference model (``examples/train_mlp.py``, 384 MiB per rank at its usual size) through a
+worker kill with a parked spare worker and a node kill with a spare host, interleaved,
+each rank's own account of its way back (``Job.timeline``: re-entering ``train``, plan,
+fetch, verify, load, waiting for the others, the first step, its snapshot) beside the
+floor of each part on this machine: the bytes over memcpy, xxh3 and loopback TCP speed
+measured in the same run (``bench/limits.py``), and the job's own step time.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tierswap.bench import limits
 from tierswap.bench.common import run_bounded, stats
 from tierswap.config import Config
-from tierswap.examples import EXAMPLE, job_command
+from tierswap.examples import EXAMPLE, FOLDER, job_command
+
+MLP = FOLDER / "train_mlp.py"
 
 BASELINE = EXAMPLE.parent / "torchrun_gpt.py"
 STEPS, KILL = 14, 8
@@ -115,6 +123,100 @@ def _baseline_try(work: Path, name: str, nodes: int, width: int) -> float:
     return float(resumed - killed)
 
 
+KILLS = {
+    "worker": ("--spare-workers", "1", "--inject", f"kill:rank=1:step={KILL}"),
+    "node": ("--spares", "1", "--inject", f"kill:node=1:step={KILL}"),
+}
+"""A worker killed (a parked spare worker of its node takes its rank, its node's memory
+holds its state) and a node killed (a parked spare host takes it, its ranks' state comes
+from a peer's memory)."""
+BIG_MIB = 768
+"""From this size on a rank, the job runs with ``--slots 3 --replicas 0`` and only the
+worker kill: 3 hosts x 2 tiers x 4 slots of 1 GiB do not fit in this machine's memory."""
+PHASES = ("detect", "decide", "rebuild", "restore", "resume")
+SIZES = (5, 75, 384)
+"""MiB of state per rank of the size curve (``--size-mib`` picks others)."""
+PARTS = ("enter", "plan", "fetch", "verify", "waited", "load", "sync", "step", "snapshot")
+"""A rank's own account of its way back, in order (``Job.timeline``)."""
+
+
+def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
+    """One run of the reference model with one kill; what its events say of the recovery."""
+    run_dir = work / name
+    extra = ("--slots", "3", "--replicas", "0") if size_mib >= BIG_MIB else ()
+    cmd = job_command(
+        run_dir,
+        ["--nodes", "2", *KILLS[kind], *extra],
+        ["--steps", str(STEPS), "--size-mib", str(size_mib)],
+        script=MLP,
+    )
+    code, out = _run(cmd, work, work / f"{name}.log", 900)
+    if code != 0:
+        raise RuntimeError(f"benchmark job {name} failed:\n{out}")
+    (resumed,) = _events(run_dir, "resumed")
+    lost = [t for r, t in resumed["ranks"].items() if int(r) in resumed["replaced"]]
+    kept = [t for r, t in resumed["ranks"].items() if int(r) not in resumed["replaced"]]
+    reports = {e["step"]: e["time"] for e in _events(run_dir, "report")}
+    steady = [reports[s + 1] - reports[s] for s in range(2, KILL - 1) if s + 1 in reports]
+    ring = max(e["bytes"] for e in _events(run_dir, "memory") if e["rank"] == 1 and not e["tier"])
+    return {
+        "seconds": resumed["seconds"],
+        "phases": resumed["phases"],
+        "redone": resumed["redone"],
+        "lost": _slowest(lost),
+        "kept": _slowest(kept),
+        "step_s": statistics.median(steady) if steady else float("nan"),
+        "rank_state_bytes": ring // (3 if extra else Config().slots),
+    }
+
+
+def _slowest(timelines: list[dict[str, float]]) -> dict[str, float]:
+    """Per part, the longest any of these ranks took."""
+    return {k: max(t.get(k, 0.0) for t in timelines) for k in PARTS} if timelines else {}
+
+
+def floors(nbytes: int, kind: str, lim: dict[str, Any], step_s: float) -> dict[str, float]:
+    """What each part of a rank's way back costs at least here: its bytes over the
+    machine's speed for the way they move (a worker's state is mapped from its node's
+    memory, a node's comes over one TCP stream), and the job's step for the first step."""
+    speed = {k: lim[k]["median"] for k in ("memcpy", "xxh3", "tcp")}
+    fetch = 0.0 if kind == "worker" else nbytes / speed["tcp"]
+    out = {"fetch": fetch, "verify": nbytes / speed["xxh3"], "load": nbytes / speed["memcpy"]}
+    out["restore"] = out["fetch"] + out["verify"] + out["load"]
+    out["step"] = step_s
+    return out
+
+
+def size_curve(work: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """Each size: worker and node kills interleaved (order flipped every round), and the
+    machine's limits at that size measured between them."""
+    out: dict[str, Any] = {}
+    for mib in sizes:
+        kinds = ("worker",) if mib >= BIG_MIB else tuple(KILLS)
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for i in range(repeats):
+            for kind in kinds[:: -1 if i % 2 else 1]:
+                runs[kind].append(mlp_once(work, f"mlp{mib}-{kind}-{i}", mib, kind))
+        nbytes = runs[kinds[0]][0]["rank_state_bytes"]
+        lim = limits.measure(nbytes, max(3, repeats), work)
+        entry: dict[str, Any] = {"rank_state_bytes": nbytes, "limits": lim}
+        for kind, rs in runs.items():
+            summary = _summary(rs)
+            for side in ("lost", "kept"):
+                summary[side] = {k: statistics.median(r[side][k] for r in rs) for k in PARTS}
+            summary["step_s"] = statistics.median(r["step_s"] for r in rs)
+            summary["floors"] = floors(nbytes, kind, lim, summary["step_s"])
+            lost = summary["lost"]
+            work_s = lost["fetch"] + lost["verify"] + lost["load"]
+            summary["restore_vs_floor"] = work_s / summary["floors"]["restore"]
+            entry[kind] = summary
+        if mib >= BIG_MIB:
+            entry["node"] = {"skipped": f"{mib} MiB per rank: 3 hosts x 2 tiers x 4 slots "
+                             "do not fit in this machine's memory"}  # fmt: skip
+        out[str(mib)] = entry
+    return out
+
+
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "seconds": stats([r["seconds"] for r in runs]),
@@ -124,7 +226,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(repeats: int, nodes_curve: tuple[int, ...], widths: tuple[int, ...]) -> dict[str, Any]:
+def run(repeats: int, nodes_curve: tuple[int, ...], sizes: tuple[int, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": STEPS, "kill_step": KILL}
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-recovery-") as tmp:
         work = Path(tmp)
@@ -151,10 +253,7 @@ def run(repeats: int, nodes_curve: tuple[int, ...], widths: tuple[int, ...]) -> 
             str(n): _summary([tierswap_once(work, f"n{n}-{i}", n, 128) for i in range(repeats)])
             for n in nodes_curve
         }
-        out["state"] = {
-            str(w): _summary([tierswap_once(work, f"w{w}-{i}", 2, w) for i in range(repeats)])
-            for w in widths
-        }
+        out["sizes"] = size_curve(work, sizes, repeats)
     return out
 
 
@@ -165,18 +264,59 @@ def _row(label: str, s: dict[str, Any]) -> tuple[str, ...]:
         label,
         f"{s['rank_state_bytes'] / 2**20:.1f}",
         f"{sec['median']:.2f} ({sec['min']:.2f}–{sec['max']:.2f})",
-        " / ".join(f"{ph[k]:.2f}" for k in ("detect", "decide", "rebuild", "restore", "resume")),
+        " / ".join(f"{ph[k]:.2f}" for k in PHASES),
         str(s["redone"]),
     )
 
 
+def _sizes_table(curve: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="recovery of the reference model by state size (s): the replaced "
+                  "rank's own parts beside their floors on this machine")  # fmt: skip
+    cols = ("MiB/rank", "kill", "recovery", "detect/decide/rebuild/restore/resume",
+            "lost rank: " + "/".join(PARTS), "floor: fetch/verify/load, step",
+            "fetch+verify+load / floor")  # fmt: skip
+    for col in cols:
+        table.add_column(col)
+    for mib, entry in curve.items():
+        for kind in KILLS:
+            s = entry.get(kind, {})
+            if "skipped" in s or not s:
+                table.add_row(mib, kind, "not run", s.get("skipped", ""), "", "", "")
+                continue
+            sec, ph, lost, fl = s["seconds"], s["phases"], s["lost"], s["floors"]
+            table.add_row(
+                f"{entry['rank_state_bytes'] / 2**20:.0f}",
+                kind,
+                f"{sec['median']:.2f} ({sec['min']:.2f}–{sec['max']:.2f})",
+                " / ".join(f"{ph[k]:.2f}" for k in PHASES),
+                " / ".join(f"{lost[k]:.2f}" for k in PARTS),
+                f"{fl['fetch']:.2f} / {fl['verify']:.2f} / {fl['load']:.2f}, {fl['step']:.2f}",
+                f"{s['restore_vs_floor']:.1f}x",
+            )
+    return table
+
+
 def main(args: Any) -> int:
-    """``tierswap bench recovery [--repeats N] [--json PATH]``."""
+    """``tierswap bench recovery [--size-mib N ...] [--repeats N] [--json PATH]``: with
+    ``--size-mib`` only the size curve, at those sizes."""
     from rich.console import Console
     from rich.table import Table
 
     repeats = max(1, args.repeats)
-    res = run(repeats, (2, 4, 8), (256, 512))
+    console = Console(width=200)
+    if args.size_mib:
+        if min(args.size_mib) < 1:
+            raise ValueError(f"--size-mib {args.size_mib}: sizes are MiB per rank, >= 1")
+        with tempfile.TemporaryDirectory(prefix="tierswap-bench-recovery-") as tmp:
+            res: dict[str, Any] = {"steps": STEPS, "kill_step": KILL}
+            res["sizes"] = size_curve(Path(tmp), tuple(args.size_mib), repeats)
+        console.print(_sizes_table(res["sizes"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        return 0
+    res = run(repeats, (2, 4, 8), SIZES)
     table = Table(title="recovery: kill to the first step completed after resuming (s)")
     for col in ("job", "MiB/rank", "tierswap", "detect/decide/rebuild/restore/resume", "redone"):
         table.add_column(col)
@@ -193,9 +333,8 @@ def main(args: Any) -> int:
     )
     for n, s in res["nodes"].items():
         table.add_row(*_row(f"{n} nodes, width 128", s))
-    for w, s in res["state"].items():
-        table.add_row(*_row(f"2 nodes, width {w}", s))
-    Console(width=160).print(table)
+    console.print(table)
+    console.print(_sizes_table(res["sizes"]))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -121,6 +121,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import hostmem
 
         return hostmem.main(args)
+    if args.what == "overhead":
+        from tierswap.bench import overhead
+
+        return overhead.main(args)
     if args.what == "goodput":
         from tierswap.bench import projection
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierswap.affinity import parse_cpus, pin_process
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
@@ -49,9 +50,11 @@ from tierswap.control.agent_events import (
     Shutdown,
     Tick,
     ToCoordinator,
+    WarmSegments,
     WritePart,
 )
 from tierswap.control.workers import Kill, Spawn, Tell
+from tierswap.shm import SegmentPool
 from tierswap.tiers.delta_sender import BaseKeeper
 from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
@@ -141,6 +144,8 @@ class Agent:
             tls=cfg.tls,
         )
         self.server = ReplicaServer(address, secret, self._ask, tls=cfg.tls)
+        self.segments = SegmentPool(job_id)
+        """Where the rings' segments come from: made ahead while this host is a spare."""
         peers = PeerStore(
             job_id,
             cfg.slots,
@@ -148,11 +153,12 @@ class Agent:
             lambda msg, gen: None,  # the core hands in its own
             cfg.memory_tiers,
             cfg.delta_threshold,
+            create=self.segments.create,
         )
         self.core = AgentCore(
             host,
             cfg,
-            rings=NodeRings(job_id, cfg.slots),
+            rings=NodeRings(job_id, cfg.slots, create=self.segments.create),
             peers=peers,
             replica_address=self.server.address,
             coord_host=coord_host,
@@ -329,6 +335,8 @@ class Agent:
                     self.writer.submit(part, bases, delay)
                 case AnswerAsk(answer=answer, value=value, error=error):
                     answer(value, error)
+                case WarmSegments(sizes=sizes):
+                    self.segments.warm(list(sizes))
                 case Spawn(local=local, incarnation=incarnation):
                     self.processes.reap()
                     self.processes.spawn(local, incarnation)
@@ -355,6 +363,7 @@ class Agent:
         self.writer.close()
         self.core.rings.close()
         self.core.peers.close()
+        self.segments.close()
         Path(self.sock).unlink(missing_ok=True)
 
 
@@ -475,6 +484,8 @@ def main() -> None:
     except Refused as e:
         raise SystemExit(f"tierswap run: {e}") from None
     cfg = Config.from_env(w.config)
+    if cfg.agent_cpus:  # before the agent's threads start: they inherit it
+        pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
     _fence_on_silence(coord, cfg.lease)
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
     run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])

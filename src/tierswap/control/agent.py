@@ -38,6 +38,7 @@ from tierswap.control.agent_events import (
     Shutdown,
     Tick,
     ToCoordinator,
+    WarmSegments,
     WorkerExited,
     WritePart,
 )
@@ -150,6 +151,9 @@ class AgentCore:
         """Its report of the newest stop (said again to a coordinator that asks again)."""
         self.replica_address = replica_address
         self.node: int | None = None
+        self.warm = False
+        """Segments were made ahead for this host while it was a spare: freed (those not
+        taken) once a step it holds as a member is committed in tier 1 (0 without it)."""
         """The job's node this agent serves; None while it is a spare."""
         self.door = p.Door()
         self.phase = Machine(f"agent of host {host}", AgentPhase.IDLE, AGENT_PHASES)
@@ -270,6 +274,11 @@ class AgentCore:
                 self.workers.settled(step)
             case p.Persist():
                 self._persist(env.msg)
+            case p.Warm(segments=sizes) if self.node is None:
+                self.warm = bool(sizes)
+                self.out.append(WarmSegments(tuple(sizes)))
+            case p.Warm():
+                pass  # a member already: it made its own
             case p.Exit(code=code):
                 self.exit_code = code
                 self._shutdown()
@@ -368,6 +377,10 @@ class AgentCore:
                 self._maybe_hold(tier)
 
     def _committed(self, tier: int, step: int) -> None:
+        if self.warm and tier == (1 if self.cfg.replicas else 0):
+            # a spare that took a node holds its rings by now: the rest is not needed
+            self.warm = False
+            self.out.append(WarmSegments(()))
         hold = self.holds[tier]
         hold.committed = max(hold.committed, step)
         if tier == 0:
@@ -420,7 +433,7 @@ class AgentCore:
                 self._reply(conn, p.Error(message=f"generation {event.env.gen} has ended"))
             return
         try:
-            self._request(conn, w, msg)
+            self._request(conn, w, msg, now)
         except (ValueError, KeyError, OSError) as e:  # UsageError is a ValueError
             if msg.call:
                 self._reply(conn, p.Error(message=f"{type(e).__name__}: {e}"))
@@ -430,7 +443,7 @@ class AgentCore:
     def _reply(self, conn: int, msg: p.Message) -> None:
         self.out.append(Reply(conn, msg, self.generation))
 
-    def _request(self, conn: int, w: Worker, msg: p.Message) -> None:
+    def _request(self, conn: int, w: Worker, msg: p.Message, now: float) -> None:
         match msg:
             case p.Alloc():
                 self._alloc(conn, msg)
@@ -453,7 +466,10 @@ class AgentCore:
             case p.Fatal() | p.Corrupt() | p.InjectFired():
                 self._tell(msg)
                 self._reply(conn, p.Ack())
-            case p.Report() | p.Joined() | p.Stepped() | p.Lagging():
+            case p.Stepped(rank=rank):
+                self._tell(msg)
+                self.workers.first_step(rank, now)
+            case p.Report() | p.Joined() | p.Lagging():
                 self._tell(msg)
             case _:
                 raise ValueError(f"unexpected request {p.tag_of(msg)!r}")
@@ -480,7 +496,8 @@ class AgentCore:
                 f"enlarge {SHM_DIR} (a container's --shm-size), or use fewer --slots."
             ) from e
         self._lost_holds()  # the layout changed: steps of the old slots are gone
-        self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes()))
+        sizes = [s.segment.size for s in alloc.slots]
+        self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes(), segments=sizes))
         segments = [str(s.segment.path.name) for s in alloc.slots]
         self._reply(conn, p.Allocated(alloc=alloc.id, segments=segments))
 
@@ -497,7 +514,10 @@ class AgentCore:
         ring = self.rings[msg.rank]
         slot = ring.written(msg.slot, msg.step, msg.alloc, msg.tree)
         self.checks += 1
-        self.out.append(Checksum(msg.rank, msg.step, slot, ring.layout()))
+        if msg.checksum:  # hashed by the worker's copy as it wrote: no second read here
+            self._checked(Checked(msg.rank, msg.step, slot, msg.checksum))
+        else:
+            self.out.append(Checksum(msg.rank, msg.step, slot, ring.layout()))
         if msg.step > self.progress_step or msg.rank == 0:
             self.progress_step = max(self.progress_step, msg.step)
             stall = msg.stall if msg.rank == 0 else None
@@ -544,7 +564,7 @@ class AgentCore:
             self._tell(p.Exited(rank=w.rank, code=code))
         elif self.node is None or w.rank is None:
             self._tell(p.SpareWorkerExited(local=local, code=code))
-        self.workers.spawn(local, now)  # a fresh parked worker, for this rank or a spare
+        self.workers.replace(local, now)  # a fresh parked worker, for this rank or a spare
         self._maybe_stopped()
 
     def _watch(self, now: float) -> None:

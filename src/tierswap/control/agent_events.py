@@ -214,6 +214,14 @@ class AnswerAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmSegments:
+    """Hold shared-memory segments of these sizes, made ahead (``SegmentPool.warm``);
+    empty frees those not taken."""
+
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """The job is over (or the coordinator is gone): release everything and exit."""
 
@@ -229,5 +237,6 @@ AgentCommand = (
     | ConfigureReplication
     | WritePart
     | AnswerAsk
+    | WarmSegments
     | Shutdown
 )

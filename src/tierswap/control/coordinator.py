@@ -52,6 +52,7 @@ from tierswap.control.resize import RESHARD_POLICY
 from tierswap.control.restore import Reports, lost_message, memory_lost
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
+from tierswap.control.warm import SpareMemory
 from tierswap.errors import listed
 from tierswap.faults import Chaos, FaultPlan, Injection
 from tierswap.plan import Holdings, Plan, Tier
@@ -165,6 +166,7 @@ class CoordinatorCore:
         self.reports = Reports(cfg.world_size, tier2)
         self.tier2 = tier2
         self.traffic = Traffic()
+        self.spare_memory = SpareMemory()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
         self.persister = Persistence(cfg, tier2, self.out, self._broadcast_persist)
         self.last_step = -1
@@ -304,9 +306,11 @@ class CoordinatorCore:
                 self.out.log("replica_base_lost", node=node, **_fields(msg, "rank", "step", "kept"))
             case p.AgentError():
                 self.out.log("agent_error", node=node, **_fields(msg, "rank", "request", "error"))
-            case p.Memory(rank=rank, tier=tier, nbytes=nbytes, scope=scope):
+            case p.Memory(rank=rank, tier=tier, nbytes=nbytes, scope=scope, segments=segs):
                 extra = {} if scope == "rank" else {"scope": scope}
                 self.out.log("memory", node=node, rank=rank, tier=tier, bytes=nbytes, **extra)
+                if segs and node is not None and self.spare_memory.noted(node, tier, rank, segs):
+                    self._warm_spares()
             case p.Lagging(rank=rank, step=step, seconds=seconds):
                 self.out.log("tier1_wait_timeout", node=node, rank=rank, step=step, seconds=seconds)
             case p.Restored() if self.phase == Phase.RUNNING:
@@ -317,8 +321,8 @@ class CoordinatorCore:
                 rebuilt = self.clock.worker_joined(rank, pid, now)
                 if rebuilt is not None:
                     self.out.log("rebuilt", generation=self.generation, **rebuilt)
-            case p.Stepped(rank=rank) if self.phase == Phase.RUNNING:
-                self._stepped(rank, now)
+            case p.Stepped(rank=rank, phases=phases) if self.phase == Phase.RUNNING:
+                self._stepped(rank, now, phases)
             case p.Corrupt():
                 self._corrupt(msg)
             case p.Fatal(rank=rank, message=message):
@@ -579,8 +583,22 @@ class CoordinatorCore:
         else:
             self.out.log("node_joined", node=None, role="spare", **seen)
             self.out.say(f"spare host {host} (pid {pid}) parked")
+            self._warm_spares()
             resize.maybe_grow(self, now)
         self._maybe_start(now)
+
+    def _warm_spares(self) -> None:
+        """Tell each parked spare the segments a node holds, to make them ahead."""
+        if not self.cfg.warm_spares:
+            return
+        for host in [h for h in self.spare_memory.sent if h not in self.hosts.spares]:
+            self.spare_memory.forget(host)
+        for host in self.hosts.spares:
+            conn = self.hosts.conns.get(host)
+            sizes = self.spare_memory.to_send(host) if conn is not None else None
+            if conn is not None and sizes is not None:
+                self.out.add(Send(conn, p.Warm(segments=sizes), self.generation))
+                self.out.log("spare_warm", host=host, segments=len(sizes), bytes=sum(sizes))
 
     def _ranks_of(self, node: int) -> list[int]:
         per = self.cfg.nproc_per_node
@@ -958,12 +976,12 @@ class CoordinatorCore:
         self.out.say(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")
         self.clock.restored(now)
 
-    def _stepped(self, rank: int, now: float) -> None:
+    def _stepped(self, rank: int, now: float, phases: dict[str, float]) -> None:
         """A worker finished its first step of this generation."""
         step = -1 if self.plan is None or self.plan.step is None else self.plan.step
         if self.resharded_from is not None:
             step = self.resharded_from
-        resumed = self.clock.worker_stepped(rank, step, now)
+        resumed = self.clock.worker_stepped(rank, step, now, phases)
         if resumed is None:
             return
         self.out.log("resumed", generation=self.generation, step=step, **resumed)

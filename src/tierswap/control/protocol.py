@@ -142,7 +142,7 @@ class SlotRequest(Message, frozen=True, kw_only=True, tag="slot"):
 
 
 class Written(Message, frozen=True, kw_only=True, tag="written"):
-    """The worker copied ``step`` into ``slot``; the agent checksums it next."""
+    """The worker copied ``step`` into ``slot`` (and checksummed it as it copied)."""
 
     rank: int
     step: int
@@ -151,6 +151,9 @@ class Written(Message, frozen=True, kw_only=True, tag="written"):
     tree: Tree
     stall: float
     """Seconds this rank's loop waited for the copy of its last step."""
+    checksum: str = ""
+    """xxh3 of the slot's tensor bytes, hashed by the copy as it wrote them (one pass per
+    byte); empty: the agent reads the slot to compute it."""
 
 
 class PlanRequest(Message, frozen=True, kw_only=True, tag="plan"):
@@ -208,6 +211,8 @@ class Stepped(Message, frozen=True, kw_only=True, tag="stepped"):
 
     rank: int
     step: int
+    phases: dict[str, float] = {}
+    """Seconds this rank spent on the way there, part by part (``Job.timeline``)."""
 
 
 class Fatal(Message, frozen=True, kw_only=True, tag="fatal"):
@@ -561,6 +566,9 @@ class Memory(Message, frozen=True, kw_only=True, tag="memory"):
     tier: int
     nbytes: int
     scope: str = "rank"
+    segments: list[int] = []
+    """Sizes of the shared-memory segments a rank's ring is made of: what a parked spare
+    makes ahead (``Warm``)."""
 
 
 # ==================================================================== coordinator -> agent
@@ -613,6 +621,15 @@ class Committed(Message, frozen=True, kw_only=True, tag="committed"):
 
     tier: int
     step: int
+
+
+class Warm(Message, frozen=True, kw_only=True, tag="warm"):
+    """To a parked spare host: make shared-memory segments of these sizes ahead, those
+    a node of the job holds (its ranks' tier-0 slots and the tier-1 rings of the ranks it
+    protects), so that taking over a node allocates none. Empty: free them."""
+
+    scoped = False
+    segments: list[int]
 
 
 class Release(Message, frozen=True, kw_only=True, tag="release"):
@@ -839,7 +856,7 @@ AgentToCoordinator = (
     | Lagging
 )
 CoordinatorToAgent = (
-    Welcome | Refused | Start | Stop | Committed | Release | Settled | Persist | Exit
+    Welcome | Refused | Start | Stop | Committed | Release | Settled | Persist | Warm | Exit
 )
 AgentToAgent = Replica | ReplicaDelta | Fetch | Room | Accepted | Serving | Missing | Error
 

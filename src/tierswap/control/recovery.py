@@ -23,6 +23,8 @@ class RecoveryClock:
         """rank -> the newest process id that joined a generation for it."""
         self.joined: dict[int, float] = {}
         self.stepped: dict[int, float] = {}
+        self.timelines: dict[int, dict[str, float]] = {}
+        """rank -> its own account of the way to its first step (``Job.timeline``)."""
 
     def fault(self, now: float) -> None:
         self.fault_time = now
@@ -43,6 +45,7 @@ class RecoveryClock:
         self.pids.clear()
         self.joined.clear()
         self.stepped.clear()
+        self.timelines.clear()
         if self.record is not None:
             self.record["decided"] = now
 
@@ -69,10 +72,14 @@ class RecoveryClock:
             else max(self.joined.values()) - rec["decided"],
         }
 
-    def worker_stepped(self, rank: int, restored_step: int, now: float) -> dict[str, Any] | None:
+    def worker_stepped(
+        self, rank: int, restored_step: int, now: float, timeline: dict[str, float] | None = None
+    ) -> dict[str, Any] | None:
         """A worker finished its first step of the generation; once all have, after a
-        failure, the ``resumed`` fields: the time from the fault, split into phases."""
+        failure, the ``resumed`` fields: the time from the fault, split into phases, and
+        each rank's own timeline of restore and resume (``ranks``)."""
         self.stepped[rank] = now
+        self.timelines[rank] = dict(timeline or {})
         rec = self.record
         if len(self.stepped) < self.world_size or rec is None or "decided" not in rec:
             return None
@@ -91,6 +98,7 @@ class RecoveryClock:
             "redone": max(0, int(rec["last_step"]) - restored_step),
             "kept": self._kept(),
             "replaced": sorted(r for r in self.pids if r not in self._kept()),
+            "ranks": {str(r): t for r, t in sorted(self.timelines.items())},
         }
         self.record = None
         return fields

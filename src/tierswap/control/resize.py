@@ -173,6 +173,7 @@ def set_size(core: CoordinatorCore, nodes: int) -> None:
     core._place()
     core.reports = Reports(core.world_size, core.tier2)
     core.clock.world_size = core.persister.world_size = core.world_size
+    core.spare_memory.resized(nodes)
 
 
 def nothing_newer(core: CoordinatorCore, step: int) -> bool:

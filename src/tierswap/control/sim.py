@@ -302,6 +302,8 @@ class SimHost:
                 sim.after(sim.latency(), lambda: self._write_part(part))
             case ae.AnswerAsk(answer=answer, value=value, error=error):
                 answer(value, error)
+            case ae.WarmSegments():
+                pass  # simulated segments cost nothing to make
             case ae.Shutdown():
                 self.die()
 

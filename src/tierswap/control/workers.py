@@ -86,10 +86,42 @@ class WorkerTable:
         """Every worker of the node's start attached once (replacements do not count)."""
         self._incarnations = 0
         self.out: list[WorkerCommand] = []
+        self.deferred: set[int] = set()
+        """Local indexes whose replacement waits: a parked spare worker took the dead one's
+        rank, and a new process importing torch (seconds of CPU) would slow the recovery
+        down. Started once every rank of the node has stepped again, or at the next start
+        if that needs them."""
+        self.stepped: set[int] = set()
+        """Ranks that completed their first step of this generation."""
 
     def take(self) -> list[WorkerCommand]:
         out, self.out = self.out, []
         return out
+
+    def replace(self, local: int, now: float) -> None:
+        """A worker died: a fresh parked one in its place, now, or (while a parked spare
+        worker is at hand for its rank) once the recovery is over."""
+        spares = [
+            w for w in self.procs.values()
+            if w.local != local and w.state is WorkerState.PARKED and w.rank is None
+        ]  # fmt: skip
+        if not spares:
+            self.spawn(local, now)
+            return
+        del self.procs[local]
+        self.deferred.add(local)
+
+    def spawn_deferred(self, now: float) -> None:
+        for local in sorted(self.deferred):
+            self.spawn(local, now)
+        self.deferred.clear()
+
+    def first_step(self, rank: int, now: float) -> None:
+        """``rank`` completed its first step of the generation; once all have, the held
+        back replacements start."""
+        self.stepped.add(rank)
+        if self.deferred and set(self.by_rank) <= self.stepped:
+            self.spawn_deferred(now)
 
     def spawn(self, local: int, now: float) -> None:
         """Start a parked worker: it imports the script and waits for a rank."""
@@ -111,6 +143,9 @@ class WorkerTable:
         self.generation, self.assignment, self.accepting = generation, assignment, True
         self.spent.clear()
         self.by_rank.clear()
+        self.stepped.clear()
+        if self.deferred and len(self.procs) < len(ranks):
+            self.spawn_deferred(now)  # the ranks need them (a second failure came first)
         for w in [w for w in self.procs.values() if w.state is WorkerState.FINISHED]:
             # It finished an earlier generation and exits (or has); another rank failed
             # before the job ended, so this generation needs a worker for its rank again.

@@ -110,7 +110,9 @@ class PeerStore:
             if not self._fits(rank, layout):
                 return None
             ring.allocate(layout)
-            self.report(p.Memory(rank=rank, tier=1, nbytes=ring.nbytes()), self.generation)
+            sizes = [s.segment.size for s in ring.alloc.slots] if ring.alloc else []
+            msg = p.Memory(rank=rank, tier=1, nbytes=ring.nbytes(), segments=sizes)
+            self.report(msg, self.generation)
         assert ring.alloc is not None
         index, _ = ring.begin_write(step, ring.alloc.id)
         if index is None:
@@ -291,13 +293,19 @@ class PeerStore:
         return max(common or (), default=-1)
 
     def verify(self) -> list[tuple[int, int]]:
-        """Check every held replica; a corrupt one is freed and returned (rank, step)."""
+        """Check held replicas before the node reports them; a corrupt one is freed and
+        returned (rank, step). Of full replicas, each rank's newest ones until one is sound:
+        a restore takes the newest step every rank holds, and the worker that fetches a
+        replica checks it again as it arrives, so an older one found corrupt there costs a
+        generation, never a wrong bit (each replica checked here is 1 read of its bytes on
+        the recovery's critical path)."""
         bad = []
         for rank, ring in self.rings.items():
-            for step, slot in ring.held().items():
-                if checksum_chunks(ring.layout().chunks(slot.segment.buf)) != slot.checksum:
-                    slot.state, slot.step = SlotState.FREE, -1
-                    bad.append((rank, step))
+            for step, slot in sorted(ring.held().items(), reverse=True):
+                if checksum_chunks(ring.layout().chunks(slot.segment.buf)) == slot.checksum:
+                    break
+                slot.state, slot.step = SlotState.FREE, -1
+                bad.append((rank, step))
         for rank, dring in self.drings.items():
             in_memory = [b for b in dring.bases() if b.buf is not None]
             bad.extend((rank, step) for step in dring.verify())

@@ -1,0 +1,107 @@
+"""What this machine can move at most, measured in the run that compares against it: a
+plain memcpy, an xxh3 pass (the checksum every tier uses), one loopback TCP stream, and
+a sequential write with fsync. Each a median over interleaved repetitions, in bytes per
+second; a phase's floor is its bytes over the limit of the way they move."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierswap.bench.common import Sample, interleave
+from tierswap.checksum import checksum_bytes
+from tierswap.shm import populated
+
+CHUNK = 1 << 24
+
+
+def _memcpy_once(dst: torch.Tensor, src: torch.Tensor) -> Sample:
+    t0 = time.monotonic()
+    dst.copy_(src)
+    return {"bps": src.numel() / (time.monotonic() - t0)}
+
+
+def _hash_once(buf: memoryview) -> Sample:
+    t0 = time.monotonic()
+    checksum_bytes(buf)
+    return {"bps": len(buf) / (time.monotonic() - t0)}
+
+
+class _Sink:
+    """A loopback TCP server that reads what it is sent and answers one byte per stream."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.buf = populated(min(nbytes, CHUNK))
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.sock = socket.create_connection(self.server.getsockname())
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        with conn:
+            while True:
+                left = self.nbytes
+                while left:
+                    n = conn.recv_into(self.buf, min(left, len(self.buf)))
+                    if n == 0:
+                        return
+                    left -= n
+                conn.sendall(b"k")
+
+    def once(self, data: memoryview) -> Sample:
+        t0 = time.monotonic()
+        self.sock.sendall(data)
+        if self.sock.recv(1) != b"k":
+            raise EOFError("the bench's loopback sink closed")
+        return {"bps": len(data) / (time.monotonic() - t0)}
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=10)
+        self.server.close()
+
+
+def write_fsync_once(path: Path, data: memoryview) -> Sample:
+    """Write ``data`` to a new file in 16 MiB writes, fsync it, and remove it."""
+    t0 = time.monotonic()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = data
+        while left:
+            left = left[os.write(fd, left[:CHUNK]) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.monotonic() - t0
+    path.unlink()
+    return {"bps": len(data) / seconds}
+
+
+def measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
+    """The four limits at ``nbytes``: ``{"memcpy": stats, "xxh3": ..., "tcp": ...,
+    "write_fsync": ...}`` (the stats of bytes per second)."""
+    src, dst = populated(nbytes), populated(nbytes)
+    a = torch.frombuffer(src, dtype=torch.uint8)
+    b = torch.frombuffer(dst, dtype=torch.uint8)
+    a.fill_(7)
+    sink = _Sink(nbytes)
+    try:
+        methods: dict[str, Callable[[], Sample]] = {
+            "memcpy": lambda: _memcpy_once(b, a),
+            "xxh3": lambda: _hash_once(src),
+            "tcp": lambda: sink.once(src),
+            "write_fsync": lambda: write_fsync_once(folder / "limits.bin", src),
+        }
+        res = interleave(methods, repeats, lambda: None, alternate=True)
+    finally:
+        sink.close()
+    return {"nbytes": nbytes, **{name: r["bps"] for name, r in res.items()}}

@@ -1,0 +1,117 @@
+"""A worker's restore, its first half: the bytes of the step it restores, fetched and
+verified before the state they go into exists.
+
+A worker asks for its plan and fetches as soon as it has joined its generation, on a
+thread, while ``train(job)`` builds and wraps its model (the longest part of re-entering
+a generation on a CPU); ``Job.steps`` then only loads what arrived. Views handed out point
+into a tier-0 slot (mapped, not copied) or into private memory a replica or a tier-2 part
+was read into.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from tierswap.affinity import helper_cpus, pin_thread
+from tierswap.checksum import checksum_chunks
+from tierswap.control import protocol as p
+from tierswap.errors import CorruptPartError
+from tierswap.layout import Layout
+from tierswap.shm import Segment
+from tierswap.state import tensor_view
+from tierswap.tiers import durable, peer
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Fetched:
+    """A plan, and where it has a step, that step's bytes (``views``, one per entry)."""
+
+    plan: p.PlanReply
+    started: float
+    """When the plan was asked for (``time.monotonic``)."""
+    layout: Layout | None = None
+    tree: dict[str, Any] = field(default_factory=dict)
+    views: list[torch.Tensor] = field(default_factory=list)
+    what: str = ""
+    """The source, for errors: "tier-0 step 7", say."""
+    segment: Segment | None = None
+
+    def release(self) -> None:
+        """Drop the views, then unmap a tier-0 slot (views must go first)."""
+        self.views.clear()
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+def fetch(
+    plan: p.PlanReply,
+    started: float,
+    rank: int,
+    secret: bytes,
+    tls: str,
+    timeline: dict[str, float],
+) -> Fetched:
+    """The bytes of ``plan``'s step for ``rank``, checked against their checksum;
+    ``timeline`` gets the seconds of ``fetch`` and ``verify``."""
+    out = Fetched(plan, started)
+    step, source = plan.step, plan.source
+    t = time.monotonic()
+    match source:
+        case p.FromSlot():
+            layout = source.layout
+            layout.check()
+            seg = out.segment = Segment.attach(source.segment, layout.nbytes)
+            t1 = time.monotonic()
+            if checksum_chunks(layout.chunks(seg.buf)) != source.checksum:
+                out.release()
+                raise CorruptPartError(str(seg.path), "checksum mismatch in tier-0 memory")
+            timeline.update(fetch=t1 - t, verify=time.monotonic() - t1)
+            out.layout, out.tree, out.what = layout, source.tree, f"tier-0 step {step}"
+            out.views = [tensor_view(seg.buf, e) for e in layout.entries]
+        case p.FromPeer():
+            assert step is not None
+            layout, tree, buf = peer.fetch(source.address, secret, rank, step, tls, timeline)
+            out.layout, out.tree = layout, tree
+            out.what = f"node {source.node}'s replica of step {step}"
+            out.views = [tensor_view(memoryview(buf), e) for e in layout.entries]
+        case p.FromDurable():
+            assert step is not None
+            layout, tree, buf = durable.read_part(source.root, step, rank, source.part)
+            timeline["fetch"] = time.monotonic() - t  # read and verified as it is read
+            out.layout, out.tree, out.what = layout, tree, f"{source.root} step {step}"
+            out.views = [tensor_view(memoryview(buf), e) for e in layout.entries]
+    return out
+
+
+class Prefetch(Generic[T]):
+    """``fn()`` on a thread of its own; ``result()`` waits for it, raising what it raised."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tierswap-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            pin_thread(helper_cpus())  # --agent-cpus: the fetch is not the trainer's work
+            self._value = self._fn()
+        except BaseException as e:
+            self._error = e
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value

@@ -1,0 +1,173 @@
+"""The parts that make recovery and snapshots fast at real sizes, each checked for what it
+must keep: the bits, the checksums, and the memory it is given back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tierswap.checksum import checksum_bytes, hasher
+from tierswap.fetch import Prefetch
+from tierswap.shm import PREFIX, SHM_DIR, SegmentPool
+from tierswap.snapshot import CHUNK, _copy_hashing
+from tierswap.state import flatten, load, make_layout, tensor_view
+
+# ---------------------------------------------------------------- segments made ahead
+
+
+def _names(job: str) -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"{PREFIX}{job}-*")}
+
+
+def _unlink(job: str) -> None:
+    """What a failed test left: segments the pool handed out are the test's to unlink."""
+    for name in _names(job):
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_a_pool_hands_out_what_it_made_under_the_name_asked_for() -> None:
+    job = "pool-test-a"
+    pool = SegmentPool(job)
+    try:
+        pool.warm([4096, 4096, 8192])
+        first = pool.create(f"{PREFIX}{job}-r0-s0", 4096)
+        assert first.path.name == f"{PREFIX}{job}-r0-s0" and first.path.exists()
+        first.buf[:4] = b"abcd"  # the mapping is the file under its new name
+        assert first.path.read_bytes()[:4] == b"abcd"
+        pool.create(f"{PREFIX}{job}-r0-s1", 4096).unlink()
+        assert pool.wait(30) and pool.held() == 8192, "the third, of another size, is still held"
+        other = pool.create(f"{PREFIX}{job}-r0-s2", 1000)  # no such size made: made now
+        assert other.size == 1000 and other.path.exists()
+        pool.warm([])  # freed: nothing the rings took
+        assert pool.held() == 0
+        assert _names(job) == {first.path.name, other.path.name}
+        first.unlink()
+        other.unlink()
+    finally:
+        pool.close()
+        left = _names(job)
+        _unlink(job)
+    assert not left
+
+
+def test_a_pool_waits_for_the_segment_it_is_making_and_frees_all_on_close() -> None:
+    job = "pool-test-b"
+    pool = SegmentPool(job)
+    try:
+        pool.warm([1 << 20] * 3)
+        got = [pool.create(f"{PREFIX}{job}-x{i}", 1 << 20) for i in range(3)]
+        assert {s.size for s in got} == {1 << 20}
+        assert pool.held() == 0 and not pool.errors
+        pool.warm([1 << 20, 1 << 16])  # made again, in the background
+        assert pool.wait(30) and pool.held() == (1 << 20) + (1 << 16)
+        pool.warm([1 << 16])
+        assert pool.held() == 1 << 16, "one no longer asked for is unlinked at once"
+        for s in got:
+            s.unlink()
+    finally:
+        pool.close()
+        left = _names(job)
+        _unlink(job)
+    assert not left, "close unlinks what was made and not taken"
+
+
+# ---------------------------------------------------------------- one pass per byte
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        torch.arange(3 * CHUNK // 4 + 5, dtype=torch.float32),  # chunks and a tail
+        torch.randn(257, 513).t(),  # not contiguous: one copy, then one hash
+        torch.tensor([True, False, True]),
+        torch.tensor(7, dtype=torch.int64),
+    ],
+    ids=["chunks", "strided", "bool", "scalar"],
+)
+def test_the_copy_hashes_what_it_wrote_as_a_second_read_would(src: torch.Tensor) -> None:
+    nbytes = src.numel() * src.element_size()
+    buf = bytearray(nbytes)
+    dst = torch.frombuffer(buf, dtype=src.dtype).reshape(src.shape) if nbytes else src.clone()
+    digest = hasher()
+    _copy_hashing(dst, src, memoryview(buf), digest)
+    assert torch.equal(dst, src)
+    assert digest.hexdigest() == checksum_bytes(bytes(buf))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_an_optimizer_given_loaded_state_keeps_no_view_into_the_snapshot() -> None:
+    """Fresh AdamW on the CPU takes its state as copies (no zero step first): the slot it
+    came from is reused by later snapshots, so nothing may alias it."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    flat = flatten(state, with_rng=False)
+    layout = make_layout(flat)
+    buf = bytearray(layout.nbytes)
+    views = [tensor_view(memoryview(buf), e) for e in layout.entries]
+    for v, t in zip(views, flat.tensors, strict=True):
+        v.copy_(t)
+    model2 = nn.Linear(8, 4)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    load({"model": model2, "optim": opt2}, flat.tree, views, layout)
+    want = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    buf[:] = bytes(len(buf))  # the slot is written again
+    got = opt2.state[next(iter(model2.parameters()))]
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_prefetch_hands_over_its_value_or_raises_its_error_in_the_caller() -> None:
+    seen: list[str] = []
+    ok = Prefetch(lambda: seen.append(threading.current_thread().name) or 5)
+    assert ok.result() == 5 and seen == ["tierswap-prefetch"]
+
+    def fail() -> int:
+        raise ValueError("peer gone")
+
+    with pytest.raises(ValueError, match="peer gone"):
+        Prefetch(fail).result()
+
+
+# ---------------------------------------------------------------- pinning
+
+
+def test_cpu_lists_read_as_linux_writes_them_and_bad_ones_are_named() -> None:
+    from tierswap.affinity import parse_cpus
+    from tierswap.config import Config
+
+    assert parse_cpus("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("", "a", "3-1", "-2"):
+        with pytest.raises(ValueError, match="CPU list"):
+            parse_cpus(bad)
+    with pytest.raises(ValueError, match="agent_cpus: CPU list '1-x'"):
+        Config(agent_cpus="1-x")
+
+
+def test_a_thread_pinned_to_the_agents_cpus_runs_only_there() -> None:
+    import os
+
+    from tierswap.affinity import pin_thread
+
+    mine = os.sched_getaffinity(0)
+    one = frozenset({min(mine)})
+    seen: list[set[int]] = []
+
+    def helper() -> None:
+        pin_thread(one)
+        seen.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=helper)
+    t.start()
+    t.join()
+    assert seen == [set(one)] and os.sched_getaffinity(0) == mine, "only that thread"
