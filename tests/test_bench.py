@@ -248,8 +248,7 @@ def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
         assert s["seconds"]["median"] > 0 and s["redone"] <= 1
         assert set(s["lost"]) == set(recovery.PARTS) and s["lost"]["step"] > 0
         assert s["floors"]["restore"] > 0 and s["restore_vs_floor"] > 0
-    assert entry["worker"]["floors"]["fetch"] == 0, "a worker's state is mapped, not sent"
-    assert entry["node"]["floors"]["fetch"] > 0
+    assert entry["node"]["lost"]["fetch"] > 0, "the spare's rank came over the network"
     table = recovery._sizes_table(curve)
     assert table.row_count == 2
 
@@ -262,7 +261,7 @@ def test_bench_overhead_runs_tiny_plain_and_pinned() -> None:
     res = overhead.run(1, 1, steps=7)
     for key in ("plain", "tier0", "tier01", "plain_pinned", "tier0_pinned", "tier01_pinned"):
         assert res[key]["step_s"]["median"] > 0, key
-    assert res["plain"]["agents_cpu_s_per_gib"]["median"] == 0, "nothing snapshotted"
+    assert res["tier01"]["agents_cpu_s"]["median"] > 0, "the agents' CPU was sampled"
     assert res["tier01"]["copy_cpu_s_per_gib"]["median"] > 0
     assert res["memcpy_cpu_s_per_gib"] > 0
     overhead.report(res)

@@ -56,16 +56,21 @@ def test_a_pool_hands_out_what_it_made_under_the_name_asked_for() -> None:
 
 def test_a_pool_waits_for_the_segment_it_is_making_and_frees_all_on_close() -> None:
     job = "pool-test-b"
-    pool = SegmentPool(job)
+    said: list[str] = []
+    pool = SegmentPool(job, said.append)
     try:
         pool.warm([1 << 20] * 3)
         got = [pool.create(f"{PREFIX}{job}-x{i}", 1 << 20) for i in range(3)]
         assert {s.size for s in got} == {1 << 20}
-        assert pool.held() == 0 and not pool.errors
+        assert pool.wait(30) and pool.held() == 0 and not said
         pool.warm([1 << 20, 1 << 16])  # made again, in the background
         assert pool.wait(30) and pool.held() == (1 << 20) + (1 << 16)
         pool.warm([1 << 16])
         assert pool.held() == 1 << 16, "one no longer asked for is unlinked at once"
+        pool.warm([1 << 20] * 2)
+        pool.warm([])  # while the first may still be being made: none is kept
+        assert pool.wait(30) and pool.held() == 0
+        assert not [n for n in _names(job) if "-warm" in n], "made, then no longer wanted"
         for s in got:
             s.unlink()
     finally:
@@ -73,6 +78,23 @@ def test_a_pool_waits_for_the_segment_it_is_making_and_frees_all_on_close() -> N
         left = _names(job)
         _unlink(job)
     assert not left, "close unlinks what was made and not taken"
+
+
+def test_a_pool_makes_nothing_that_would_leave_a_node_s_worth_less_free() -> None:
+    import os as os_module
+
+    job = "pool-test-c"
+    said: list[str] = []
+    pool = SegmentPool(job, said.append)
+    st = os_module.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    try:
+        pool.warm([free // 2 + 1])  # making it would leave less than it free
+        assert pool.wait(30) and pool.held() == 0
+        assert said and "free" in said[0] and str(SHM_DIR) in said[0]
+    finally:
+        pool.close()
+        _unlink(job)
 
 
 # ---------------------------------------------------------------- one pass per byte
@@ -101,30 +123,73 @@ def test_the_copy_hashes_what_it_wrote_as_a_second_read_would(src: torch.Tensor)
 # ---------------------------------------------------------------- loading
 
 
-def test_an_optimizer_given_loaded_state_keeps_no_view_into_the_snapshot() -> None:
-    """Fresh AdamW on the CPU takes its state as copies (no zero step first): the slot it
-    came from is reused by later snapshots, so nothing may alias it."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 8)).sum().backward()
-    opt.step()
-    state: dict[str, Any] = {"model": model, "optim": opt}
+def _snap(state: dict[str, Any]) -> tuple[Any, Any, bytearray, list[torch.Tensor]]:
     flat = flatten(state, with_rng=False)
     layout = make_layout(flat)
     buf = bytearray(layout.nbytes)
     views = [tensor_view(memoryview(buf), e) for e in layout.entries]
     for v, t in zip(views, flat.tensors, strict=True):
         v.copy_(t)
+    return flat.tree, layout, buf, views
+
+
+def test_an_optimizer_given_loaded_state_keeps_no_view_into_the_snapshot(monkeypatch) -> None:
+    """Fresh AdamW on the CPU takes its state as copies (no zero step first): the slot it
+    came from is reused by later snapshots, so nothing may alias it."""
+    import tierswap.state as state_module
+
+    def no_zero_step(opt: Any) -> None:
+        raise AssertionError("the zero step ran: the state was not taken as copies")
+
+    monkeypatch.setattr(state_module, "init_optimizer_state", no_zero_step)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    tree, layout, buf, views = _snap({"model": model, "optim": opt})
     model2 = nn.Linear(8, 4)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    load({"model": model2, "optim": opt2}, flat.tree, views, layout)
+    load({"model": model2, "optim": opt2}, tree, views, layout)
     want = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
     buf[:] = bytes(len(buf))  # the slot is written again
     got = opt2.state[next(iter(model2.parameters()))]
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_optimizer_state_of_another_shape_is_refused_as_copies_too() -> None:
+    from tierswap.errors import StateMismatchError
+
+    opt = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=1e-2)
+    opt.step()  # no gradients: no state; give it some of the wrong shape by hand
+    p0 = opt.param_groups[0]["params"][0]
+    opt.state[p0] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq":
+                     torch.zeros(3)}  # fmt: skip
+    tree, layout, _, views = _snap({"optim": opt})
+    fresh = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=1e-2)
+    with pytest.raises(StateMismatchError, match=r"parameter 0 'exp_avg'.*\[3\].*\[4, 8\]"):
+        load({"optim": fresh}, tree, views, layout)
+
+
+def test_an_optimizer_of_its_own_kind_still_gets_its_state_made_first(monkeypatch) -> None:
+    import tierswap.state as state_module
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    made: list[Any] = []
+    real = state_module.init_optimizer_state
+    monkeypatch.setattr(state_module, "init_optimizer_state", lambda o: made.append(real(o)))
+    model = nn.Linear(4, 2)
+    opt = Mine(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tree, layout, _, views = _snap({"optim": opt})
+    load({"optim": Mine(nn.Linear(4, 2).parameters(), lr=0.1, momentum=0.9)}, tree, views,
+         layout)  # fmt: skip
+    assert made, "a subclass may keep state of other shapes: the zero step made it"
 
 
 def test_a_prefetch_hands_over_its_value_or_raises_its_error_in_the_caller() -> None:

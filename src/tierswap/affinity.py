@@ -5,6 +5,7 @@ threads) runs on cores of its own (``--agent-cpus``, ``--worker-cpus``)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -55,9 +56,29 @@ def pin_process(cpus: frozenset[int], option: str) -> None:
 
 
 def pin_thread(cpus: frozenset[int] | None) -> None:
-    """The calling thread onto ``cpus`` (nothing for None)."""
-    if cpus:
+    """The calling thread onto ``cpus`` (nothing for None). A helper thread that cannot be
+    pinned says so and runs where it is: its work must not fail for it."""
+    if not cpus:
+        return
+    try:
         _set(threading.get_native_id(), cpus, "--agent-cpus")
+    except ValueError as e:
+        print(f"[tierswap] {threading.current_thread().name} not pinned: {e}", file=sys.stderr)
+
+
+def worker_cpus(agent_cpus: str | None, worker_cpus: str | None) -> str | None:
+    """The workers' CPU list: ``worker_cpus`` as given, else (with ``agent_cpus``) every
+    CPU this process may run on now but the agents'; called before the process pins
+    itself, since the workers it starts inherit its mask."""
+    if worker_cpus or not agent_cpus:
+        return worker_cpus
+    rest = frozenset(os.sched_getaffinity(0)) - parse_cpus(agent_cpus)
+    if not rest:
+        raise ValueError(
+            f"--agent-cpus {agent_cpus}: that is every CPU this machine lets the job use; "
+            "leave some to the workers, or give --worker-cpus"
+        )
+    return _text(rest)
 
 
 def helper_cpus() -> frozenset[int] | None:
@@ -66,13 +87,12 @@ def helper_cpus() -> frozenset[int] | None:
     return parse_cpus(text) if text else None
 
 
-def pin_worker() -> None:
-    """A worker's own threads onto ``--worker-cpus`` (by default, with ``--agent-cpus``
-    given, every CPU of the machine but those)."""
-    text, agents = os.environ.get(WORKER_ENV), helper_cpus()
-    if text:
-        pin_process(parse_cpus(text), "--worker-cpus")
-    elif agents:
-        rest = frozenset(range(os.cpu_count() or 1)) - agents
-        if rest:
-            pin_process(rest, "--worker-cpus")
+def pin_worker() -> frozenset[int] | None:
+    """A worker's own threads onto ``--worker-cpus`` (set by the launcher or the agent
+    that computed it); the CPUs, or None without pinning."""
+    text = os.environ.get(WORKER_ENV)
+    if not text:
+        return None
+    cpus = parse_cpus(text)
+    pin_process(cpus, "--worker-cpus")
+    return cpus

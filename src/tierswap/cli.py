@@ -193,8 +193,9 @@ def _run(args: argparse.Namespace) -> int:
 
         key = job_key(read_secret(None, os.environ, "tierswap run"))
     if cfg.agent_cpus:  # the coordinator runs beside the agents, off the trainers' cores
-        from tierswap.affinity import parse_cpus, pin_process
+        from tierswap.affinity import parse_cpus, pin_process, worker_cpus
 
+        cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)  # before pinning
         pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
     return Coordinator(cfg, script, run_dir, key=key).run()
 

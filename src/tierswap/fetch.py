@@ -109,6 +109,11 @@ class Prefetch(Generic[T]):
         except BaseException as e:
             self._error = e
 
+    def done(self, timeout: float) -> bool:
+        """Whether it has ended, waiting up to ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def result(self) -> T:
         self._thread.join()
         if self._error is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, MutableMapping
@@ -19,6 +20,9 @@ from tierswap.faults import Injection
 from tierswap.fetch import Fetched, Prefetch, fetch
 from tierswap.state import load
 from tierswap.wire import Channel
+
+PREFETCH_GRACE_S = 5.0
+"""How long leaving a generation waits for a restore fetch ``train(job)`` never used."""
 
 
 class Job:
@@ -154,7 +158,11 @@ class Job:
 
     def close(self) -> None:
         pending, self._prefetch = self._prefetch, None
-        if pending is not None:  # train(job) never reached steps(): drop what was fetched
+        if pending is not None and not pending.done(PREFETCH_GRACE_S):
+            # a fetch from a peer that stopped answering: left to its thread, which holds
+            # only this process's memory; the worker parks and is given its next rank
+            print(f"[tierswap] rank {self.rank}: a restore fetch still runs", file=sys.stderr)
+        elif pending is not None:  # train(job) never reached steps(): drop what was fetched
             try:
                 pending.result().release()
             except BaseException:
@@ -237,7 +245,8 @@ class Job:
             if fault.action == "slow":
                 time.sleep(fault.seconds)  # every step: a slow node
             elif fault.step == step and not fault.during:
-                self.fence()
+                if self._snap is not None:
+                    self._snap.drain()  # the step's snapshot held by the agent, then the fault
                 self._fire(fault)
 
     def _in_copy(self, step: int) -> None:

@@ -12,6 +12,7 @@ import mmap
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -104,39 +105,44 @@ class SegmentPool:
 
     ``create`` is the factory the rings are given: a made segment of the size asked for
     is renamed and handed out, one still being made is waited for, and any other size is
-    made at once, as without a pool."""
+    made at once, as without a pool. A segment is made ahead only while the shared-memory
+    folder keeps at least as much free as the pool still wants, so that spares never take
+    the room the job's members need; ``report`` hears why one was not made."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, report: Callable[[str], None] | None = None) -> None:
         self.job_id = job_id
+        self.report = report
+        self._want: Counter[int] = Counter()
         self._ready: dict[int, list[Segment]] = {}
         self._todo: list[int] = []
         """Sizes still to be made, in order."""
         self._making: int | None = None
+        self._running = False
+        """A thread is making segments (cleared by it, under the lock, as it ends)."""
         self._cond = threading.Condition()
         self._names = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.errors: list[str] = []
-        """Why segments could not be made (a full /dev/shm): the rings make them later."""
 
     def warm(self, sizes: list[int]) -> None:
         """Hold segments of exactly these sizes (a multiset): missing ones are made in
-        the background, ones no longer wanted unlinked now."""
-        want = Counter(sizes)
+        the background, ones no longer wanted unlinked now (or, being made, once made)."""
         drop: list[Segment] = []
         with self._cond:
+            self._want = Counter(sizes)
             have = Counter({n: len(segs) for n, segs in self._ready.items()})
             have.update(self._todo)
             if self._making is not None:
                 have[self._making] += 1
-            for size, extra in (have - want).items():
+            for size, extra in (have - self._want).items():
                 for _ in range(extra):
                     if size in self._todo:
                         self._todo.remove(size)
                     elif self._ready.get(size):
                         drop.append(self._ready[size].pop())
-            self._todo += list((want - have).elements())
-            if self._todo and (self._thread is None or not self._thread.is_alive()):
+            self._todo += list((self._want - have).elements())
+            if self._todo and not self._running and not self._closed:
+                self._running = True
                 self._thread = threading.Thread(
                     target=self._make, name="tierswap-warm", daemon=True
                 )
@@ -145,9 +151,9 @@ class SegmentPool:
             seg.unlink()
 
     def wait(self, timeout: float) -> bool:
-        """Until every segment asked for is made (or failed); False at the timeout."""
+        """Until every segment asked for is made (or could not be); False at the timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._todo and self._making is None, timeout)
+            return self._cond.wait_for(lambda: not self._running, timeout)
 
     def held(self) -> int:
         """Bytes made and not handed out."""
@@ -159,12 +165,14 @@ class SegmentPool:
             while True:
                 if segs := self._ready.get(size):
                     seg: Segment | None = segs.pop()
+                    self._want[size] -= 1
                     break
                 if self._making == size:  # being made: sooner than making another
                     self._cond.wait()
                     continue
                 if size in self._todo:
                     self._todo.remove(size)  # not begun: made here, now
+                    self._want[size] -= 1
                 seg = None
                 break
         if seg is None:
@@ -174,27 +182,54 @@ class SegmentPool:
         seg.path = path
         return seg
 
+    def _room(self, size: int) -> str | None:
+        """Why a segment of ``size`` is not made now, or None."""
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+        with self._cond:
+            wanted = sum(n * k for n, k in self._want.items())
+        if free - size < wanted:
+            return (
+                f"{SHM_DIR} has {free:,} bytes free; making {size:,} more for a spare would "
+                f"leave less than the {wanted:,} the spare's node needs free for the job"
+            )
+        return None
+
     def _make(self) -> None:
         while True:
             with self._cond:
                 if self._closed or not self._todo:
-                    self._making = None
+                    self._running = False
                     self._cond.notify_all()
                     return
                 size = self._making = self._todo.pop(0)
-            name = f"{PREFIX}{self.job_id}-p{os.getpid()}-warm{next(self._names)}"
+            seg: Segment | None = None
+            why = None
             try:
-                seg: Segment | None = Segment.create(name, size)
-            except OSError as e:
-                seg = None
-                self.errors.append(f"{name}: {e}")
-            with self._cond:
-                self._making = None
-                if seg is not None and self._closed:
-                    seg.unlink()
-                elif seg is not None:
-                    self._ready.setdefault(size, []).append(seg)
-                self._cond.notify_all()
+                why = self._room(size)
+                if why is None:
+                    name = f"{PREFIX}{self.job_id}-p{os.getpid()}-warm{next(self._names)}"
+                    seg = Segment.create(name, size)
+            except Exception as e:  # a full /dev/shm: the rings make the segment later
+                why = f"{type(e).__name__}: {e}"
+            finally:
+                with self._cond:
+                    self._making = None
+                    keep = (
+                        seg is not None
+                        and not self._closed
+                        and len(self._ready.get(size, [])) + self._todo.count(size)
+                        < self._want[size]
+                    )
+                    if keep and seg is not None:
+                        self._ready.setdefault(size, []).append(seg)
+                    if why is not None:
+                        self._todo.clear()  # the rest would not fit either
+                    self._cond.notify_all()
+            if seg is not None and not keep:
+                seg.unlink()  # no longer wanted while it was made, or the pool closed
+            if why is not None and self.report is not None:
+                self.report(why)
 
     def close(self) -> None:
         """Unlink every segment made and not handed out; stop making more."""
@@ -204,8 +239,11 @@ class SegmentPool:
             segs = [seg for group in self._ready.values() for seg in group]
             self._ready.clear()
             self._cond.notify_all()
+            thread = self._thread
         for seg in segs:
             seg.unlink()
+        if thread is not None:
+            thread.join(timeout=30)  # one being made is unlinked by the thread itself
 
 
 def segment_name(job_id: str, rank: int, slot: int, alloc: int) -> str:

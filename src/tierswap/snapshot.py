@@ -103,6 +103,11 @@ class Stats:
     """CPU seconds of each background copy (with its checksum), on the copy thread."""
     tier1_waits: list[float] = field(default_factory=list)
     """Each optimizer step's wait for tier 1 (``--max-redo``), zeros included."""
+    stalls: list[float] = field(default_factory=list)
+    """Per step (from one ``take`` to the next): every wait for a copy or for tier 1, and
+    the synchronous part of the ``take`` that ends it; zeros included."""
+    waited: float = 0.0
+    """Waits of the step under way, so far."""
 
     LIMIT = 100_000
     """Samples kept per list: a long run must not grow without bound."""
@@ -113,10 +118,8 @@ class Stats:
             del samples[: self.LIMIT // 2]
 
     def last_stall(self) -> float:
-        wait = self.fence_waits[-1] if self.fence_waits else 0.0
-        sync = self.sync_copies[-1] if self.sync_copies else 0.0
-        tier1 = self.tier1_waits[-1] if self.tier1_waits else 0.0
-        return wait + sync + tier1
+        """The stall of the newest step whose snapshot was taken."""
+        return self.stalls[-1] if self.stalls else 0.0
 
 
 @dataclass(slots=True)
@@ -191,6 +194,11 @@ class Snapshotter:
         self._alloc: _Allocation | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._copied = threading.Event()
+        """Set once the copy in flight has read every tensor of the state: what an
+        optimizer step waits for (``fence``); ``_idle`` also waits for the checksum and
+        the report to the agent."""
+        self._copied.set()
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream: Any = None
@@ -210,7 +218,8 @@ class Snapshotter:
         When every slot is in use the step is skipped (False), unless ``wait`` seconds are
         given to wait for one (the last step of a job must not be skipped).
         """
-        self.fence()
+        self._wait(self._idle)  # the previous snapshot written and reported, not only copied
+        self._raise_error()
         t0 = time.monotonic()
         flat = flatten(state)
         alloc = self._allocation(flat)
@@ -222,6 +231,7 @@ class Snapshotter:
             time.sleep(0.005)
         if slot is None:
             self.stats.skipped += 1
+            self._end_step(time.monotonic() - t0)
             return False
         views = alloc.slot_views(slot)
         with torch.no_grad():
@@ -229,22 +239,43 @@ class Snapshotter:
                 if not entry.deferred:
                     dst.copy_(src)
         job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
-        self.stats.record(self.stats.sync_copies, time.monotonic() - t0)
+        sync = time.monotonic() - t0
+        self.stats.record(self.stats.sync_copies, sync)
+        self._end_step(sync)
         self.last_taken = step
         self._idle.clear()
+        self._copied.clear()
         self._queue.put(job)
         return True
+
+    def _end_step(self, sync: float) -> None:
+        self.stats.record(self.stats.stalls, self.stats.waited + sync)
+        self.stats.waited = 0.0
 
     def _slot(self, step: int, alloc: _Allocation, retry: bool = False) -> int | None:
         msg = p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id, retry=retry)
         return self.chan.call(msg, p.SlotGranted).slot
 
     def fence(self) -> None:
-        """Block until the in-flight copy is done; the wait is recorded."""
-        if not self._idle.is_set():
+        """Block until the in-flight copy has read the state (its checksum and its report
+        to the agent may still be under way); the wait is recorded."""
+        self._wait(self._copied)
+        self._raise_error()
+
+    def drain(self) -> None:
+        """Block until the snapshot in flight is copied, checksummed and reported."""
+        self._wait(self._idle)
+        self._raise_error()
+
+    def _wait(self, done: threading.Event) -> None:
+        if not done.is_set():
             t0 = time.monotonic()
-            self._idle.wait()
-            self.stats.record(self.stats.fence_waits, time.monotonic() - t0)
+            done.wait()
+            waited = time.monotonic() - t0
+            self.stats.record(self.stats.fence_waits, waited)
+            self.stats.waited += waited
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"snapshot copy of rank {self.rank} failed: {error}") from error
@@ -262,13 +293,14 @@ class Snapshotter:
         done = self.watermark.wait(target, GATE_LIMIT_S)
         waited = time.monotonic() - t0
         self.stats.record(self.stats.tier1_waits, waited)
+        self.stats.waited += waited
         if not done:
             self.chan.send(p.Lagging(rank=self.rank, step=target, seconds=waited))
 
     def close(self) -> None:
-        """Finish the copy in flight, stop the thread, unmap the slots."""
+        """Finish the snapshot in flight, stop the thread, unmap the slots."""
         try:
-            self.fence()
+            self.drain()
         finally:
             self._queue.put(None)
             self._thread.join(timeout=30)
@@ -336,6 +368,7 @@ class Snapshotter:
             except BaseException as e:
                 self._error = e
             finally:
+                self._copied.set()
                 self._idle.set()
 
     def _copy(self, job: _Job) -> None:
@@ -354,9 +387,14 @@ class Snapshotter:
             self.midway(job.step)
         if job.event is not None:
             job.event.synchronize()
+        last = max((i for i, m in enumerate(here) if m), default=-1)
+        if last < 0:  # the GPU copied it all (or there was nothing to defer): state is free
+            self._copied.set()
         digest = hasher()
         with torch.no_grad():
-            for entry, src, dst, mine in zip(entries, job.flat.tensors, views, here, strict=True):
+            for i, (entry, src, dst, mine) in enumerate(
+                zip(entries, job.flat.tensors, views, here, strict=True)
+            ):
                 raw = buf[entry.offset : entry.offset + entry.nbytes]
                 if not mine:  # copied in take(), or by the GPU
                     digest.update(raw)
@@ -365,6 +403,8 @@ class Snapshotter:
                     self.midway(job.step)
                 copied += 1
                 _copy_hashing(dst, src, raw, digest)
+                if i == last:  # the rest only reads the slot: the optimizer may go on
+                    self._copied.set()
         self.stats.record(self.stats.copy_times, time.monotonic() - t0)
         self.stats.record(self.stats.copy_cpu, time.thread_time() - cpu0)
         self.stats.taken += 1

@@ -362,12 +362,43 @@ def _at(seq: list[Any] | tuple[Any, ...], i: int) -> Any:
     return seq[i] if i < len(seq) else None
 
 
+_PARAM_SHAPED = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+"""torch's optimizers whose state is, per parameter, tensors of its shape and scalars."""
+
+
 def _takes_copies(opt: torch.optim.Optimizer) -> bool:
-    """Whether an optimizer without state can be given its loaded state as copies: its
-    parameters are plain tensors on the CPU, where ``load_state_dict`` keeps the tensors it
-    is handed. Sharded (DTensor) or GPU parameters need state made like theirs first."""
+    """Whether an optimizer can be given its loaded state as copies instead of having it
+    made first by a step with zero gradients (0.4 s for AdamW over 33 M parameters on a
+    CPU): one of torch's own whose state is shaped like its parameters (which the load then
+    checks), over plain CPU tensors, where ``load_state_dict`` keeps the tensors it is
+    handed. Sharded (DTensor) or GPU parameters, or any other optimizer, get the step."""
+    if type(opt) not in _PARAM_SHAPED:
+        return False
     params = [p for g in opt.param_groups for p in g["params"]]
     return all(type(p.data) is torch.Tensor and p.device.type == "cpu" for p in params)
+
+
+def _check_shapes(opt: torch.optim.Optimizer, name: str, what: str) -> None:
+    """Every loaded state tensor of a parameter is a scalar or has the parameter's shape."""
+    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
+        for key, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                raise StateMismatchError(
+                    f"state[{name!r}] parameter {i} {key!r}: {what} has {list(v.shape)}, the "
+                    f"live parameter {list(p.shape)}. The state changed since the snapshot "
+                    "was taken: restore with the code that wrote it, or start the job with "
+                    "a new run directory and --persist URL."
+                )
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -428,10 +459,11 @@ def load(
         if _is_stateful(obj):
             if not isinstance(saved, dict) or "__stateful__" not in saved:
                 raise StateMismatchError(f"state[{name!r}] was a plain value in {what}")
+            copies = isinstance(obj, torch.optim.Optimizer) and _takes_copies(obj)
             if (
                 isinstance(obj, torch.optim.Optimizer)
                 and saved["__stateful__"].get("state")
-                and not _takes_copies(obj)
+                and not copies
             ):
                 init_optimizer_state(obj)
             loader.in_place = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
@@ -440,6 +472,8 @@ def load(
                 obj.load_state_dict(value)
             except (RuntimeError, KeyError, ValueError) as e:
                 raise StateMismatchError(f"state[{name!r}] does not load from {what}: {e}") from e
+            if copies:
+                _check_shapes(obj, name, what)
         else:
             state[name] = loader.value(name, saved, obj)
     if RNG_KEY in tree:

@@ -142,9 +142,10 @@ def _abort_communicator() -> None:
 
 
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
-    pin_worker()  # --worker-cpus, or every CPU but --agent-cpus
+    pinned = pin_worker()  # --worker-cpus (by default every CPU but --agent-cpus)
     secret = bytes.fromhex(env["TIERSWAP_KEY"])
     _warm_up()  # before attaching: a worker counts as parked once it is ready to run
+    gc.collect()  # the imports' garbage first: what is frozen is never freed
     gc.freeze()  # what is loaded by now lives as long as the process: never scanned again
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
@@ -153,6 +154,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     threads = int(env.get("TIERSWAP_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
+    elif pinned:  # torch counted its threads from the agent's mask it was started with
+        torch.set_num_threads(len(pinned))
     startup = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
     collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
     # how long a failed collective waits for the generation to end before it counts as

@@ -88,7 +88,17 @@ def write_fsync_once(path: Path, data: memoryview) -> Sample:
 
 def measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
     """The four limits at ``nbytes``: ``{"memcpy": stats, "xxh3": ..., "tcp": ...,
-    "write_fsync": ...}`` (the stats of bytes per second)."""
+    "write_fsync": ...}`` (the stats of bytes per second), each on one core, as the jobs
+    compared against them run (one torch thread per worker)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(nbytes, repeats, folder)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
     src, dst = populated(nbytes), populated(nbytes)
     a = torch.frombuffer(src, dtype=torch.uint8)
     b = torch.frombuffer(dst, dtype=torch.uint8)

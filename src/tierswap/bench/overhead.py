@@ -99,8 +99,11 @@ def once(
 ) -> dict[str, float]:
     run_dir = work / name
     times = work / f"{name}.times"
-    ncpu = len(os.sched_getaffinity(0))
-    pin = ("--agent-cpus", str(ncpu - 1), "--worker-cpus", f"0-{max(0, ncpu - 2)}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError("bench overhead needs 2 CPUs or more: one for the agents, one for work")
+    others = ",".join(map(str, cpus[:-1]))
+    pin = ("--agent-cpus", str(cpus[-1]), "--worker-cpus", others)
     script = ["--steps", str(steps), "--size-mib", str(size_mib), "--times", str(times)]
     cmd = job_command(
         run_dir,

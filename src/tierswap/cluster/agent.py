@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierswap.affinity import parse_cpus, pin_process
+from tierswap.affinity import parse_cpus, pin_process, worker_cpus
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
@@ -50,6 +50,7 @@ from tierswap.control.agent_events import (
     Shutdown,
     Tick,
     ToCoordinator,
+    WarmRefused,
     WarmSegments,
     WritePart,
 )
@@ -144,7 +145,7 @@ class Agent:
             tls=cfg.tls,
         )
         self.server = ReplicaServer(address, secret, self._ask, tls=cfg.tls)
-        self.segments = SegmentPool(job_id)
+        self.segments = SegmentPool(job_id, lambda why: self.events.put(WarmRefused(why)))
         """Where the rings' segments come from: made ahead while this host is a spare."""
         peers = PeerStore(
             job_id,
@@ -485,6 +486,8 @@ def main() -> None:
         raise SystemExit(f"tierswap run: {e}") from None
     cfg = Config.from_env(w.config)
     if cfg.agent_cpus:  # before the agent's threads start: they inherit it
+        # the workers' CPUs are this machine's others, found before this process pins
+        cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)
         pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
     _fence_on_silence(coord, cfg.lease)
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")

@@ -4,12 +4,15 @@ and when, is the agent's core's (``control/workers.py``); this only holds the pr
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tierswap.affinity import WORKER_ENV, parse_cpus
 from tierswap.control.agent_events import WorkerExited
 
 
@@ -28,6 +31,9 @@ class Processes:
         """Start a worker: it imports the script, attaches and waits for a rank."""
         env = dict(self.env, TIERSWAP_LOCAL=str(local), TIERSWAP_INCARNATION=str(incarnation))
         proc = subprocess.Popen([sys.executable, *self.script], env=env)
+        if cpus := env.get(WORKER_ENV):  # at once, before it imports torch (it pins again)
+            with contextlib.suppress(OSError, ValueError):
+                os.sched_setaffinity(proc.pid, parse_cpus(cpus))
         self.procs[(local, incarnation)] = proc
 
         def watch() -> None:

@@ -38,6 +38,7 @@ from tierswap.control.agent_events import (
     Shutdown,
     Tick,
     ToCoordinator,
+    WarmRefused,
     WarmSegments,
     WorkerExited,
     WritePart,
@@ -151,10 +152,10 @@ class AgentCore:
         """Its report of the newest stop (said again to a coordinator that asks again)."""
         self.replica_address = replica_address
         self.node: int | None = None
+        """The job's node this agent serves; None while it is a spare."""
         self.warm = False
         """Segments were made ahead for this host while it was a spare: freed (those not
         taken) once a step it holds as a member is committed in tier 1 (0 without it)."""
-        """The job's node this agent serves; None while it is a spare."""
         self.door = p.Door()
         self.phase = Machine(f"agent of host {host}", AgentPhase.IDLE, AGENT_PHASES)
         self.rings = rings
@@ -214,6 +215,8 @@ class AgentCore:
                 self._exited(local, incarnation, code, now)
             case Tick():
                 self._watch(now)
+            case WarmRefused(why=why):  # the spare makes them when it takes a node
+                self._tell(p.AgentError(rank=-1, request="warm", error=why))
             case Boot():
                 self.last_tick = now
                 for local in range(self.cfg.nproc_per_node + self.cfg.spare_workers):

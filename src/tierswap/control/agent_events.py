@@ -128,6 +128,13 @@ class Tick:
     """Time passed: silent and overdue workers are dealt with."""
 
 
+@dataclass(frozen=True, slots=True)
+class WarmRefused:
+    """Segments a spare was told to make ahead were not made (``why``)."""
+
+    why: str
+
+
 AgentEvent = (
     Boot
     | FromCoordinator
@@ -141,6 +148,7 @@ AgentEvent = (
     | PartWritten
     | Ask
     | Tick
+    | WarmRefused
 )
 
 

@@ -166,8 +166,9 @@ class CoordinatorCore:
         self.reports = Reports(cfg.world_size, tier2)
         self.tier2 = tier2
         self.traffic = Traffic()
-        self.spare_memory = SpareMemory()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
+        self.spare_memory = SpareMemory()
+        """The segments a node's rings take, as agents reported them: what spares make."""
         self.persister = Persistence(cfg, tier2, self.out, self._broadcast_persist)
         self.last_step = -1
         self.last_loss: float | None = None

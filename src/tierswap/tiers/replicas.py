@@ -294,16 +294,19 @@ class PeerStore:
 
     def verify(self) -> list[tuple[int, int]]:
         """Check held replicas before the node reports them; a corrupt one is freed and
-        returned (rank, step). Of full replicas, each rank's newest ones until one is sound:
-        a restore takes the newest step every rank holds, and the worker that fetches a
-        replica checks it again as it arrives, so an older one found corrupt there costs a
-        generation, never a wrong bit (each replica checked here is 1 read of its bytes on
-        the recovery's critical path)."""
+        returned (rank, step). Of full replicas, each rank's newest ones down to the first
+        sound one at or below the step committed in tier 1: a restore takes the newest
+        step every rank holds, which is that one or a newer one. An older replica found
+        corrupt by the worker that fetches it (which checks every replica as it arrives)
+        costs a generation, never a wrong bit; each replica checked here is a read of all
+        its bytes on the recovery's critical path."""
         bad = []
         for rank, ring in self.rings.items():
             for step, slot in sorted(ring.held().items(), reverse=True):
                 if checksum_chunks(ring.layout().chunks(slot.segment.buf)) == slot.checksum:
-                    break
+                    if step <= ring.committed:
+                        break
+                    continue
                 slot.state, slot.step = SlotState.FREE, -1
                 bad.append((rank, step))
         for rank, dring in self.drings.items():
