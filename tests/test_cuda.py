@@ -91,7 +91,7 @@ def test_take_copies_on_a_side_stream_into_a_page_locked_slot(rig: Rig) -> None:
     assert alloc is not None and alloc.pinned
     deferred = [e for e in alloc.layout.entries if e.deferred]
     assert {e.key for e in deferred} >= set(_cuda_tensors(state))
-    snap.fence()
+    snap.drain()
     _, _, tensors, _ = _held(rig)
     assert all(tensors[e.key].is_pinned() for e in deferred)  # registered with CUDA
 
@@ -99,7 +99,7 @@ def test_take_copies_on_a_side_stream_into_a_page_locked_slot(rig: Rig) -> None:
 def test_slot_holds_the_gpu_bytes_as_the_agent_checksummed_them(rig: Rig) -> None:
     state = _cuda_state()
     rig.take(state)
-    rig.snapshotter.fence()
+    rig.snapshotter.drain()
 
     layout, buf, tensors, checksum = _held(rig)
     live = _cuda_tensors(state)
@@ -120,6 +120,7 @@ def test_a_step_right_after_take_waits_for_the_copy(rig: Rig) -> None:
 
     rig.take(state)
     state["optim"].step()  # its pre-hook fences: the copy is done before it changes a bit
+    rig.snapshotter.drain()  # and, for the check below, checksummed and held
 
     after = {k: t.cpu() for k, t in _cuda_tensors(state).items()}
     _, _, tensors, _ = _held(rig)

@@ -80,18 +80,22 @@ def test_a_pool_waits_for_the_segment_it_is_making_and_frees_all_on_close() -> N
     assert not left, "close unlinks what was made and not taken"
 
 
-def test_a_pool_makes_nothing_that_would_leave_a_node_s_worth_less_free() -> None:
+def test_a_pool_leaves_a_tenth_of_shared_memory_to_the_members(monkeypatch) -> None:
     import os as os_module
 
+    class Fs:  # a 100 MiB folder with 20 MiB free
+        f_frsize, f_blocks, f_bavail = 4096, 25600, 5120
+
+    monkeypatch.setattr(os_module, "statvfs", lambda path: Fs())
     job = "pool-test-c"
     said: list[str] = []
     pool = SegmentPool(job, said.append)
-    st = os_module.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
     try:
-        pool.warm([free // 2 + 1])  # making it would leave less than it free
-        assert pool.wait(30) and pool.held() == 0
-        assert said and "free" in said[0] and str(SHM_DIR) in said[0]
+        pool.warm([4 << 20, 4 << 20])  # 12 MiB would stay free: both made
+        assert pool.wait(30) and pool.held() == 8 << 20 and not said
+        pool.warm([4 << 20, 4 << 20, 6 << 20, 6 << 20])  # 8 MiB would stay: refused
+        assert pool.wait(30) and pool.held() == 8 << 20
+        assert said and "tenth" in said[0] and str(SHM_DIR) in said[0]
     finally:
         pool.close()
         _unlink(job)

@@ -11,6 +11,9 @@ from pathlib import Path
 
 AGENT_ENV = "TIERSWAP_AGENT_CPUS"
 WORKER_ENV = "TIERSWAP_WORKER_CPUS"
+MACHINE_ENV = "TIERSWAP_MACHINE_CPUS"
+"""The CPUs the launcher could use before it pinned itself: what the agents it starts
+(which inherit its pinned mask) take the workers' default from."""
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -66,13 +69,18 @@ def pin_thread(cpus: frozenset[int] | None) -> None:
         print(f"[tierswap] {threading.current_thread().name} not pinned: {e}", file=sys.stderr)
 
 
+def machine_cpus() -> frozenset[int]:
+    """The CPUs this machine lets the job use (as found before any pinning)."""
+    text = os.environ.get(MACHINE_ENV)
+    return parse_cpus(text) if text else frozenset(os.sched_getaffinity(0))
+
+
 def worker_cpus(agent_cpus: str | None, worker_cpus: str | None) -> str | None:
-    """The workers' CPU list: ``worker_cpus`` as given, else (with ``agent_cpus``) every
-    CPU this process may run on now but the agents'; called before the process pins
-    itself, since the workers it starts inherit its mask."""
+    """The workers' CPU list on this machine: ``worker_cpus`` as given, else (with
+    ``agent_cpus``) every CPU of ``machine_cpus`` but the agents'."""
     if worker_cpus or not agent_cpus:
         return worker_cpus
-    rest = frozenset(os.sched_getaffinity(0)) - parse_cpus(agent_cpus)
+    rest = machine_cpus() - parse_cpus(agent_cpus)
     if not rest:
         raise ValueError(
             f"--agent-cpus {agent_cpus}: that is every CPU this machine lets the job use; "

@@ -193,9 +193,11 @@ def _run(args: argparse.Namespace) -> int:
 
         key = job_key(read_secret(None, os.environ, "tierswap run"))
     if cfg.agent_cpus:  # the coordinator runs beside the agents, off the trainers' cores
-        from tierswap.affinity import parse_cpus, pin_process, worker_cpus
+        from tierswap.affinity import MACHINE_ENV, machine_cpus, parse_cpus, pin_process
 
-        cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)  # before pinning
+        # before pinning: the agents this launcher starts take the workers' CPUs from it
+        # (a host that joins from elsewhere takes its own machine's)
+        os.environ[MACHINE_ENV] = ",".join(map(str, sorted(machine_cpus())))
         pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
     return Coordinator(cfg, script, run_dir, key=key).run()
 

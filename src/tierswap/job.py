@@ -146,8 +146,9 @@ class Job:
 
     @property
     def stall(self) -> float:
-        """Seconds the last step waited for snapshots: the fence before its optimizer step,
-        the synchronous part of its snapshot, and the wait for tier 1 (``--max-redo``)."""
+        """Seconds the newest step whose snapshot was taken (read in a loop's body: the
+        step before this one) waited for snapshots: for copies (its optimizer step's
+        fence), for tier 1 (``--max-redo``), and the synchronous part of its snapshot."""
         return self._snap.stats.last_stall() if self._snap is not None else 0.0
 
     def report(self, step: int, **metrics: float) -> None:

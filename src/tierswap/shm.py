@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -105,9 +106,10 @@ class SegmentPool:
 
     ``create`` is the factory the rings are given: a made segment of the size asked for
     is renamed and handed out, one still being made is waited for, and any other size is
-    made at once, as without a pool. A segment is made ahead only while the shared-memory
-    folder keeps at least as much free as the pool still wants, so that spares never take
-    the room the job's members need; ``report`` hears why one was not made."""
+    made at once, as without a pool. A segment is made ahead only if, with it and the rest
+    still to be made, a tenth of the shared-memory folder stays free (several simulated
+    hosts share one machine's): a spare never takes the last of it from the members, who
+    make their segments when they need them; ``report`` hears why one was not made."""
 
     def __init__(self, job_id: str, report: Callable[[str], None] | None = None) -> None:
         self.job_id = job_id
@@ -185,13 +187,13 @@ class SegmentPool:
     def _room(self, size: int) -> str | None:
         """Why a segment of ``size`` is not made now, or None."""
         st = os.statvfs(SHM_DIR)
-        free = st.f_bavail * st.f_frsize
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
         with self._cond:
-            wanted = sum(n * k for n, k in self._want.items())
-        if free - size < wanted:
+            rest = sum(self._todo)
+        if free - size - rest < total // 10:
             return (
-                f"{SHM_DIR} has {free:,} bytes free; making {size:,} more for a spare would "
-                f"leave less than the {wanted:,} the spare's node needs free for the job"
+                f"{SHM_DIR} has {free:,} of {total:,} bytes free; making {size + rest:,} "
+                "more for a spare would leave less than a tenth of it for the job's members"
             )
         return None
 
@@ -226,10 +228,13 @@ class SegmentPool:
                     if why is not None:
                         self._todo.clear()  # the rest would not fit either
                     self._cond.notify_all()
-            if seg is not None and not keep:
-                seg.unlink()  # no longer wanted while it was made, or the pool closed
-            if why is not None and self.report is not None:
-                self.report(why)
+            try:
+                if seg is not None and not keep:
+                    seg.unlink()  # no longer wanted while it was made, or the pool closed
+                if why is not None and self.report is not None:
+                    self.report(why)
+            except Exception as e:  # the thread goes on: _running must be cleared by it
+                print(f"[tierswap] making segments ahead: {e}", file=sys.stderr)
 
     def close(self) -> None:
         """Unlink every segment made and not handed out; stop making more."""

@@ -155,7 +155,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     if threads:
         torch.set_num_threads(threads)
     elif pinned:  # torch counted its threads from the agent's mask it was started with
-        torch.set_num_threads(len(pinned))
+        ranks_here = max(1, int(env.get("TIERSWAP_NPROC_PER_NODE", "1")))  # they share it
+        torch.set_num_threads(max(1, len(pinned) // ranks_here))
     startup = timedelta(seconds=float(env.get("TIERSWAP_STARTUP_TIMEOUT", "120")))
     collective = timedelta(seconds=float(env.get("TIERSWAP_COLLECTIVE_TIMEOUT", "60")))
     # how long a failed collective waits for the generation to end before it counts as

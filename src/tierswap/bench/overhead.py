@@ -143,6 +143,7 @@ def once(
         if mode != "plain"
         else 0.0,
         "agents_cpu_s": agents,
+        "agents_sampled": float(len(sampler.samples)),
         "agents_cpu_s_per_gib": agents / (snapshotted / 2**30) if snapshotted else 0.0,
     }
 

@@ -154,6 +154,7 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
     (resumed,) = _events(run_dir, "resumed")
+    tiers = _events(run_dir, "restored")[-1]["tiers"]
     lost = [t for r, t in resumed["ranks"].items() if int(r) in resumed["replaced"]]
     kept = [t for r, t in resumed["ranks"].items() if int(r) not in resumed["replaced"]]
     reports = {e["step"]: e["time"] for e in _events(run_dir, "report")}
@@ -166,6 +167,7 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
         "lost": _slowest(lost),
         "kept": _slowest(kept),
         "step_s": statistics.median(steady) if steady else float("nan"),
+        "lost_tiers": sorted({tiers[str(r)] for r in resumed["replaced"]}),
         "rank_state_bytes": ring // (3 if extra else Config().slots),
     }
 
@@ -205,6 +207,7 @@ def size_curve(work: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, An
             for side in ("lost", "kept"):
                 summary[side] = {k: statistics.median(r[side][k] for r in rs) for k in PARTS}
             summary["step_s"] = statistics.median(r["step_s"] for r in rs)
+            summary["lost_tiers"] = sorted({t for r in rs for t in r["lost_tiers"]})
             summary["floors"] = floors(nbytes, kind, lim, summary["step_s"])
             lost = summary["lost"]
             work_s = lost["fetch"] + lost["verify"] + lost["load"]

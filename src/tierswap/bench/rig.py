@@ -109,8 +109,8 @@ class Rig:
         return self.chan.call(msg, reply, timeout=600)
 
     def sync(self) -> None:
-        """Wait, untimed, for the copy in flight and the agent's checksums."""
-        self.snapshotter.fence()
+        """Wait, untimed, for the snapshot in flight to be reported and checked."""
+        self.snapshotter.drain()
         self.call(BenchSync(), p.Ack)
 
     def close(self) -> None:

@@ -486,9 +486,11 @@ def main() -> None:
         raise SystemExit(f"tierswap run: {e}") from None
     cfg = Config.from_env(w.config)
     if cfg.agent_cpus:  # before the agent's threads start: they inherit it
-        # the workers' CPUs are this machine's others, found before this process pins
-        cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)
-        pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
+        try:  # the workers' CPUs are this machine's others, found before any pinning
+            cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)
+            pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
+        except ValueError as e:
+            raise SystemExit(f"tierswap run: {e}") from None
     _fence_on_silence(coord, cfg.lease)
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
     run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])

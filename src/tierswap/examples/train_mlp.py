@@ -86,7 +86,7 @@ def train(job: tierswap.Job) -> None:
         job.report(step, loss=loss.item())
         if args.sleep:
             time.sleep(args.sleep)
-        if times is not None:  # the stall of this step's optimizer step, fence and tier 1
+        if times is not None:  # job.stall: the stall of the step before this one
             stats = job.snapshot_stats
             cpu = stats.copy_cpu[-1] if stats is not None and stats.copy_cpu else 0.0
             note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": job.stall,
