@@ -35,8 +35,6 @@ class Fetched:
     """A plan, and where it has a step, that step's bytes (``views``, one per entry)."""
 
     plan: p.PlanReply
-    started: float
-    """When the plan was asked for (``time.monotonic``)."""
     layout: Layout | None = None
     tree: dict[str, Any] = field(default_factory=dict)
     views: list[torch.Tensor] = field(default_factory=list)
@@ -54,7 +52,6 @@ class Fetched:
 
 def fetch(
     plan: p.PlanReply,
-    started: float,
     rank: int,
     secret: bytes,
     tls: str,
@@ -62,7 +59,7 @@ def fetch(
 ) -> Fetched:
     """The bytes of ``plan``'s step for ``rank``, checked against their checksum;
     ``timeline`` gets the seconds of ``fetch`` and ``verify``."""
-    out = Fetched(plan, started)
+    out = Fetched(plan)
     step, source = plan.step, plan.source
     t = time.monotonic()
     match source:

@@ -190,9 +190,9 @@ class Job:
             if fault.during == "restore" and fault.gen == self.generation:
                 self._fire(fault)
         if plan.step is None or plan.source is None:
-            return Fetched(plan, t0)
+            return Fetched(plan)
         self.plan_step, self.plan_tier = plan.step, plan.tier
-        return fetch(plan, t0, self.rank, self._secret, self._tls, self.timeline)
+        return fetch(plan, self.rank, self._secret, self._tls, self.timeline)
 
     def _restore(self, state: MutableMapping[str, Any]) -> int:
         if self._chan is None:

@@ -168,8 +168,8 @@ def _copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest:
         digest.update(raw)
         return
     flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
-    per = max(1, CHUNK // src.element_size())
     size = src.element_size()
+    per = max(1, CHUNK // size)
     for start in range(0, flat_src.numel(), per):
         end = min(start + per, flat_src.numel())
         flat_dst[start:end].copy_(flat_src[start:end])
