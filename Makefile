@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean etcd gpu-check gpu-wheels
+.PHONY: test demo lint bench bench-peers clean etcd gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,8 +33,22 @@ etcd:
 demo: $(STAMP)
 	$(BIN)/tierswap demo
 
+# every benchmark, one report: bench/results/<date>-<commit>/*.json and BENCHMARKS.md
+# (`make bench QUICK=1` for the short run); the peers come in where `make bench-peers` ran
 bench: $(STAMP)
-	$(BIN)/tierswap bench snapshot
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/tierswap bench all $(if $(QUICK),--quick)
+
+# the peers' own virtual environment, never a dependency of the package: DLRover's flash
+# checkpoint and torchft beside the same torch, and tierswap's reference model
+PEERS := .venv-peers
+PEER_PKGS := dlrover[torch]==0.6.1 torchft==0.2.0 grpcio numpy
+
+bench-peers: $(STAMP)
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q torch==2.13.0
+	$(PEERS)/bin/pip install -q -e . $(PEER_PKGS)
+	$(BIN)/tierswap bench peers --peers-python $(PEERS)/bin/python
 
 # On a machine with an NVIDIA GPU whose python3 brings its own torch (the device machine's
 # has 2.11): the project runs from this checkout (PYTHONPATH), no venv and no torch install;
@@ -57,4 +71,4 @@ gpu-wheels:
 	  --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache .mypy_cache .ruff_cache

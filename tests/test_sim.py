@@ -149,6 +149,29 @@ def test_every_node_killed_once_in_turn_with_spares() -> None:
         assert sum(e == "resumed" for _, e, _ in sim.log) == 3
 
 
+def test_a_node_lost_before_tier_1_ever_committed_starts_the_job_over_and_finishes() -> None:
+    """A node killed after its first step, before any replica of it committed: no step is
+    left on every rank, and nothing protected had been lost, so the job starts over from
+    its first step (the chaos runs of `bench goodput` stopped here) and ends with the
+    numbers of a run without failures."""
+    outcomes = []
+    for seed in range(20):
+        sim = Sim(_cfg(spares=1), seed=seed, steps=6)
+        sim.kill_after("node", 1, 0)
+        assert sim.run() == "finished", seed
+        outcomes.append(any(e == "started_over" for _, e, _ in sim.log))
+    assert any(outcomes), "no seed lost the node before tier 1 committed: the test tests nothing"
+
+
+def test_without_tier_1_a_node_lost_after_a_commit_still_stops_the_job() -> None:
+    """With tier 1 and 2 off, a node's loss loses steps tier 0 committed: the job stops
+    (it does not silently start over)."""
+    sim = Sim(_cfg(spares=1, replicas=0), seed=0, steps=6)
+    sim.kill_after("node", 1, 3)
+    assert "no step can be restored" in sim.run()
+    assert not any(e == "started_over" for _, e, _ in sim.log)
+
+
 # ---------------------------------------------------------------- proof that it can fail
 
 

@@ -418,6 +418,9 @@ def parser() -> argparse.ArgumentParser:
             "goodput",
             "memory",
             "overhead",
+            "peers",
+            "all",
+            "report",
         ],
     )
     bench.add_argument(
@@ -444,6 +447,27 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seed", type=int, default=None, help="goodput: the chaos runs' seed")
     bench.add_argument("--json", default=None, help="also write the results here")
+    bench.add_argument(
+        "--quick", action="store_true", help="all: the short run (minutes), small sizes"
+    )
+    bench.add_argument(
+        "--results",
+        default=None,
+        help="all: the folder its JSON goes to (default bench/results/<date>-<commit>); "
+        "report: the folder to report (default the newest under bench/results)",
+    )
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="all: run only these benchmarks of the run (the others are not run)",
+    )
+    bench.add_argument(
+        "--peers-python",
+        default=None,
+        help="peers: the Python with DLRover and torchft (default .venv-peers/bin/python, "
+        "made by `make bench-peers`)",
+    )
     bench.set_defaults(func=_bench)
 
     simulate = sub.add_parser(

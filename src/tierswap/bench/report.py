@@ -137,6 +137,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import controlplane
 
         return controlplane.main(args)
+    if args.what in ("all", "report"):
+        from tierswap.bench import suite
+
+        return suite.main(args)
     if args.what != "snapshot":
         raise ValueError(f"bench {args.what!r}: not a benchmark of this version")
     return run_and_report(args, 1024, run, report)

@@ -154,6 +154,9 @@ class CoordinatorCore:
         self.settled = -1
         """The newest step tier 1 committed or gave up on in this generation."""
         self.ever_committed = False
+        self.ever_protected = False
+        """A step was ever committed in a tier that outlives a node (tier 1 or 2): before
+        that a loss that leaves no step to restore starts the job over, as a new job."""
         self.plan: Plan | None = None
         self.restored: dict[int, p.Restored] = {}
         self.initialized: dict[int, p.Initialized] = {}
@@ -477,6 +480,7 @@ class CoordinatorCore:
             "restarts": self.restarts,
             "total": self.total,
             "ever_committed": self.ever_committed,
+            "ever_protected": self.ever_protected,
             "nodes": self.nodes,
             "reshard": None if self.reshard is None else list(self.reshard),
         }
@@ -506,6 +510,7 @@ class CoordinatorCore:
         self.restarts = rec["restarts"]
         self.total = rec["total"]
         self.ever_committed = rec["ever_committed"]
+        self.ever_protected = rec.get("ever_protected", rec["ever_committed"])
         if rec.get("reshard") is not None:
             self.reshard = (int(rec["reshard"][0]), int(rec["reshard"][1]))
         if rec.get("nodes", self.nodes) != self.nodes:  # it led the job shrunk
@@ -838,13 +843,21 @@ class CoordinatorCore:
         )
         for step, why in plan.skipped:
             self.out.log("restore_skipped", step=step, reason=why)
-        if plan.step is None and (self.ever_committed or holdings.durable):
+        # with tier 1 or 2 on, a loss before either ever committed a step costs only the
+        # steps since the start: the job starts over rather than stop
+        beyond = self.cfg.persist is not None or (self.cfg.replicas > 0 and self.nodes > 1)
+        protected = self.ever_protected if beyond else self.ever_committed
+        if plan.step is None and (protected or holdings.durable):
             if self.reshard is None or not resize.nothing_newer(self, self.reshard[0]):
                 raise JobStopped(lost_message(plan, self.cfg.persist))
             if self.resized is None:  # nothing of this size is left: where it started
                 why = f"no step of world size {self.world_size} is left in any tier"
                 self.out.log("restore_fallback", step=self.reshard[0], tier=2, reason=why)
                 self.out.say(f"going on from tier-2 step {self.reshard[0]} again: {why}")
+        elif plan.step is None and self.ever_committed and self.reshard is None:
+            why = "no tier that outlives a node had committed a step yet"
+            self.out.log("started_over", reason=why, skipped=[s for s, _ in plan.skipped])
+            self.out.say(f"starting the job over from its first step: {why}")
         self.resized = None
         self.resharded_from = (
             self.reshard[0] if plan.step is None and self.reshard is not None else None
@@ -1053,6 +1066,7 @@ class CoordinatorCore:
 
     def _commit(self, tier: int, step: int) -> None:
         self.ever_committed = True
+        self.ever_protected = self.ever_protected or tier == 1
         self.out.log("snapshot_committed", tier=tier, step=step)
         self._broadcast(p.Committed(tier=tier, step=step))
         if tier == 1:
@@ -1072,7 +1086,7 @@ class CoordinatorCore:
     def _parts(self, token: int, parts: list[Any], errors: dict[int, str]) -> None:
         step = self.persister.on_parts(token, parts, errors)
         if step is not None:
-            self.ever_committed = True
+            self.ever_committed = self.ever_protected = True
             self.reports.durable_good(step)
             resize.maybe_grow(self, self.now)
         if self.salvage is not None and self.persister.inflight is None:

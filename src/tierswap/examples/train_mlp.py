@@ -3,9 +3,7 @@ use, the same for every system measured.
 
     tierswap run --nodes 2 examples/train_mlp.py --size-mib 384 --steps 14
 
-Four blocks of ``Linear(1024, H)``-GELU-``Linear(H, 1024)`` under DDP with AdamW; ``H``
-(4096 at 384 MiB) is picked so that a rank's state (parameters and both AdamW moments,
-fp32) is ``--size-mib``. The data is a function of ``(step, rank)`` only. ``--out DIR``
+The model (``mlp.py``) under DDP, a rank's state ``--size-mib`` MiB. ``--out DIR``
 writes every rank's final state to ``DIR/rank-<r>.safetensors`` for bit comparison.
 """
 
@@ -18,36 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 from torch import nn
 
 import tierswap
+from tierswap.examples.mlp import batch, build, hidden_for, optimizer
 from tierswap.state import flatten
-
-WIDTH, BLOCKS = 1024, 4
-STATE_BYTES_PER_PARAM = 12
-"""fp32 parameter, AdamW's exp_avg and exp_avg_sq (its step counters are scalars)."""
-
-
-def hidden_for(size_mib: float) -> int:
-    """The hidden width whose model holds about ``size_mib`` MiB of state per rank."""
-    per_hidden = BLOCKS * 2 * WIDTH * STATE_BYTES_PER_PARAM  # bias terms aside
-    return max(1, round(size_mib * 2**20 / per_hidden))
-
-
-def build(hidden: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(BLOCKS):
-        layers += [nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH)]
-    return nn.Sequential(*layers)
-
-
-def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 100_003 + rank)
-    x = torch.randn(size, WIDTH, generator=g)
-    return x, torch.randn(size, WIDTH, generator=g)
 
 
 def parse() -> argparse.Namespace:
@@ -73,7 +47,7 @@ def train(job: tierswap.Job) -> None:
     model: nn.Module = build(hidden_for(args.size_mib))
     if job.world_size > 1:
         model = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
     times = open(args.times, "a") if args.times else None  # noqa: SIM115 (closed below)
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)

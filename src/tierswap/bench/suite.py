@@ -1,0 +1,221 @@
+"""``tierswap bench all [--quick]``: every benchmark in one run, one report; and
+``tierswap bench report``, the report again from a run's JSON.
+
+``all`` first reads the machine (cores, memory, torch, the commit) and measures its limits
+(memcpy, an xxh3 pass, one loopback TCP stream, a sequential write with fsync; medians of
+interleaved repetitions), then runs each benchmark of :data:`PLAN` in a process of its own
+with a deadline, its JSON and its output in ``bench/results/<date>-<commit>/``, then the
+goodput projection, then writes the report (:mod:`tierswap.bench.writeup`):
+``BENCHMARKS.md`` at the checkout's root and PNG plots beside the JSON. A benchmark that
+fails or runs past its deadline is reported as such, with its output's tail; the others
+still run. ``--quick`` runs the same benchmarks at small sizes and single repetitions:
+minutes, a check that everything runs, not figures to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tierswap
+from tierswap.bench import limits
+from tierswap.bench.common import run_bounded
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    """One benchmark of the run: ``tierswap bench <what> <args> --json <name>.json``."""
+
+    name: str
+    """Its results file's stem."""
+    what: str
+    quick: tuple[str, ...]
+    """Its arguments in a ``--quick`` run."""
+    full: tuple[str, ...]
+    """Its arguments in a full run."""
+    minutes: float
+    """Its deadline in a full run (a quick run's is a third of it, at least 3 minutes)."""
+    quick_too: bool = True
+    """Whether a ``--quick`` run has it (those that cannot be made small are left out)."""
+
+
+PLAN: tuple[Bench, ...] = (
+    Bench("snapshot", "snapshot", ("--size-mib", "16", "--repeats", "1"),
+          ("--size-mib", "384", "--repeats", "5"), 10),
+    Bench("overhead", "overhead", ("--size-mib", "8", "--repeats", "1"),
+          ("--size-mib", "384", "--repeats", "2"), 15),
+    Bench("recovery", "recovery", ("--size-mib", "5", "--repeats", "1"),
+          ("--size-mib", "5", "75", "384", "1024", "--repeats", "3"), 20),
+    Bench("peers", "peers", ("--size-mib", "8", "--repeats", "1"),
+          ("--size-mib", "384", "--repeats", "3"), 30),
+    Bench("replication", "replication", ("--size-mib", "16", "--repeats", "1"),
+          ("--size-mib", "256", "--repeats", "5"), 6),
+    Bench("control-plane", "control-plane", ("--nodes", "256", "--repeats", "1"),
+          ("--nodes", "256", "2048", "--repeats", "3"), 6),
+    Bench("memory", "memory", (), (), 6, quick_too=False),
+    Bench("dcp", "dcp", ("--size-mib", "8", "--repeats", "1"),
+          ("--size-mib", "256", "--repeats", "3"), 8, quick_too=False),
+    Bench("job-replication", "job-replication", ("--repeats", "1"), ("--repeats", "3"), 8,
+          quick_too=False),
+    Bench("delta", "delta", ("--repeats", "1"), ("--repeats", "2"), 10, quick_too=False),
+    Bench("goodput", "goodput", ("--nodes", "2", "--repeats", "1"), ("--nodes", "2", "4",
+          "--repeats", "1"), 15, quick_too=False),
+)  # fmt: skip
+"""What ``bench all`` runs, in this order: the headline's first."""
+
+LIMITS_MIB = (64, 384)
+"""The bytes per pass of the machine's limits: a quick run's, a full run's."""
+
+SWEEP_GPUS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000)
+"""GPU counts of the goodput projection's curve."""
+
+
+def checkout() -> Path:
+    """The checkout this package runs from, or the working directory for an installed
+    wheel (its results then go under ``./bench/results``)."""
+    root = Path(tierswap.__file__).resolve().parents[2]
+    return root if (root / ".git").exists() else Path.cwd()
+
+
+def results_root() -> Path:
+    return checkout() / "bench" / "results"
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(checkout()), *args], capture_output=True,
+                             text=True, timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: cores, memory, software and the commit."""
+    import psutil
+    import torch
+
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "dirty": bool(dirty),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": psutil.virtual_memory().total,
+        "shm_bytes": shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def default_folder(m: dict[str, Any]) -> Path:
+    """``bench/results/<date>-<commit>[-dirty]``."""
+    day = m["date"][:10]
+    name = f"{day}-{m['commit'][:10]}" + ("-dirty" if m["dirty"] else "")
+    return results_root() / name
+
+
+def newest_folder() -> Path:
+    """The results folder whose ``index.json`` was written last."""
+    found = sorted(results_root().glob("*/index.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(
+            f"tierswap bench report: no results under {results_root()}: run `tierswap bench "
+            "all` first, or name a folder with --results"
+        )
+    return found[-1].parent
+
+
+def run_one(bench: Bench, folder: Path, quick: bool) -> dict[str, Any]:
+    """Run one benchmark in a process of its own; what it did, for the index."""
+    args = bench.quick if quick else bench.full
+    cmd = [sys.executable, "-m", "tierswap.cli", "bench", bench.what, *args,
+           "--json", str(folder / f"{bench.name}.json")]  # fmt: skip
+    deadline = 60.0 * (max(3.0, bench.minutes / 3) if quick else bench.minutes)
+    log = folder / f"{bench.name}.log"
+    print(f"bench all: {bench.name}: {' '.join(cmd[3:])}", flush=True)
+    t0 = time.monotonic()
+    code = run_bounded(cmd, log, folder, deadline)
+    seconds = time.monotonic() - t0
+    status = "ok" if code == 0 else "timed out" if code == -9 else f"failed ({code})"
+    print(f"bench all: {bench.name}: {status} in {seconds:.0f} s", flush=True)
+    return {"what": bench.what, "args": list(args), "status": status, "seconds": seconds,
+            "deadline_s": deadline, "log": log.name}  # fmt: skip
+
+
+def project(folder: Path) -> dict[str, Any]:
+    """The goodput curve (``tierswap simulate --sweep``), its JSON beside the others."""
+    from tierswap import goodput
+
+    t0 = time.monotonic()
+    rows = goodput.sweep(goodput.Model(), SWEEP_GPUS, seeds=3)
+    (folder / "simulate.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return {"what": "simulate", "args": ["--sweep", *map(str, SWEEP_GPUS), "--seeds", "3"],
+            "status": "ok", "seconds": time.monotonic() - t0}  # fmt: skip
+
+
+def run_all(folder: Path, quick: bool, only: list[str] | None) -> dict[str, Any]:
+    plan = [b for b in PLAN if (b.name in only if only else b.quick_too or not quick)]
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    index: dict[str, Any] = {"machine": machine(), "quick": quick, "benches": {}}
+    if only is not None and (folder / "index.json").exists():  # a rerun of some: keep the rest
+        index["benches"] = json.loads((folder / "index.json").read_text())["benches"]
+    with tempfile.TemporaryDirectory(prefix="tierswap-bench-limits-") as tmp:
+        size = LIMITS_MIB[0 if quick else 1] << 20
+        index["limits"] = limits.measure(size, 3 if quick else 5, Path(tmp))
+    _write(folder, index)
+    for bench in plan:
+        index["benches"][bench.name] = run_one(bench, folder, quick)
+        _write(folder, index)
+    if only is None or "simulate" in only:
+        index["benches"]["simulate"] = project(folder)
+    index["left_out"] = [b.name for b in PLAN if b.name not in index["benches"]]
+    index["wall_s"] = time.monotonic() - t0
+    _write(folder, index)
+    return index
+
+
+def _write(folder: Path, index: dict[str, Any]) -> None:
+    tmp = folder / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1) + "\n")
+    tmp.replace(folder / "index.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``tierswap bench all [--quick] [--results DIR] [--only NAME ...]`` and
+    ``tierswap bench report [--results DIR]``."""
+    from tierswap.bench import writeup
+
+    known = {b.name for b in PLAN} | {"simulate"}
+    if args.what == "report":
+        folder = Path(args.results) if args.results else newest_folder()
+        if not (folder / "index.json").exists():
+            raise SystemExit(f"tierswap bench report: {folder} has no index.json: not the "
+                             "folder of a `tierswap bench all` run")  # fmt: skip
+    else:
+        unknown = sorted(set(args.only or ()) - known)
+        if unknown:
+            raise SystemExit(f"tierswap bench all --only {' '.join(unknown)}: not a benchmark "
+                             f"of the run; pick from {', '.join(sorted(known))}")  # fmt: skip
+        folder = Path(args.results) if args.results else default_folder(machine())
+        index = run_all(folder, args.quick, args.only)
+        failed = [n for n, b in index["benches"].items() if b["status"] != "ok"]
+        if failed:
+            print(f"bench all: not ok: {', '.join(failed)} (see their logs in {folder})")
+    md = writeup.write(folder, checkout() / "BENCHMARKS.md")
+    print(f"bench: report written to {md}, from {folder}")
+    return 0

@@ -1,0 +1,447 @@
+"""``BENCHMARKS.md`` from the JSON of one ``tierswap bench all`` run, and its plots.
+
+Everything here is read from the run's folder (``index.json`` and one JSON per benchmark);
+nothing is measured. Each timing is shown as its median with its spread (min – max over
+interleaved repetitions); each throughput also as a share of the machine's limit for the
+way its bytes move, measured in the same run. A benchmark that did not run, failed or
+timed out says so where its figures would be. Plots need matplotlib (``tierswap[bench]``);
+without it the report says that it has none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+Res = dict[str, Any]
+
+
+def _stats_cell(s: dict[str, Any], scale: float = 1.0, unit: str = "s", digits: int = 2) -> str:
+    mid, lo, hi = (scale * s[k] for k in ("median", "min", "max"))
+    return f"{mid:.{digits}f} {unit} ({lo:.{digits}f} – {hi:.{digits}f})".replace("  ", " ")
+
+
+def _pct(s: dict[str, Any]) -> str:
+    lo, hi = (s.get("q1", s["min"]), s.get("q3", s["max"]))
+    return f"{100 * s['median']:+.1f} % ({100 * lo:+.1f} – {100 * hi:+.1f})"
+
+
+def _met(ok: bool | None) -> str:
+    return "–" if ok is None else "yes" if ok else "**no**"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return [*out, ""]
+
+
+# ------------------------------------------------------------------ the headline
+
+
+def _largest(curve: dict[str, Any], kind: str) -> tuple[str, dict[str, Any]] | None:
+    """384 MiB (the targets' size) or else the largest size of the recovery curve with a
+    measurement of ``kind``."""
+    sizes = [m for m, e in curve.items() if "seconds" in e.get(kind, {})]
+    if not sizes:
+        return None
+    mib = "384" if "384" in sizes else max(sizes, key=float)  # the targets' size
+    return mib, curve[mib][kind]
+
+
+def headline(res: dict[str, Any], quick: bool) -> list[str]:
+    """The claims and their targets, each with what this run measured."""
+    rows: list[list[str]] = []
+    curve = res.get("recovery", {}).get("sizes", {})
+    for kind, label in (("worker", "worker killed, spare worker parked"),
+                        ("node", "node killed, spare host parked")):  # fmt: skip
+        found = _largest(curve, kind)
+        if found:
+            mib, s = found
+            ok = s["seconds"]["median"] <= 1.5 if float(mib) >= 384 else None
+            rows.append([f"recovery, {label}, {float(mib):.0f} MiB/rank",
+                         _stats_cell(s["seconds"]), "≤ 1.5 s at 384 MiB", _met(ok)])  # fmt: skip
+            floor = s.get("restore_vs_floor")
+            if floor is not None:
+                rows.append([f"  restore work / its byte-moving floor ({kind} kill)",
+                             f"{floor:.1f}x", "≤ 2x", _met(floor <= 2.0)])  # fmt: skip
+    peers = res.get("peers", {})
+    ours = min((s["seconds"]["median"] for k, s in peers.get("recovery", {}).items()
+                if k.startswith("tierswap") and "seconds" in s), default=None)  # fmt: skip
+    for name, s in peers.get("recovery", {}).items():
+        if name.startswith("tierswap") or "seconds" not in s or not ours:
+            continue
+        ratio = s["seconds"]["median"] / ours
+        rows.append([f"recovery of {name} / tierswap's", f"{ratio:.1f}x slower",
+                     "≥ 3.5x", _met(ratio >= 3.5)])  # fmt: skip
+    over = res.get("overhead", {})
+    goals = {"tier0": (0.05, 0.01), "tier01": (0.10, 0.01), "tier0_pinned": (0.02, 0.01),
+             "tier01_pinned": (0.03, 0.01)}  # fmt: skip
+    for mode, (goal, stall_goal) in goals.items():
+        if mode not in over:
+            continue
+        o = over[mode]
+        rows.append([f"step overhead, snapshot every step, {_mode(mode)}", _pct(o["overhead"]),
+                     f"≤ {100 * goal:g} %", _met(o["overhead"]["median"] <= goal)])  # fmt: skip
+        rows.append([f"  trainer's stall, % of its step ({_mode(mode)})",
+                     f"{100 * o['stall_of_step']:.2f} %", f"≤ {100 * stall_goal:g} %",
+                     _met(o["stall_of_step"] <= stall_goal)])  # fmt: skip
+    if "tier0" in over:
+        copy = over["tier0"]["copy_vs_memcpy"]
+        rows.append(["snapshot copy's CPU per GiB / a plain memcpy's", f"{copy:.2f}x",
+                     "≤ 1.3x", _met(copy <= 1.3)])  # fmt: skip
+    mem = res.get("memory", {})
+    default = next((r for label, r in mem.items() if label.startswith("default")), None)
+    if default:
+        worst = max(n["total_x"] for n in default["nodes"].values())
+        rows.append(["host memory per node, tiers 0+1, defaults", f"{worst:.1f}x its ranks' "
+                     "state", "≤ 3x", _met(worst <= 3.0)])  # fmt: skip
+    sim = res.get("simulate")
+    if sim:
+        row = min(sim, key=lambda r: abs(r["model"]["gpus"] - 16384))
+        g = {k: row[k]["goodput"] for k in ("tierswap", "memory", "restart")}
+        rows.append([f"projected goodput, {row['model']['gpus']:,} GPUs, a month",
+                     f"tierswap {100 * g['tierswap']:.1f} %, in-memory {100 * g['memory']:.1f} "
+                     f"%, restart {100 * g['restart']:.1f} %", "–", "–"])  # fmt: skip
+    note = ["*A quick run (`--quick`): small sizes, single repetitions; it shows that "
+            "everything runs, not figures to quote.*", ""] if quick else []  # fmt: skip
+    return note + _table(["claim", "measured: median (min – max)", "target", "met"], rows)
+
+
+def _mode(mode: str) -> str:
+    tiers = "tiers 0+1" if mode.startswith("tier01") else "tier 0"
+    return tiers + (", trainers and agents pinned" if mode.endswith("pinned") else ", unpinned")
+
+
+# ------------------------------------------------------------------ per benchmark
+
+
+def _limits_section(index: Res) -> list[str]:
+    lim = index.get("limits", {})
+    names = {
+        "memcpy": "memcpy (one core)",
+        "xxh3": "xxh3 checksum (one core)",
+        "tcp": "one loopback TCP stream",
+        "write_fsync": "sequential write + fsync",
+    }
+    rows = [[names[k], _stats_cell(lim[k], 1 / GIB, "GiB/s")] for k in names if k in lim]
+    size = lim.get("nbytes", 0) / MIB
+    return [f"### The machine's limits ({size:.0f} MiB per pass)", "",
+            *_table(["limit", "median (min – max)"], rows)]  # fmt: skip
+
+
+def _machine_section(index: Res) -> list[str]:
+    m = index["machine"]
+    rows = [["commit", m["commit"][:12] + (" (with uncommitted changes)" if m["dirty"] else "")],
+            ["date", m["date"]], ["cores", f"{m['cpus']} ({m['cpus_usable']} usable)"],
+            ["memory", f"{m['memory_bytes'] / GIB:.1f} GiB, /dev/shm {m['shm_bytes'] / GIB:.1f} "
+             "GiB"], ["torch / Python", f"{m['torch']} / {m['python']}"],
+            ["platform", m["platform"]]]  # fmt: skip
+    return ["## The machine", "", *_table(["", ""], rows)]
+
+
+def _recovery_section(res: Res, limits: Res) -> list[str]:
+    out = ["Kill to the first step every rank completed afterwards, the reference model "
+           "(`examples/train_mlp.py`), 2 ranks; the lost rank's restore beside its floor "
+           "(its bytes over memcpy, xxh3 and TCP speed measured beside it).", ""]  # fmt: skip
+    rows = []
+    for mib, e in res.get("sizes", {}).items():
+        for kind in ("worker", "node"):
+            s = e.get(kind, {})
+            if "seconds" not in s:
+                rows.append([mib, kind, "not run: " + s.get("skipped", ""), "", "", ""])
+                continue
+            ph, fl, lost = s["phases"], s["floors"], s["lost"]
+            work = lost["fetch"] + lost["verify"] + lost["load"]
+            rows.append([mib, kind, _stats_cell(s["seconds"]),
+                         " / ".join(f"{ph[k]:.2f}" for k in ph), f"{work:.2f} s",
+                         f"{fl['restore']:.2f} s ({s['restore_vs_floor']:.1f}x)"])  # fmt: skip
+    head = ["MiB/rank", "kill", "recovery", "phases: " + " / ".join(_phase_names(res)),
+            "restore work", "its floor"]  # fmt: skip
+    return out + _table(head, rows)
+
+
+def _phase_names(res: Res) -> list[str]:
+    for e in res.get("sizes", {}).values():
+        for kind in ("worker", "node"):
+            if "phases" in e.get(kind, {}):
+                return list(e[kind]["phases"])
+    return []
+
+
+def _overhead_section(res: Res, limits: Res) -> list[str]:
+    rows = []
+    for mode, o in res.items():
+        if not isinstance(o, dict) or "step_s" not in o:
+            continue
+        rows.append([mode, _stats_cell(o["step_s"], 1e3, "ms", 0),
+                     "–" if mode.startswith("plain") else _pct(o["overhead"]),
+                     f"{100 * o['stall_of_step']:.2f} %",
+                     f"{o['copy_vs_memcpy']:.2f}x", f"{o['agents_vs_memcpy']:.2f}x"])  # fmt: skip
+    head = ["run", "step", "overhead (quartiles)", "stall / step", "copy CPU / memcpy",
+            "agents' CPU / memcpy"]  # fmt: skip
+    intro = [f"Whole jobs of the reference model at {res.get('size_mib', '?')} MiB per rank, "
+             f"{res.get('steps', '?')} steps, plain and with snapshots interleaved; CPU per GiB "
+             "snapshotted against a one-core memcpy of the same bytes.", ""]  # fmt: skip
+    return intro + _table(head, rows)
+
+
+def _peers_section(res: Res, limits: Res) -> list[str]:
+    out: list[str] = []
+    cfg = res.get("config", {})
+    out += [f"The same model for every system ({cfg.get('size_mib', '?')} MiB of state per "
+            f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds.", ""]  # fmt: skip
+    ck = res.get("checkpoint", {})
+    if ck:
+        rows = []
+        for name, s in ck.items():
+            if "step_s" not in s:
+                continue
+            stall = s.get("stall_s")
+            rows.append([name, _stats_cell(s["step_s"], 1e3, "ms", 0),
+                         "–" if not stall else _stats_cell(stall, 1e3, "ms", 1),
+                         _pct(s["overhead"]) if s.get("overhead") else "–"])  # fmt: skip
+        out += [
+            "Checkpoint every step:",
+            "",
+            *_table(["system", "step", "stall per checkpoint", "step overhead"], rows),
+        ]
+    rec = res.get("recovery", {})
+    if rec:
+        rows = []
+        for name, s in rec.items():
+            if "seconds" not in s:
+                continue
+            exact = s.get("exact", [])
+            rows.append([name, _stats_cell(s["seconds"]), f"{sum(exact)}/{len(exact)}"])
+        out += [
+            "Recovery, kill to the first step completed afterwards:",
+            "",
+            *_table(["system", "recovery", "bit-exact"], rows),
+        ]
+    for name, why in res.get("not_run", {}).items():
+        out.append(f"- **{name}** not run: {why}")
+    return [*out, ""]
+
+
+def _memory_section(res: Res, limits: Res) -> list[str]:
+    from tierswap.bench.hostmem import report
+
+    return ["Host memory a node holds per byte of its ranks' state (3 nodes, the example GPT):",
+            "", report(res), ""]  # fmt: skip
+
+
+def _goodput_section(res: Any, limits: Res) -> list[str]:
+    from tierswap.bench.projection import report
+
+    return ["Does `tierswap simulate` predict a real chaos run's wall time (target: within "
+            "15 %)?", "", report(res), ""]  # fmt: skip
+
+
+def _walk(node: Any, path: str, rows: list[list[str]], limits: Res) -> None:
+    """Every stats entry (a dict with a median and samples) under ``node``, a row each."""
+    if isinstance(node, dict) and {"median", "min", "max"} <= node.keys():
+        leaf = path.rsplit("/", 1)[-1]
+        if leaf.endswith("bps"):
+            lim = _limit_for(path, limits)
+            share = f"{node['median'] / lim[1]:.0%} of {lim[0]}" if lim else ""
+            rows.append([path, _stats_cell(node, 1 / GIB, "GiB/s"), share])
+        elif "overhead" in leaf:
+            rows.append([path, _pct(node), ""])
+        elif leaf.endswith("mib") or leaf.endswith("bytes"):
+            rows.append([path, f"{node['median']:.0f}", ""])
+        else:
+            rows.append([path, _stats_cell(node, 1e3, "ms", 1), ""])
+        return
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k not in ("machine", "config", "samples"):
+                _walk(v, f"{path}/{k}" if path else str(k), rows, limits)
+    elif isinstance(node, list) and node and isinstance(node[0], dict):
+        for i, v in enumerate(node):
+            _walk(v, f"{path}[{i}]", rows, limits)
+
+
+def _limit_for(path: str, limits: Res) -> tuple[str, float] | None:
+    """The machine limit a throughput at ``path`` moves its bytes against."""
+    ways = (
+        (("push", "stream", "peer", "tcp", "replic"), "tcp"),
+        (("write", "persist", "durable"), "write_fsync"),
+        (("hash", "checksum"), "xxh3"),
+        (("copy", "snapshot"), "memcpy"),
+    )
+    for words, name in ways:
+        if any(w in path for w in words) and name in limits:
+            return {"tcp": "loopback TCP", "write_fsync": "write + fsync", "xxh3": "xxh3",
+                    "memcpy": "memcpy"}[name], float(limits[name]["median"])  # fmt: skip
+    return None
+
+
+def _generic_section(res: Any, limits: Res) -> list[str]:
+    rows: list[list[str]] = []
+    _walk(res, "", rows, limits)
+    if not rows:
+        return ["(no timings in its JSON)", ""]
+    return _table(["measure", "median (min – max)", "share of the machine's limit"], rows)
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Any, Res], list[str]]]] = {
+    "recovery": ("Recovery by state size (`tierswap bench recovery`)", _recovery_section),
+    "peers": ("Against the peers, same model, same run (`tierswap bench peers`)",
+              _peers_section),
+    "overhead": ("Snapshot overhead of a whole job (`tierswap bench overhead`)",
+                 _overhead_section),
+    "snapshot": ("Blocking per checkpoint, copy and write (`tierswap bench snapshot`)",
+                 _generic_section),
+    "memory": ("Host memory (`tierswap bench memory`)", _memory_section),
+    "replication": ("Replication and restore (`tierswap bench replication`)", _generic_section),
+    "control-plane": ("The coordinator at scale (`tierswap bench control-plane`)",
+                      _generic_section),
+    "goodput": ("The goodput simulator against real runs (`tierswap bench goodput`)",
+                _goodput_section),
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------ plots
+
+
+def plots(folder: Path, res: dict[str, Any]) -> dict[str, Path]:
+    """Draw what the results allow; {name: path}. Empty without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    out: dict[str, Path] = {}
+    curve = res.get("recovery", {}).get("sizes", {})
+    if curve:
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+        for kind in ("worker", "node"):
+            pts = sorted(
+                (float(m), e[kind]) for m, e in curve.items() if "seconds" in e.get(kind, {})
+            )
+            if not pts:
+                continue
+            xs = [m for m, _ in pts]
+            ax.errorbar(xs, *_spread([s["seconds"] for _, s in pts]), marker="o", capsize=3,
+                        label=f"{kind} killed")  # fmt: skip
+            ax.plot(xs, [s["floors"]["restore"] for _, s in pts], ls=":",
+                    label=f"{kind}: restore floor")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("state per rank (MiB)")
+        ax.set_ylabel("kill to next completed step (s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        out["recovery"] = _save(fig, plt, folder / "recovery.png")
+    peers = res.get("peers", {})
+    rec = {k: s for k, s in peers.get("recovery", {}).items() if "seconds" in s}
+    if rec:
+        fig, ax = plt.subplots(figsize=(7, 3.8), dpi=110)
+        names = list(rec)
+        mids, err = _spread([rec[n]["seconds"] for n in names])
+        ax.barh(names, mids, xerr=err, capsize=3)
+        ax.set_xlabel("kill to next completed step (s), median, min – max")
+        ax.grid(True, axis="x", alpha=0.3)
+        out["peers_recovery"] = _save(fig, plt, folder / "peers-recovery.png")
+    ck = {k: s for k, s in peers.get("checkpoint", {}).items() if s.get("stall_s")}
+    if ck:
+        fig, ax = plt.subplots(figsize=(7, 3.4), dpi=110)
+        names = list(ck)
+        ax.barh(names, [1e3 * ck[n]["stall_s"]["median"] for n in names])
+        ax.set_xscale("log")
+        ax.set_xlabel("training blocked per checkpoint (ms, median, log scale)")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+        out["peers_stall"] = _save(fig, plt, folder / "peers-stall.png")
+    if res.get("simulate"):
+        from tierswap import goodput
+
+        goodput.plot(res["simulate"], str(folder / "goodput.png"))
+        out["simulate"] = folder / "goodput.png"
+    return out
+
+
+def _spread(ss: list[dict[str, Any]]) -> tuple[list[float], list[list[float]]]:
+    """Medians, and their distances down to the min and up to the max (error bars)."""
+    mids = [s["median"] for s in ss]
+    lows = [m - s["min"] for m, s in zip(mids, ss, strict=True)]
+    return mids, [lows, [s["max"] - m for m, s in zip(mids, ss, strict=True)]]
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------ the file
+
+
+def load(folder: Path) -> tuple[Res, dict[str, Any]]:
+    index = json.loads((folder / "index.json").read_text())
+    res: dict[str, Any] = {}
+    for name in index.get("benches", {}):
+        path = folder / f"{name}.json"
+        if path.exists():
+            res[name] = json.loads(path.read_text())
+    return index, res
+
+
+def write(folder: Path, md: Path) -> Path:
+    """Write ``md`` (and the plots, into ``folder``) from the run in ``folder``."""
+    index, res = load(folder)
+    drawn = plots(folder, res)
+    rel = Path(os.path.relpath(folder, md.parent))
+    lim = index.get("limits", {})
+    kind = "quick run" if index.get("quick") else "full run"
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `tierswap bench report` from `{rel}` (a {kind} of `tierswap bench all`, "
+        f"{index.get('wall_s', 0) / 60:.0f} min); `make bench` measures again and rewrites "
+        "this file. Timings are medians over interleaved repetitions with their spread.",
+        "",
+        "## Headline",
+        "",
+        *headline(res, bool(index.get("quick"))),
+    ]
+    if "simulate" in drawn:
+        lines += [f"![goodput against GPU count]({rel / 'goodput.png'})", ""]
+    if index.get("left_out"):
+        lines += [f"Not in this run: {', '.join(index['left_out'])}.", ""]
+    lines += [*_machine_section(index), *_limits_section(index)]
+    for name, bench in index.get("benches", {}).items():
+        if name == "simulate":
+            continue
+        title, render = SECTIONS.get(name, (f"`tierswap bench {bench['what']}`", _generic_section))
+        lines += [f"## {title}", "", f"`tierswap bench {bench['what']} {' '.join(bench['args'])}`"
+                  f", {bench['seconds']:.0f} s.", ""]  # fmt: skip
+        if bench["status"] != "ok" or name not in res:
+            tail = _tail(folder / bench.get("log", f"{name}.log"))
+            lines += [f"**{bench['status']}**; the end of its output:", "", "```", tail, "```", ""]
+            continue
+        lines += render(res[name], lim)
+        if name in drawn:
+            lines += [f"![{name}]({rel / drawn[name].name})", ""]
+        for extra in (k for k in drawn if k.startswith(name + "_")):
+            lines += [f"![{extra}]({rel / drawn[extra].name})", ""]
+    if not drawn:
+        lines += ["*No plots: matplotlib is not installed (`pip install 'tierswap[bench]'`).*"]
+    md.write_text("\n".join(lines).rstrip() + "\n")
+    return md
+
+
+def _tail(path: Path, chars: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:].strip()
+    except FileNotFoundError:
+        return f"({path.name} is missing)"

@@ -1,0 +1,128 @@
+"""`tierswap bench all` and `tierswap bench report`: one run into one folder, one report
+from its JSON, every claim judged against its target, every failure shown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierswap.bench import suite, writeup
+
+
+def _stats(median: float, lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
+    lo = median if lo is None else lo
+    hi = median if hi is None else hi
+    return {"median": median, "q1": lo, "q3": hi, "min": lo, "max": hi, "samples": [median]}
+
+
+def _recovery(worker_s: float, node_s: float) -> dict[str, Any]:
+    def kind(seconds: float) -> dict[str, Any]:
+        parts = {"fetch": 0.1, "verify": 0.05, "load": 0.15}
+        return {"seconds": _stats(seconds, seconds - 0.1, seconds + 0.1),
+                "phases": {"detect": 0.1, "decide": 0.2, "rebuild": 0.0, "restore": 0.5,
+                           "resume": 0.4},
+                "lost": parts, "floors": {**parts, "restore": 0.2, "step": 0.4},
+                "restore_vs_floor": 1.5}  # fmt: skip
+
+    return {"sizes": {"384": {"rank_state_bytes": 384 << 20, "worker": kind(worker_s),
+                              "node": kind(node_s)}}}  # fmt: skip
+
+
+def _overhead() -> dict[str, Any]:
+    def mode(step: float, over: float, stall: float) -> dict[str, Any]:
+        return {"step_s": _stats(step), "overhead": _stats(over), "stall_of_step": stall,
+                "copy_vs_memcpy": 1.2, "agents_vs_memcpy": 0.1}  # fmt: skip
+
+    return {"size_mib": 384, "steps": 14, "plain": mode(0.4, 0.0, 0.0),
+            "tier0": mode(0.41, 0.03, 0.004), "tier01": mode(0.5, 0.25, 0.2)}  # fmt: skip
+
+
+def _folder(tmp_path: Path, benches: dict[str, tuple[str, Any]]) -> Path:
+    """A results folder as `bench all` leaves it: {name: (status, its JSON or None)}."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    index: dict[str, Any] = {"machine": suite.machine(), "quick": False, "wall_s": 60.0,
+                             "limits": {"nbytes": 1 << 20, "memcpy": _stats(8 * 2**30),
+                                        "tcp": _stats(2 * 2**30)}, "benches": {}}  # fmt: skip
+    for name, (status, res) in benches.items():
+        index["benches"][name] = {"what": name, "args": ["--repeats", "1"], "status": status,
+                                  "seconds": 3.0, "log": f"{name}.log"}  # fmt: skip
+        (folder / f"{name}.log").write_text(f"output of {name}\nTraceback: it broke\n")
+        if res is not None:
+            (folder / f"{name}.json").write_text(json.dumps(res))
+    (folder / "index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {
+        "recovery": ("ok", _recovery(worker_s=1.2, node_s=2.0)),
+        "overhead": ("ok", _overhead()),
+        "peers": ("failed (1)", None),
+    })  # fmt: skip
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
+    worker = rows["recovery, worker killed, spare worker parked, 384 MiB/rank"]
+    assert "1.20 s (1.10 – 1.30)" in worker and worker.endswith("| yes |")
+    node = rows["recovery, node killed, spare host parked, 384 MiB/rank"]
+    assert node.endswith("| **no** |"), "2.0 s is past the 1.5 s target"
+    assert rows["step overhead, snapshot every step, tier 0, unpinned"].endswith("| yes |")
+    assert rows["step overhead, snapshot every step, tiers 0+1, unpinned"].endswith("**no** |")
+    assert "**failed (1)**" in md and "Traceback: it broke" in md, "a failure shows its output"
+    assert "## Recovery by state size" in md and "| 384 | worker |" in md
+
+
+def test_report_draws_its_plots_where_matplotlib_is_installed(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need tierswap[bench]")
+    folder = _folder(tmp_path, {"recovery": ("ok", _recovery(1.0, 1.1))})
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    assert (folder / "recovery.png").stat().st_size > 1000
+    assert "](results/recovery.png)" in md, "linked relative to the report"
+
+
+def test_report_without_a_run_or_with_an_unknown_benchmark_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(suite, "checkout", lambda: tmp_path)
+    args = argparse.Namespace(what="report", results=None, quick=False, only=None)
+    with pytest.raises(SystemExit, match="run `tierswap bench all` first"):
+        suite.main(args)
+    args = argparse.Namespace(what="report", results=str(tmp_path), quick=False, only=None)
+    with pytest.raises(SystemExit, match=r"has no index\.json"):
+        suite.main(args)
+    args = argparse.Namespace(what="all", results=str(tmp_path), quick=True, only=["nope"])
+    with pytest.raises(SystemExit, match="--only nope: not a benchmark"):
+        suite.main(args)
+
+
+@pytest.mark.timeout(120)
+def test_bench_all_runs_its_plan_into_one_folder_and_reports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real run of a plan of two: one benchmark that works, one that fails on its
+    arguments; both in the index, the report written, the projection drawn."""
+    monkeypatch.setattr(suite, "checkout", lambda: tmp_path)
+    tiny = ("--nodes", "2", "--ranks-per-node", "1", "--repeats", "1")
+    monkeypatch.setattr(suite, "PLAN", (
+        suite.Bench("control-plane", "control-plane", tiny, tiny, 3),
+        suite.Bench("broken", "delta", ("--size-mib", "8"), ("--size-mib", "8"), 3),
+    ))  # fmt: skip
+    monkeypatch.setattr(suite, "LIMITS_MIB", (8, 8))
+    args = argparse.Namespace(what="all", results=None, quick=True, only=None)
+    assert suite.main(args) == 0
+    (folder,) = (tmp_path / "bench" / "results").iterdir()
+    index = json.loads((folder / "index.json").read_text())
+    assert index["benches"]["control-plane"]["status"] == "ok"
+    assert index["benches"]["broken"]["status"].startswith("failed")
+    assert index["limits"]["memcpy"]["median"] > 0 and index["machine"]["cpus"] >= 1
+    assert len(json.loads((folder / "simulate.json").read_text())) == len(suite.SWEEP_GPUS)
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "does not apply to bench delta" in md, "the failure's own words are in the report"
+    assert "projected goodput" in md and "control-plane" in md
+    again = argparse.Namespace(what="report", results=None, quick=False, only=None)
+    (tmp_path / "BENCHMARKS.md").unlink()
+    assert suite.main(again) == 0 and (tmp_path / "BENCHMARKS.md").exists()
