@@ -42,7 +42,7 @@ bench: $(STAMP)
 # the peers' own virtual environment, never a dependency of the package: DLRover's flash
 # checkpoint and torchft beside the same torch, and tierswap's reference model
 PEERS := .venv-peers
-PEER_PKGS := dlrover[torch]==0.6.1 torchft==0.2.0 grpcio numpy
+PEER_PKGS := dlrover[torch]==0.6.1 torchft==0.2.0 grpcio numpy kubernetes
 
 bench-peers: $(STAMP)
 	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)

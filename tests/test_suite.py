@@ -126,3 +126,16 @@ def test_bench_all_runs_its_plan_into_one_folder_and_reports_it(
     again = argparse.Namespace(what="report", results=None, quick=False, only=None)
     (tmp_path / "BENCHMARKS.md").unlink()
     assert suite.main(again) == 0 and (tmp_path / "BENCHMARKS.md").exists()
+
+
+def test_readme_gets_the_headline_between_its_markers_and_keeps_the_rest(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"recovery": ("ok", _recovery(1.2, 1.3))})
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# intro\n\n{writeup.BEGIN}\nold table\n{writeup.END}\n\n## after\n")
+    assert writeup.sync_readme(readme, folder)
+    text = readme.read_text()
+    assert text.startswith("# intro\n") and text.endswith("\n## after\n")
+    assert "old table" not in text and "recovery, worker killed" in text and "make bench" in text
+    plain = tmp_path / "OTHER.md"
+    plain.write_text("no markers\n")
+    assert not writeup.sync_readme(plain, folder) and plain.read_text() == "no markers\n"

@@ -137,6 +137,10 @@ def main(args: argparse.Namespace) -> int:
         from tierswap.bench import controlplane
 
         return controlplane.main(args)
+    if args.what == "peers":
+        from tierswap.bench import peers
+
+        return peers.main(args)
     if args.what in ("all", "report"):
         from tierswap.bench import suite
 

@@ -49,7 +49,7 @@ def train(job: tierswap.Job) -> None:
         model = DDP(model)
     opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
-    times = open(args.times, "a") if args.times else None  # noqa: SIM115 (closed below)
+    times = open(args.times, "a", buffering=1) if args.times else None  # noqa: SIM115 (closed below)
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)
     for step in steps:
         x, y = batch(step, job.rank, args.batch)

@@ -1,0 +1,103 @@
+"""torchft the way its README runs it, on one machine: a lighthouse, and each replica
+group under its own ``torchrun`` (here 2 groups of 1 rank, ``--max-restarts 1`` so that a
+killed replica comes back and heals from the live one).
+
+    python torchft_pair.py --groups 2 -- --size-mib 384 --times T --out O --kill-step 8
+
+Everything after ``--`` goes to ``train_peer.py --system torchft``. The lighthouse runs
+with the README's settings (``--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms
+10000``) on a free loopback port; this exits with the first non-zero exit of a group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "train_peer.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchft's lighthouse exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"torchft's lighthouse did not listen on 127.0.0.1:{port} in {timeout} s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args()
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    bin_dir = Path(sys.executable).parent
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [
+            str(bin_dir / "torchft_lighthouse"),
+            "--min_replicas",
+            "1",
+            "--quorum_tick_ms",
+            "100",
+            "--join_timeout_ms",
+            "10000",
+            "--bind",
+            f"127.0.0.1:{port}",
+        ]
+    )
+    groups: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_listening(port, lighthouse)
+        for g in range(args.groups):
+            env = {
+                **os.environ,
+                "REPLICA_GROUP_ID": str(g),
+                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}",
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "1",
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.1",
+                str(SCRIPT),
+                "--system",
+                "torchft",
+                "--groups",
+                str(args.groups),
+                *rest,
+            ]
+            groups.append(subprocess.Popen(cmd, env=env))
+        codes = [g.wait() for g in groups]
+        return next((c for c in codes if c != 0), 0)
+    finally:
+        for proc in (*groups, lighthouse):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`tierswap bench peers`: recovery times read from the step notes the way the issue
+defines them, exactness and ratios summarized, bad arguments refused, and one tiny run of
+the torch-only peers end to end that leaves nothing behind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierswap.bench import peers
+
+
+def note(rank: int, step: int, t: float, stall: float = 0.0) -> dict[str, Any]:
+    return {"rank": rank, "step": step, "t": t, "stall": stall, "copy_cpu": 0.0}
+
+
+def test_recovery_runs_from_the_victims_step_8_to_the_last_ranks_next_step() -> None:
+    notes = [note(0, 7, 1.0), note(1, 7, 1.1), note(1, 8, 2.0), note(0, 8, 2.05)]
+    # the restarted attempt appends: rank 1 first, rank 0's next step later
+    notes += [note(1, 9, 9.0), note(0, 9, 9.5), note(0, 10, 10.0), note(1, 10, 10.1)]
+    assert peers.recovery_seconds(notes) == pytest.approx(7.5)
+
+
+def test_recovery_takes_a_rank_whose_pre_kill_step_8_ends_after_the_kill() -> None:
+    # rank 0 finishes step 8 just after rank 1 died: its recovery is its step 9, not 8
+    notes = [note(1, 8, 2.0), note(0, 8, 2.01), note(1, 9, 5.0), note(0, 9, 5.2)]
+    assert peers.recovery_seconds(notes) == pytest.approx(3.2)
+
+
+def test_recovery_redone_steps_count_as_the_first_step_after_the_kill() -> None:
+    # a restart from step 7's checkpoint redoes step 8 on every rank
+    notes = [note(0, 8, 2.0), note(1, 8, 2.0), note(0, 8, 6.0), note(1, 8, 6.1)]
+    assert peers.recovery_seconds(notes) == pytest.approx(4.1)
+
+
+def test_recovery_with_a_kill_time_when_the_victims_notes_died_with_it() -> None:
+    # a buffered times file: the victim's notes are gone, its replacement redoes step 8
+    notes = [note(0, 7, 1.0), note(0, 8, 2.0), note(1, 8, 3.0), note(1, 9, 3.5)]
+    notes += [note(0, 8, 3.1), note(0, 9, 3.6)]
+    assert peers.recovery_seconds(notes, kill_t=2.5) == pytest.approx(0.6)
+
+
+def test_recovery_names_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="rank 1 wrote no step-8 entry"):
+        peers.recovery_seconds([note(0, 8, 1.0), note(1, 7, 1.0)])
+    with pytest.raises(ValueError, match=r"ranks \[0\] completed no step after the kill"):
+        peers.recovery_seconds([note(0, 8, 1.0), note(1, 8, 1.0), note(1, 9, 3.0)])
+
+
+def test_checkpoint_costs_take_rank_0s_steps_and_the_longest_stall_of_each_step() -> None:
+    notes = []
+    for s in range(14):
+        notes += [note(0, s, 0.5 * s, stall=0.1), note(1, s, 0.5 * s, stall=0.2 if s > 3 else 9)]
+    costs = peers.checkpoint_costs(notes)
+    assert costs["step_s"] == pytest.approx(0.5)
+    assert costs["stall_s"] == pytest.approx(0.2)  # steps 0-3 left out
+
+
+def test_summaries_give_exactness_and_per_round_ratios_with_a_failed_round() -> None:
+    runs: dict[str, list[dict[str, Any] | None]] = {
+        peers.BASE_RECOVERY: [_rec(0.5, True), _rec(1.0, True), _rec(0.5, True)],
+        "torchft-heal": [_rec(5.0, False), None, _rec(10.0, False)],
+    }
+    s = peers.summarize_recovery(runs)
+    ft = s["torchft-heal"]
+    assert peers.exactness(ft["exact"]) == "0/2"
+    assert ft["failed"] == 1
+    assert ft[f"vs_{peers.BASE_RECOVERY}"]["samples"] == [10.0, 20.0]  # round 2 left out
+    assert peers.exactness(s[peers.BASE_RECOVERY]["exact"]) == "3/3"
+
+
+def _rec(seconds: float, exact: bool) -> dict[str, Any]:
+    return {"seconds": seconds, "exact": exact, "differing": [] if exact else ["rank-0/x"],
+            "rng_differing": [], "kill_from": "victim's times"}  # fmt: skip
+
+
+def test_checkpoint_overhead_is_against_the_plain_run_of_the_same_round() -> None:
+    runs: dict[str, list[dict[str, float] | None]] = {
+        "plain": [{"step_s": 1.0, "stall_s": 0.0}, {"step_s": 2.0, "stall_s": 0.0}],
+        "tier0": [{"step_s": 1.1, "stall_s": 0.01}, {"step_s": 2.2, "stall_s": 0.01}],
+        "torch-save": [{"step_s": 1.5, "stall_s": 0.5}, {"step_s": 3.0, "stall_s": 0.5}],
+    }
+    s = peers.summarize_checkpoint(runs)
+    assert s["torch-save"]["overhead"]["samples"] == pytest.approx([0.5, 0.5])
+    assert s["torch-save"]["stall_vs_tier0"]["median"] == pytest.approx(50.0)
+    assert "overhead" not in s["plain"]
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    base = {"size_mib": None, "repeats": 1, "json": None, "peers_python": None, "only": None}
+    return argparse.Namespace(**(base | kw))
+
+
+def test_bad_arguments_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="takes one size"):
+        peers.config_from(_args(size_mib=[1, 2]))
+    with pytest.raises(ValueError, match="use >= 1"):
+        peers.config_from(_args(size_mib=[0]))
+    with pytest.raises(ValueError, match="not a system of bench peers"):
+        peers.config_from(_args(only=["megatron"]))
+    with pytest.raises(ValueError, match="make bench-peers"):
+        peers.config_from(_args(peers_python=str(tmp_path / "nope" / "python")))
+
+
+def test_peers_a_python_lacks_are_not_run_and_say_how_to_get_them() -> None:
+    cfg = peers.Config(size_mib=1, repeats=1, peers_python=None, only=frozenset({"torch-save"}))
+    have = {"python": "/usr/bin/python3", "torch": "2.13.0", "dlrover": None, "torchft": None}
+    ckpt, rec, not_run = peers.plan(cfg, have)
+    assert ckpt == ["plain", "torch-save"] and rec == []
+    assert set(not_run) == {"dlrover-memory", "dlrover-restart", "torchft-heal"}
+    assert all("make bench-peers" in why for why in not_run.values())
+
+
+def test_a_missing_peer_scripts_folder_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "site" / "pkgs" / "tierswap" / "__init__.py"
+    monkeypatch.setattr(peers.tierswap, "__file__", str(fake))
+    with pytest.raises(FileNotFoundError, match="installed wheel has no bench/"):
+        peers.peers_folder()
+
+
+def _ours_alive(prefix: str) -> list[str]:
+    """Processes whose command line names one of the benchmark's temporary folders."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if prefix in cmd:
+            found.append(f"{proc.name}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_dcp_recovery_end_to_end_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The torch-only restart baseline, measured and compared bit for bit with its
+    uninterrupted run (about 35 s on 2 cores); the peers this Python lacks are named."""
+    temps = set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*"))
+    out = tmp_path / "peers.json"
+    args = _args(size_mib=[1], json=str(out), peers_python=sys.executable, only=["torchrun-dcp"])
+    have_peers = all(peers._probe(None).get(lib) for lib in peers.PEER_LIBS)
+    assert peers.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["failures"] == []
+    assert res["checkpoint"] == {}
+    rec = res["recovery"]["torchrun-dcp"]
+    assert rec["exact"] == [True]  # a restart from the newest DCP, of step 8, loses nothing
+    assert rec["kill_from"] == ["victim's times"]
+    assert 0 < rec["seconds"]["median"] < 120
+    if not have_peers:
+        assert "torchft-heal" in res["not_run"] and "dlrover-restart" in res["not_run"]
+    assert set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*")) == temps
+    assert _ours_alive("tierswap-bench-peers-") == []
