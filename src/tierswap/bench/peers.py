@@ -173,8 +173,9 @@ def exactness(flags: Sequence[bool]) -> str:
 
 
 def ratios(ours: Sequence[float], theirs: Sequence[float]) -> Stats | None:
-    """Stats of ``theirs / ours`` round by round (rounds where both ran and ours > 0)."""
-    rs = [t / o for o, t in zip(ours, theirs, strict=False) if o > 0]
+    """Stats of ``theirs / ours`` round by round; ours is taken as at least a microsecond
+    (a stall that rounds to 0 is not left out, which would keep only our worst rounds)."""
+    rs = [t / max(o, 1e-6) for o, t in zip(ours, theirs, strict=False)]
     return stats(rs) if rs else None
 
 

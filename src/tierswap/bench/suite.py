@@ -150,7 +150,8 @@ def run_one(bench: Bench, folder: Path, quick: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     code = run_bounded(cmd, log, folder, deadline)
     seconds = time.monotonic() - t0
-    status = "ok" if code == 0 else "timed out" if code == -9 else f"failed ({code})"
+    timed_out = code == -9 and seconds >= deadline  # -9 is also a SIGKILL from elsewhere
+    status = "ok" if code == 0 else "timed out" if timed_out else f"failed ({code})"
     print(f"bench all: {bench.name}: {status} in {seconds:.0f} s", flush=True)
     return {"what": bench.what, "args": list(args), "status": status, "seconds": seconds,
             "deadline_s": deadline, "log": log.name}  # fmt: skip
@@ -173,7 +174,12 @@ def run_all(folder: Path, quick: bool, only: list[str] | None) -> dict[str, Any]
     t0 = time.monotonic()
     index: dict[str, Any] = {"machine": machine(), "quick": quick, "benches": {}}
     if only is not None and (folder / "index.json").exists():  # a rerun of some: keep the rest
-        index["benches"] = json.loads((folder / "index.json").read_text())["benches"]
+        old = json.loads((folder / "index.json").read_text())
+        if bool(old.get("quick")) != quick:
+            raise SystemExit(f"tierswap bench all --only into {folder}: that run was "
+                             f"{'quick' if old.get('quick') else 'full'}, this one is not; "
+                             "use another --results folder")  # fmt: skip
+        index["benches"] = old["benches"]
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-limits-") as tmp:
         size = LIMITS_MIB[0 if quick else 1] << 20
         index["limits"] = limits.measure(size, 3 if quick else 5, Path(tmp))
