@@ -19,8 +19,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 
+# two pytest workers, a file to each at a time (a file's jobs share its baselines); a short
+# base folder, since the agents' Unix sockets live in the tests' run folders (107 bytes)
 test: lint etcd
-	$(BIN)/pytest -q --durations=12
+	@base=$$(mktemp -d /tmp/tsw.XXXX); \
+	$(BIN)/pytest -q -n 2 --dist loadfile --basetemp=$$base --durations=12; rc=$$?; \
+	rm -rf $$base; exit $$rc
 
 # the etcd server of the --rdzv-backend etcd tests (Debian's etcd-server); where it cannot
 # be installed (no root, no apt) those tests are skipped, saying so

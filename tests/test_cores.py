@@ -572,16 +572,15 @@ def test_a_first_worker_dying_before_it_attaches_stops_the_job_a_replacement_is_
     assert told == [p.StartFailed(local=0, code=1)], "the script is broken: the job stops"
 
 
-def test_an_agent_process_imports_no_torch() -> None:
-    """An agent only moves and checks bytes: importing torch would add seconds to every
-    host's start (a spare's boot, a revived host's) and hundreds of MB to each agent."""
+@pytest.mark.parametrize("module", ["tierswap.cluster.agent", "tierswap.cluster.coordinator"])
+def test_an_agent_or_launcher_process_imports_no_torch(module: str) -> None:
+    """An agent only moves and checks bytes, a launcher only decides and serves keys:
+    importing torch would add seconds to every host's start (a spare's boot, a revived
+    host's), to every job's launch, and hundreds of MB to each."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, tierswap.cluster.agent; "
-        "print(sorted({'torch', 'safetensors'} & set(sys.modules)))"
-    )
+    code = f"import sys, {module}; print(sorted({{'torch', 'safetensors'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 

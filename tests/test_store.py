@@ -52,6 +52,32 @@ def test_every_operation_keeps_torchs_semantics(server: tuple[StoreServer, bytes
         b.close()
 
 
+def test_the_launchers_keys_follow_torchs_hash_store() -> None:
+    """The server's keys without torch (the launcher never imports it), by HashStore's
+    rules: counters as decimal strings, compare_set on an unset key, a wait of 0 for ever."""
+    from tierswap.keystore import Keys, KeyTimeout
+
+    k = Keys()
+    assert k.add("n", -3) == -3 and k.add("n", 5) == 2
+    k.set("e", b"")
+    assert k.add("e", 1) == 1, "an empty value counts as 0"
+    k.set("s", b"text")
+    with pytest.raises(ValueError, match="not a counter"):
+        k.add("s", 1)
+    with pytest.raises(OverflowError, match="int64"):
+        k.add("n", 2**63)
+    assert k.get("n", 1.0) == b"2", "a failed add changed nothing"
+    assert k.compare_set("c", b"x", b"y") == b"x" and not k.check(["c"])
+    assert k.compare_set("c", b"", b"y") == b"y" and k.get("c", 1.0) == b"y"
+    threading.Timer(0.2, lambda: k.set("late", b"1")).start()
+    k.wait(["late", "c"], 0)  # 0: for ever, woken by the set
+    t0 = time.monotonic()
+    with pytest.raises(KeyTimeout, match="never"):
+        k.wait(["never"], 0.2)
+    assert 0.15 < time.monotonic() - t0 < 5
+    assert k.delete_key("late") and not k.delete_key("late") and k.num_keys() == 4
+
+
 def test_a_get_waits_for_another_workers_set(server: tuple[StoreServer, bytes]) -> None:
     srv, secret = server
     a, b = (StoreClient(srv.address, secret, WAIT) for _ in range(2))
@@ -118,7 +144,7 @@ def test_a_process_without_the_secret_reaches_no_key(server: tuple[StoreServer, 
         with pytest.raises(AuthenticationError):
             StoreClient(srv.address, secrets.token_bytes(32), WAIT)
         with pytest.raises((RuntimeError, dist.DistError)):  # torch's client: no handshake
-            dist.TCPStore(*srv.address, is_master=False, timeout=timedelta(seconds=2))
+            dist.TCPStore(*srv.address, is_master=False, timeout=timedelta(seconds=0.5))
         assert a.num_keys() == 1 and a.get("nccl-id") == b"secret bytes"
     finally:
         a.close()

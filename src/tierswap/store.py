@@ -2,14 +2,14 @@
 
 torch's ``TCPStore`` listens on every interface and serves anyone who connects (reads,
 writes, a list of its keys). This store keeps torch's semantics and none of that: the
-launcher runs a :class:`StoreServer` on ``--bind`` only, over the job's authenticated
-channels (the secret's handshake, a MAC on every frame), holding the keys in torch's own
-in-memory ``HashStore``; each worker hands ``init_process_group`` a :class:`StoreClient`,
-a ``torch.distributed.Store`` whose operations are calls to it. A process without the
+launcher runs a :class:`~tierswap.keystore.StoreServer` on ``--bind`` only, over the
+job's authenticated channels (the secret's handshake, a MAC on every frame), holding the
+keys as torch's in-memory ``HashStore`` would, without torch; each worker hands
+``init_process_group`` a :class:`StoreClient`, a ``torch.distributed.Store`` whose
+operations are calls to it. A process without the
 secret is refused at the handshake and never reaches a key.
 
-One connection per worker process, one thread per connection on the server: a blocking
-``get`` or ``wait`` holds only its own worker.
+One connection per worker process, one thread per connection on the server.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+from torch._C._distributed_c10d import Store
 
 from tierswap.control import protocol as p
-from tierswap.wire import Address, AuthenticationError, Channel, HandshakeCut, Server
+from tierswap.keystore import StoreServer
+from tierswap.wire import Address, AuthenticationError, Channel, HandshakeCut
+
+__all__ = ["StoreClient", "StoreServer"]
 
 SLACK_S = 30.0
 """Seconds a call waits for its reply beyond the wait it asks the server for."""
@@ -33,55 +36,6 @@ def _bytes(value: Any) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
-
-
-class StoreServer(Server):
-    """The job's store, served on ``(bind, port 0)``; ``close`` stops it."""
-
-    incoming = p.WorkerToStore
-    name = "tierswap-store"
-
-    def __init__(self, bind: str, secret: bytes) -> None:
-        self.data = HashStore()
-        # every wait names its own timeout; a get whose key went between its wait and its
-        # read fails after this, instead of holding its worker for torch's 300 s
-        self.data.set_timeout(timedelta(seconds=1))
-        super().__init__(bind, secret)
-
-    def handle(self, chan: Channel) -> None:
-        while (env := chan.recv()) is not None:
-            try:
-                reply = self.answer(env.msg)
-            except Exception as e:  # a timeout, a bad counter: the caller is told
-                reply = p.Error(message=f"{type(e).__name__}: {e}")
-            chan.send(reply)
-
-    def answer(self, msg: p.Message) -> p.Message:
-        """The reply to one request, from this store's keys. A timeout of 0 waits for
-        ever, as in torch."""
-        d = self.data
-        match msg:
-            case p.StoreSet(key=key, value=value):
-                d.set(key, value)  # type: ignore[arg-type]  # bytes work
-                return p.Ack()
-            case p.StoreGet(key=key, timeout=timeout):
-                d.wait([key], timedelta(seconds=timeout))
-                return p.StoreValue(value=_bytes(d.get(key)))
-            case p.StoreAdd(key=key, amount=amount):
-                return p.StoreNumber(value=int(d.add(key, amount)))
-            case p.StoreCompareSet(key=key, expected=expected, desired=desired):
-                value = d.compare_set(key, expected, desired)  # type: ignore[arg-type]
-                return p.StoreValue(value=_bytes(value))
-            case p.StoreWait(keys=keys, timeout=timeout):
-                d.wait(keys, timedelta(seconds=timeout))
-                return p.Ack()
-            case p.StoreCheck(keys=keys):
-                return p.StoreFlag(ok=bool(d.check(keys)))
-            case p.StoreDelete(key=key):
-                return p.StoreFlag(ok=bool(d.delete_key(key)))
-            case p.StoreCount():
-                return p.StoreNumber(value=int(d.num_keys()))
-        raise p.ProtocolError(f"the store does not answer {p.tag_of(msg)!r}")
 
 
 class StoreClient(Store):

@@ -158,7 +158,19 @@ def _free(run_dir: Path) -> None:
             remove_job_segments(e["job_id"])
 
 
-def run(size_mib: int, repeats: int, steps: int = 14) -> dict[str, Any]:
+def run(
+    size_mib: int,
+    repeats: int,
+    steps: int = 14,
+    modes: tuple[str, ...] = tuple(MODES),
+    pinnings: tuple[bool, ...] = (False, True),
+) -> dict[str, Any]:
+    """Every mode in ``modes`` (``plain`` among them: the baseline) under each pinning,
+    interleaved, ``repeats`` times."""
+    if unknown := sorted(set(modes) - set(MODES)):
+        raise ValueError(f"modes {unknown} are not among {sorted(MODES)}")
+    if "plain" not in modes:
+        raise ValueError(f"modes {modes} leave out 'plain', the baseline of the others")
     out: dict[str, Any] = {
         "size_mib": size_mib,
         "steps": steps,
@@ -168,8 +180,8 @@ def run(size_mib: int, repeats: int, steps: int = 14) -> dict[str, Any]:
         work = Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {}
         for i in range(repeats):
-            for pinned in (False, True):
-                order = list(MODES)[:: -1 if i % 2 else 1]
+            for pinned in pinnings:
+                order = list(modes)[:: -1 if i % 2 else 1]
                 for mode in order:
                     key = f"{mode}{'_pinned' if pinned else ''}"
                     runs.setdefault(key, []).append(
@@ -208,6 +220,8 @@ def report(res: dict[str, Any]) -> None:
                 "copy CPU-s/GiB", "agents CPU-s/GiB", "vs memcpy (agents)"):  # fmt: skip
         table.add_column(col)
     for key in ("plain", "tier0", "tier01", "plain_pinned", "tier0_pinned", "tier01_pinned"):
+        if key not in res:
+            continue
         e = res[key]
         o = e["overhead"]
         table.add_row(

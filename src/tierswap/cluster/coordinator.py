@@ -51,8 +51,8 @@ from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot, FencedRoot
 from tierswap.errors import Deposed
 from tierswap.events import EventLog, Progress
+from tierswap.keystore import StoreServer
 from tierswap.shm import remove_job_segments
-from tierswap.store import StoreServer
 from tierswap.tiers.ownership import LEASE_S, RootClaim
 from tierswap.wire import Channel, Listener, reader, serve
 
