@@ -101,6 +101,20 @@ def test_recovery_clock_splits_phases_and_names_kept_ranks() -> None:
     assert resumed["ranks"] == {"0": {"load": 0.25}, "1": {"fetch": 0.5, "load": 0.5}}
 
 
+def test_recovery_clock_ends_at_the_first_step_not_at_the_snapshot_after_it() -> None:
+    clock = RecoveryClock(world_size=2)
+    clock.generation_started(0.0)
+    clock.fault(10.0)
+    clock.failed(last_step=8, now=10.5)
+    clock.generation_started(11.0)
+    clock.worker_joined(0, 10, 11.0)
+    clock.worker_joined(1, 21, 11.0)
+    clock.restored(12.0)
+    clock.worker_stepped(0, 8, 13.5, {"step": 1.0, "snapshot": 0.25})  # stepped at 13.25
+    resumed: Any = clock.worker_stepped(1, 8, 13.0, {"step": 0.75})
+    assert resumed["seconds"] == 3.25 and resumed["phases"]["resume"] == 1.25
+
+
 def test_a_node_is_ready_once_not_again_when_a_worker_is_replaced() -> None:
     workers = WorkerTable()
     for local in (0, 1):

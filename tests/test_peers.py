@@ -140,13 +140,20 @@ def _ours_alive(prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_torchrun_dcp_recovery_end_to_end_leaves_nothing_behind(tmp_path: Path) -> None:
-    """The torch-only restart baseline, measured and compared bit for bit with its
-    uninterrupted run (about 35 s on 2 cores); the peers this Python lacks are named."""
+@pytest.mark.timeout(240)
+def test_torchrun_dcp_and_hot_swap_recoveries_end_to_end_are_exact_and_leave_nothing(
+    tmp_path: Path,
+) -> None:
+    """The torch-only restart baseline and tierswap's two hot swaps (a spare worker
+    restoring from tier 0, a spare host from a peer's replica, both into a model built
+    without initialising it: ``job.restoring``), measured and compared bit for bit with
+    uninterrupted runs (about 60 s on 2 cores); the peers this Python lacks are named."""
     temps = set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*"))
     out = tmp_path / "peers.json"
-    args = _args(size_mib=[1], json=str(out), peers_python=sys.executable, only=["torchrun-dcp"])
+    swaps = ["tierswap-worker-spare", "tierswap-node-spare"]
+    args = _args(
+        size_mib=[1], json=str(out), peers_python=sys.executable, only=["torchrun-dcp", *swaps]
+    )
     have_peers = all(peers._probe(None).get(lib) for lib in peers.PEER_LIBS)
     assert peers.main(args) == 0
     res = json.loads(out.read_text())
@@ -156,6 +163,8 @@ def test_torchrun_dcp_recovery_end_to_end_leaves_nothing_behind(tmp_path: Path) 
     assert rec["exact"] == [True]  # a restart from the newest DCP, of step 8, loses nothing
     assert rec["kill_from"] == ["victim's times"]
     assert 0 < rec["seconds"]["median"] < 120
+    for swap in swaps:  # no weight left as to_empty made it: every byte came from the step
+        assert res["recovery"][swap]["exact"] == [True], swap
     if not have_peers:
         assert "torchft-heal" in res["not_run"] and "dlrover-restart" in res["not_run"]
     assert set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*")) == temps

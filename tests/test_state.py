@@ -152,25 +152,77 @@ def test_round_trip_is_bit_identical_into_fresh_objects() -> None:
     assert math.isnan(fresh["undefined"]) and fresh["by_id"][-7] == [True, False]
 
 
-def test_training_continues_identically_after_restore() -> None:
-    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer, Snapshot, torch.Tensor]:
+    """A model and optimizer one step in, its snapshot, then a second step on ``x2``."""
     x1, x2 = torch.randn(8, 4), torch.randn(8, 4)
     model = _model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step(model, opt, x1)
+    _train_step(model, opt, x1)
     snap = _snapshot({"model": model, "optim": opt})
-    step(model, opt, x2)
+    _train_step(model, opt, x2)
+    return model, opt, snap, x2
 
+
+def test_training_continues_identically_after_restore() -> None:
+    model, opt, snap, x2 = _trained()
+    step = _train_step
     model2 = _model(5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     _restore({"model": model2, "optim": opt2}, snap)
     step(model2, opt2, x2)
     _assert_same(model.state_dict(), model2.state_dict())
     _assert_same(opt.state_dict(), opt2.state_dict())
+
+
+def _adopting(state: MutableMapping[str, Any], snap: Snapshot) -> memoryview:
+    """Load ``snap`` as a fetched step is loaded: from this process's own memory, kept."""
+    tree, layout, buf = snap
+    mem = memoryview(bytearray(buf))
+    load(state, tree, [tensor_view(mem, e) for e in layout.entries], layout, adopt=True)
+    return mem
+
+
+def _inside(t: torch.Tensor, mem: memoryview) -> bool:
+    start = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    return start <= t.data_ptr() < start + len(mem)
+
+
+def test_an_adopting_load_points_the_live_tensors_at_the_fetched_bytes() -> None:
+    model, opt, snap, x2 = _trained()
+    with torch.device("meta"):  # built without values: the load gives every one
+        model2 = _model(5)
+    model2 = model2.to_empty(device="cpu")
+    params = list(model2.parameters())
+    opt2 = torch.optim.AdamW(params, lr=1e-2)
+    mem = _adopting({"model": model2, "optim": opt2}, snap)
+    assert [id(p) for p in model2.parameters()] == [id(p) for p in params], "same Parameters"
+    assert all(_inside(p, mem) for p in params), "no copy: the fetched bytes are the weights"
+    moments = [v for st in opt2.state.values() for v in st.values() if v.dim() > 0]
+    assert moments and all(_inside(v, mem) for v in moments)
+    _train_step(model2, opt2, x2)
+    _assert_same(model.state_dict(), model2.state_dict())
+    _assert_same(opt.state_dict(), opt2.state_dict())
+
+
+def test_an_adopting_load_copies_into_a_parameter_that_views_a_flat_buffer() -> None:
+    model = _model(0)
+    snap = _snapshot({"model": model})
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    model2 = _model(5)
+    at = 0
+    for p in model2.parameters():  # every parameter a view into one buffer (as apex does)
+        p.data = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    mem = _adopting({"model": model2}, snap)
+    assert not any(_inside(p, mem) for p in model2.parameters())
+    assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    _assert_same(model.state_dict(), model2.state_dict())
 
 
 def _draws() -> tuple[list[float], list[float], float]:

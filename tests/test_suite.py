@@ -33,12 +33,14 @@ def _recovery(worker_s: float, node_s: float) -> dict[str, Any]:
 
 
 def _overhead() -> dict[str, Any]:
-    def mode(step: float, over: float, stall: float) -> dict[str, Any]:
-        return {"step_s": _stats(step), "overhead": _stats(over), "stall_of_step": stall,
+    def mode(step: float, over: dict[str, Any], stall: float) -> dict[str, Any]:
+        return {"step_s": _stats(step), "overhead": over, "stall_of_step": stall,
                 "copy_vs_memcpy": 1.2, "agents_vs_memcpy": 0.1}  # fmt: skip
 
-    return {"size_mib": 384, "steps": 14, "plain": mode(0.4, 0.0, 0.0),
-            "tier0": mode(0.41, 0.03, 0.004), "tier01": mode(0.5, 0.25, 0.2)}  # fmt: skip
+    return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
+            "tier0": mode(0.41, _stats(0.03, 0.02, 0.04), 0.004),
+            "tier01": mode(0.5, _stats(0.25), 0.2),
+            "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004)}  # fmt: skip
 
 
 def _folder(tmp_path: Path, benches: dict[str, tuple[str, Any]]) -> Path:
@@ -72,6 +74,8 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert node.endswith("| **no** |"), "2.0 s is past the 1.5 s target"
     assert rows["step overhead, snapshot every step, tier 0, unpinned"].endswith("| yes |")
     assert rows["step overhead, snapshot every step, tiers 0+1, unpinned"].endswith("**no** |")
+    pinned = rows["step overhead, snapshot every step, tier 0, trainers and agents pinned"]
+    assert pinned.endswith("| within noise |"), "a median below 0 whose spread passes 2 %"
     assert "**failed (1)**" in md and "Traceback: it broke" in md, "a failure shows its output"
     assert "## Recovery by state size" in md and "| 384 | worker |" in md
 

@@ -203,12 +203,13 @@ def torchrun_dcp(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, _ = _init_pg()
-    model = DDP(build(hidden_for(args.size_mib)))
-    opt = optimizer(model)
     folder = Path(args.ckpt)
     latest = folder / "latest"
+    restoring = latest.exists()  # then the load overwrites every weight: no init, no broadcast
+    model = DDP(build(hidden_for(args.size_mib), init=not restoring), init_sync=not restoring)
+    opt = optimizer(model)
     start = 0
-    if latest.exists():
+    if restoring:
         step = int(latest.read_text())
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder / f"step-{step}"))
@@ -256,11 +257,15 @@ def dlrover(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # as DLRover's examples do
     rank = dist.get_rank()
-    model = DDP(build(hidden_for(args.size_mib)))
+    # a restarted attempt loads the step in memory over every weight: no init, no broadcast
+    restoring = _attempt() > 0
+    model = DDP(build(hidden_for(args.size_mib), init=not restoring), init_sync=not restoring)
     opt = optimizer(model)
     ckpt = DdpCheckpointer(args.ckpt)
     start = 0
     loaded = ckpt.load_checkpoint()
+    if restoring and not loaded:
+        raise RuntimeError(f"attempt {_attempt()}: no flash checkpoint to load in {args.ckpt}")
     if loaded:
         loaded = _cloned(loaded)
         model.load_state_dict(loaded["model"])

@@ -4,8 +4,9 @@ verified before the state they go into exists.
 A worker asks for its plan and fetches as soon as it has joined its generation, on a
 thread, while ``train(job)`` builds and wraps its model (the longest part of re-entering
 a generation on a CPU); ``Job.steps`` then only loads what arrived. Views handed out point
-into a tier-0 slot (mapped, not copied) or into private memory a replica or a tier-2 part
-was read into.
+into a tier-0 slot (mapped, not copied: the load copies from it) or into private memory,
+faulted in ahead, that a replica or a tier-2 part was read into: that memory the restore
+keeps as the state's own (``load(adopt=True)``), with no copy at all.
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ class Fetched:
     what: str = ""
     """The source, for errors: "tier-0 step 7", say."""
     segment: Segment | None = None
+    """A tier-0 slot the views map: the agent's memory, copied from, never kept."""
+
+    @property
+    def private(self) -> bool:
+        """Whether the views are this process's own memory (a replica or a tier-2 part
+        read into it), which the state may keep as its own (``load(adopt=True)``)."""
+        return self.segment is None
 
     def release(self) -> None:
-        """Drop the views, then unmap a tier-0 slot (views must go first)."""
+        """Drop the views, then unmap a tier-0 slot (views must go first); what a load
+        adopted stays, held by the state."""
         self.views.clear()
         if self.segment is not None:
             self.segment.close()

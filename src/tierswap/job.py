@@ -63,6 +63,9 @@ class Job:
         self._prefetch: Prefetch[Fetched] | None = None
         self._tier1 = tier1
         self._max_redo = max_redo
+        self._plan: p.PlanReply | None = None
+        self._planned = threading.Event()
+        """Set once this rank's plan arrived, or asking for it failed."""
         self.restored_step: int | None = None
         self.plan_step: int | None = None
         self.plan_tier: int | None = None
@@ -181,10 +184,31 @@ class Job:
         if self._chan is not None and self._prefetch is None:
             self._prefetch = Prefetch(self._fetch)
 
+    @property
+    def restoring(self) -> bool:
+        """Whether ``steps`` will load a saved step of this job into the state, every tensor
+        of it, before the first step: then a script may build its model without
+        initialising it (on the ``meta`` device, then ``to_empty``) and wrap it in DDP
+        with ``init_sync=False``, a third of a second at 384 MiB a rank saved on every
+        rank's way back. Waits for this rank's plan (it is asked for as the generation
+        starts). False on a fresh start, an ``--init-from`` load (which may leave tensors
+        it lacks as they are) and outside ``tierswap run``."""
+        if self._chan is None:
+            return False
+        if not self._planned.is_set():
+            self.prefetch()  # (the worker has started it: this only waits)
+            self._planned.wait()
+        plan = self._plan
+        return plan is not None and plan.step is not None and plan.source is not None
+
     def _fetch(self) -> Fetched:
         assert self._chan is not None
         t0 = time.monotonic()
-        plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
+        try:
+            plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
+            self._plan = plan
+        finally:
+            self._planned.set()
         self.timeline["plan"] = time.monotonic() - t0
         for fault in self._faults:
             if fault.during == "restore" and fault.gen == self.generation:
@@ -211,7 +235,7 @@ class Job:
         try:
             assert got.layout is not None
             t = time.monotonic()
-            load(state, got.tree, got.views, got.layout, what=got.what)
+            load(state, got.tree, got.views, got.layout, what=got.what, adopt=got.private)
             self._lap("load", t)
         finally:
             got.release()

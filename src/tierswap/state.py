@@ -290,12 +290,19 @@ def _names(obj: object, sd: Mapping[str, Any], modules: Mapping[str, Any]) -> di
 class _Loader:
     """Rebuild values from a tree; tensors come from ``tensors`` (CPU, read-only views)."""
 
-    def __init__(self, tensors: list[torch.Tensor], entries: tuple[TensorEntry, ...]) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], entries: tuple[TensorEntry, ...], adopt: bool = False
+    ) -> None:
         self.tensors = tensors
         self.entries = entries
         self.in_place = True
         """Copy into the live tensors (modules, optimizers); else a changed shape is taken
         as it was saved (a data loader's permutation, say)."""
+        self.adopt = adopt
+        """``tensors`` are this process's own memory, there to stay: a live CPU tensor of a
+        module or optimizer that owns its storage is pointed at its saved bytes
+        (``.data``), and a value without a live counterpart is taken as it is, instead of
+        either being copied."""
 
     def value(self, path: str, v: Any, template: Any = None) -> Any:
         if isinstance(v, list):
@@ -341,8 +348,12 @@ class _Loader:
         src = self.tensors[index]
         entry = self.entries[index]
         if not isinstance(template, torch.Tensor):
-            return src.clone()
+            return src if self.adopt else src.clone()
         dst = _local(template)
+        if self.adopt and self.in_place and dst is template and _adoptable(dst, src):
+            with torch.no_grad():
+                dst.data = src  # (a Parameter stays the object DDP and the optimizer hold)
+            return template
         misfit = tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype
         if misfit and not self.in_place and dst is template:
             return src.clone()
@@ -356,6 +367,21 @@ class _Loader:
         with torch.no_grad():
             dst.copy_(src)
         return template
+
+
+def _adoptable(live: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether ``live`` can take ``saved``'s memory for its own: the same dtype and shape,
+    both on the CPU, and ``live`` the only tensor in its storage (a parameter that is a view
+    into a flat buffer must keep aliasing it, so it is copied into instead)."""
+    return (
+        live.device.type == "cpu"
+        and saved.device.type == "cpu"
+        and live.dtype == saved.dtype
+        and live.shape == saved.shape
+        and live.is_contiguous()
+        and live.storage_offset() == 0
+        and live.untyped_storage().nbytes() == live.nbytes
+    )
 
 
 def _at(seq: list[Any] | tuple[Any, ...], i: int) -> Any:
@@ -444,16 +470,21 @@ def load(
     layout: Layout,
     *,
     what: str = "the snapshot",
+    adopt: bool = False,
 ) -> None:
     """Load a flattened snapshot into ``state``: Stateful objects in place, plain values
-    replaced in the dict, RNG states restored. Raises StateMismatchError on any misfit."""
+    replaced in the dict, RNG states restored. Raises StateMismatchError on any misfit.
+
+    ``adopt``: ``tensors`` are views of private memory this process keeps (a fetched
+    step); the module's and optimizer's CPU tensors become those views instead of copies
+    of them (a parameter keeps its identity: only its ``.data`` changes)."""
     missing = [k for k in state if k not in tree]
     if missing:
         raise StateMismatchError(
             f"state keys {missing} are not in {what} (it has {sorted(k for k in tree)}); "
             "pass the same state to job.steps() as the run that saved it"
         )
-    loader = _Loader(tensors, layout.entries)
+    loader = _Loader(tensors, layout.entries, adopt)
     for name, obj in state.items():
         saved = tree[name]
         if _is_stateful(obj):
@@ -467,7 +498,9 @@ def load(
             ):
                 init_optimizer_state(obj)
             loader.in_place = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
-            value = loader.value(name, saved["__stateful__"], obj.state_dict())
+            # a module's own Parameters as templates, so that adopting changes them
+            live = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else None
+            value = loader.value(name, saved["__stateful__"], live or obj.state_dict())
             try:
                 obj.load_state_dict(value)
             except (RuntimeError, KeyError, ValueError) as e:

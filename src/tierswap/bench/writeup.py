@@ -36,6 +36,15 @@ def _met(ok: bool | None) -> str:
     return "–" if ok is None else "yes" if ok else "**no**"
 
 
+def _met_spread(s: dict[str, Any], goal: float) -> str:
+    """A "≤ goal" target against a spread: met when all of the spread shown (quartiles,
+    else min – max) is within it; only the median: "within noise", which does not settle
+    it (an overhead measured below 0, say, is noise larger than the effect)."""
+    if s.get("q3", s["max"]) <= goal:
+        return "yes"
+    return "within noise" if s["median"] <= goal else "**no**"
+
+
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -80,7 +89,7 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
             continue
         o = over[mode]
         rows.append([f"step overhead, snapshot every step, {_mode(mode)}", _pct(o["overhead"]),
-                     f"≤ {100 * goal:g} %", _met(o["overhead"]["median"] <= goal)])  # fmt: skip
+                     f"≤ {100 * goal:g} %", _met_spread(o["overhead"], goal)])  # fmt: skip
         rows.append([f"  trainer's stall, % of its step ({_mode(mode)})",
                      f"{100 * o['stall_of_step']:.2f} %", f"≤ {100 * stall_goal:g} %",
                      _met(o["stall_of_step"] <= stall_goal)])  # fmt: skip

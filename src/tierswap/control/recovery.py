@@ -77,9 +77,11 @@ class RecoveryClock:
     ) -> dict[str, Any] | None:
         """A worker finished its first step of the generation; once all have, after a
         failure, the ``resumed`` fields: the time from the fault, split into phases, and
-        each rank's own timeline of restore and resume (``ranks``)."""
-        self.stepped[rank] = now
+        each rank's own timeline of restore and resume (``ranks``). A rank reports after
+        its step's snapshot was taken: the step itself ended ``timeline["snapshot"]``
+        seconds (by its own clock) before ``now``, and that is when it counts as done."""
         self.timelines[rank] = dict(timeline or {})
+        self.stepped[rank] = now - max(0.0, self.timelines[rank].get("snapshot", 0.0))
         rec = self.record
         if len(self.stepped) < self.world_size or rec is None or "decided" not in rec:
             return None

@@ -24,13 +24,17 @@ def hidden_for(size_mib: float) -> int:
     return max(1, round(size_mib * 2**20 / per_hidden))
 
 
-def build(hidden: int) -> nn.Sequential:
-    """The model, its weights the same on every rank and in every run."""
+def build(hidden: int, init: bool = True) -> nn.Sequential:
+    """The model, its weights the same on every rank and in every run; with
+    ``init=False`` its memory is allocated and left as it is (built on the ``meta`` device,
+    then ``to_empty``), for a process that loads a checkpoint over every weight next."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(BLOCKS):
-        layers += [nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH)]
-    return nn.Sequential(*layers)
+    with torch.device("cpu" if init else "meta"):
+        layers: list[nn.Module] = []
+        for _ in range(BLOCKS):
+            layers += [nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH)]
+        model = nn.Sequential(*layers)
+    return model if init else model.to_empty(device="cpu")
 
 
 def optimizer(model: nn.Module) -> torch.optim.AdamW:

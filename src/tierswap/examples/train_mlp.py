@@ -49,9 +49,11 @@ def train(job: tierswap.Job) -> None:
     # every RNG the final state holds starts from a seed, so that two runs compare in full
     random.seed(0)
     np.random.seed(0)
-    model: nn.Module = build(hidden_for(args.size_mib))
+    # a restored step overwrites every weight on every rank: no init, no broadcast
+    restoring = job.restoring and not args.plain
+    model: nn.Module = build(hidden_for(args.size_mib), init=not restoring)
     if job.world_size > 1:
-        model = DDP(model)
+        model = DDP(model, init_sync=not restoring)
     opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
     times = open(args.times, "a", buffering=1) if args.times else None  # noqa: SIM115 (closed below)
