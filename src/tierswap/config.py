@@ -92,6 +92,11 @@ class Config:
     """Parked spare hosts make the shared memory a node's snapshots take (its tier-0
     slots and tier-1 rings, as the members report them) while they wait, so that taking
     over a node allocates none; off leaves that memory free until a spare takes a node."""
+    interrupt_steps: bool = True
+    """A survivor's step is cut short as soon as its generation ends (``GenerationEnded``
+    raised in the training loop's own code, never inside tierswap's calls), instead of
+    running on until its next collective fails; off lets every step run to a collective
+    or its end (for loop code that must not be interrupted halfway)."""
     spare_workers: int = 0
     """Extra workers per node, imported and parked: a crashed worker's rank goes to one
     at once instead of to a process that must first start and import (seconds)."""

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import GenerationEnded
 from tierswap.faults import Injection
 from tierswap.fetch import Fetched, Prefetch, fetch
+from tierswap.interrupt import in_own_call, own_call
 from tierswap.state import load
 from tierswap.wire import Channel
 
@@ -63,6 +65,10 @@ class Job:
         self._prefetch: Prefetch[Fetched] | None = None
         self._tier1 = tier1
         self._max_redo = max_redo
+        self.interruptible = False
+        """True while the training loop runs its own code (between ``job.steps`` handing
+        out a step and being asked for the next): the only time a generation's end may
+        cut the step short (:meth:`interrupt`)."""
         self._plan: p.PlanReply | None = None
         self._planned = threading.Event()
         """Set once this rank's plan arrived, or asking for it failed."""
@@ -105,7 +111,11 @@ class Job:
         for step in range(start, total):
             self._check()
             t = time.monotonic()
-            yield step
+            self.interruptible = True
+            try:
+                yield step
+            finally:
+                self.interruptible = False
             self.last_step = step
             if step == start:
                 self.timeline["step"] = time.monotonic() - t
@@ -136,11 +146,32 @@ class Job:
         if self._ended.is_set():
             raise GenerationEnded(f"generation {self.generation} ended")
 
+    def interrupt(self) -> None:
+        """Called in the training loop's thread (a signal handler) once this generation
+        has ended: raises GenerationEnded there and then if the loop is running its own
+        code, so that a survivor leaves at once rather than after finishing a step whose
+        work is thrown away (its first collective after a peer died fails only later, a
+        forward and part of a backward later). Inside tierswap's own calls it does
+        nothing: those raise at their end (``report``, ``fence``) or at the next step."""
+        if self.interruptible and not in_own_call() and self._ended.is_set():
+            self.interruptible = False
+            raise GenerationEnded(f"generation {self.generation} ended (step cut short)")
+
+    @contextmanager
+    def _own_call(self) -> Iterator[None]:
+        """A tierswap call made from the loop's code: not to be cut short halfway (a
+        message half sent); an end that came meanwhile is raised once it is done."""
+        with own_call():
+            yield
+        if self.interruptible:
+            self._check()
+
     def fence(self) -> None:
         """Wait for the snapshot copy in flight; call before changing state outside
         ``optimizer.step()`` (an EMA update, say)."""
         if self._snap is not None:
-            self._snap.fence()
+            with self._own_call():
+                self._snap.fence()
 
     @property
     def snapshot_stats(self) -> snapshot.Stats | None:
@@ -158,7 +189,9 @@ class Job:
         """Show metrics of a step on the launcher's console and in the event log."""
         clean = {k: float(v) for k, v in metrics.items()}
         if self._chan is not None:
-            self._chan.send(p.Report(rank=self.rank, step=step, metrics=clean, stall=self.stall))
+            with self._own_call():
+                msg = p.Report(rank=self.rank, step=step, metrics=clean, stall=self.stall)
+                self._chan.send(msg)
 
     def close(self) -> None:
         pending, self._prefetch = self._prefetch, None

@@ -30,6 +30,7 @@ from tierswap.affinity import helper_cpus, pin_thread
 from tierswap.checksum import hasher
 from tierswap.control import protocol as p
 from tierswap.errors import UsageError
+from tierswap.interrupt import own_call
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
 from tierswap.wire import Channel
@@ -46,9 +47,10 @@ def fence() -> None:
 
 
 def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    fence()
-    for snap in _active:
-        snap.gate()
+    with own_call():  # tierswap's code, inside the loop's: never cut short
+        fence()
+        for snap in _active:
+            snap.gate()
 
 
 def _install_hook() -> None:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from tierswap import tls as _tls
 from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolError, tag_of
+from tierswap.interrupt import own_call
 
 Address = str | tuple[str, int]
 R = TypeVar("R", bound=Message)
@@ -354,7 +355,7 @@ class Channel:
         """Send a message encoded once for many channels (``Codec.encode``)."""
         if len(data) + TAG > MAX_FRAME:
             raise ValueError(f"a message of {len(data)} bytes is over the bound {MAX_FRAME}")
-        with self._send_lock:
+        with own_call(), self._send_lock:
             self.sock.sendall(self._out.seal(data))
 
     def poll(self, timeout: float) -> bool:
@@ -372,7 +373,7 @@ class Channel:
         ProtocolError for a frame that fails its MAC or is not a message of this channel."""
         if timeout is not None and not self.poll(timeout):
             return None
-        with self._recv_lock:
+        with own_call(), self._recv_lock:
             if self._refused:
                 raise ProtocolError(self._refused)
             n = int.from_bytes(_recv_exact(self.sock, HEADER), "big")
@@ -398,7 +399,7 @@ class Channel:
         """Send a request and wait for its reply (the peer answers calls in order; None
         waits for ever); an Error reply raises RuntimeError, one of another kind
         ProtocolError."""
-        with self._call_lock:
+        with own_call(), self._call_lock:  # a reply left unread would answer the next call
             self.send(msg)
             env = self.recv(timeout)
         what = tag_of(msg)

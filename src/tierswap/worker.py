@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from tierswap.affinity import pin_worker
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
+from tierswap.interrupt import SIGNAL
 from tierswap.job import Job
 from tierswap.snapshot import Watermark
 from tierswap.store import StoreClient
@@ -76,9 +78,17 @@ class Control:
     in, heartbeats go out. A worker whose agent is gone exits: its node has failed."""
 
     def __init__(
-        self, address: str, secret: bytes, local: int, incarnation: int, heartbeat: float
+        self,
+        address: str,
+        secret: bytes,
+        local: int,
+        incarnation: int,
+        heartbeat: float,
+        interrupt: bool = False,
     ) -> None:
         self.chan = Channel.connect(address, secret, p.AgentToWorker)
+        self.interrupt = interrupt
+        """Signal the training loop's thread when a generation ends (``interrupt.py``)."""
         self.assignments: queue.SimpleQueue[tuple[int, p.Assign]] = queue.SimpleQueue()
         self.ended: dict[int, threading.Event] = {}
         self.tier1: dict[int, Watermark] = {}
@@ -113,6 +123,8 @@ class Control:
                     case p.Abort():
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
+                        if self.interrupt:  # the loop leaves its step now (job.interrupt)
+                            signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
                         _abort_communicator()
                     case p.Exit():
                         os._exit(0)
@@ -150,7 +162,16 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
     local, incarnation = int(env["TIERSWAP_LOCAL"]), int(env.get("TIERSWAP_INCARNATION", "0"))
-    control = Control(env["TIERSWAP_AGENT"], secret, local, incarnation, heartbeat)
+    interrupt = env.get("TIERSWAP_INTERRUPT_STEPS", "true").lower() in ("1", "true", "yes", "on")
+    current: list[Job] = []  # the job of the generation this worker runs, if any
+
+    def cut_short(_sig: int, _frame: object) -> None:
+        if current:
+            current[0].interrupt()
+
+    if interrupt:
+        signal.signal(SIGNAL, cut_short)
+    control = Control(env["TIERSWAP_AGENT"], secret, local, incarnation, heartbeat, interrupt)
     threads = int(env.get("TIERSWAP_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
@@ -206,7 +227,11 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         chan.send(p.Joined(rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0))
         job.joined_at = time.monotonic()
         job.prefetch()  # the restore's bytes arrive while train(job) builds its model
-        code = _train_once(train, job, chan, control, grace)
+        current[:] = [job]
+        try:
+            code = _train_once(train, job, chan, control, grace)
+        finally:
+            current.clear()
         if code is None:
             continue  # parked: the next assignment enters train(job) again
         if code:

@@ -1,0 +1,82 @@
+"""A survivor leaves an ended generation at once: the signal the control thread sends cuts
+the training loop's step short, but never one of tierswap's own calls halfway."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tierswap.errors import GenerationEnded
+from tierswap.interrupt import SIGNAL, in_own_call, own_call
+from tierswap.job import Job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def job() -> Iterator[Job]:
+    """A job whose end is signalled the way the worker's control thread does it."""
+    j = Job(ended=threading.Event())
+    old = signal.signal(SIGNAL, lambda _s, _f: j.interrupt())
+    try:
+        yield j
+    finally:
+        signal.signal(SIGNAL, old)
+
+
+def _end_soon(job: Job, after: float = 0.2) -> None:
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def end() -> None:
+        time.sleep(after)
+        job._ended.set()
+        signal.pthread_kill(main, SIGNAL)
+
+    threading.Thread(target=end, daemon=True).start()
+
+
+def test_a_step_is_cut_short_as_its_generation_ends(job: Job) -> None:
+    seen = []
+    t0 = time.monotonic()
+    with pytest.raises(GenerationEnded, match="cut short"):
+        for step in job.steps({}, total=100):
+            seen.append(step)
+            if step == 3:
+                _end_soon(job)
+                time.sleep(30)  # the loop's own work: a long forward, say
+    assert seen == [0, 1, 2, 3]
+    assert time.monotonic() - t0 < 10, "left during the step, not after it"
+    assert not job.interruptible
+
+
+def test_tierswaps_own_call_runs_to_its_end_and_raises_after(job: Job) -> None:
+    sent: list[Any] = []
+
+    class Chan:
+        def send(self, msg: Any, gen: int | None = None) -> None:
+            assert in_own_call()
+            _end_soon(job, 0.0)
+            time.sleep(0.5)  # the signal comes while the message is going out
+            sent.append(msg)
+
+    job._chan = Chan()  # type: ignore[assignment]
+    job.interruptible = True  # in the loop's body
+    with pytest.raises(GenerationEnded):
+        job.report(3, loss=1.0)
+    assert len(sent) == 1, "the message went out whole before the end was raised"
+
+
+def test_outside_the_loops_body_an_end_waits_for_the_next_step(job: Job) -> None:
+    job._ended.set()
+    job.interrupt()  # tierswap's code (restore, snapshots) or before the first step
+    with own_call():
+        job.interruptible = True
+        job.interrupt()  # inside tierswap's own call
+    with pytest.raises(GenerationEnded):
+        next(iter(job.steps({}, total=5)))
