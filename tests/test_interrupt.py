@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tierswap import worker
 from tierswap.errors import GenerationEnded
 from tierswap.interrupt import SIGNAL, in_own_call, own_call
 from tierswap.job import Job
@@ -20,9 +21,10 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def job() -> Iterator[Job]:
-    """A job whose end is signalled the way the worker's control thread does it."""
+    """A job whose end is signalled the way the worker's control thread does it, to the
+    worker's own handler, which acts only inside ``train(job)`` (``worker._enter``)."""
     j = Job(ended=threading.Event())
-    old = signal.signal(SIGNAL, lambda _s, _f: j.interrupt())
+    old = signal.signal(SIGNAL, worker.cut_short([j]))
     try:
         yield j
     finally:
@@ -43,16 +45,38 @@ def _end_soon(job: Job, after: float = 0.2) -> None:
 
 def test_a_step_is_cut_short_as_its_generation_ends(job: Job) -> None:
     seen = []
-    t0 = time.monotonic()
-    with pytest.raises(GenerationEnded, match="cut short"):
+
+    def train(job: Job) -> None:
         for step in job.steps({}, total=100):
             seen.append(step)
             if step == 3:
                 _end_soon(job)
                 time.sleep(30)  # the loop's own work: a long forward, say
+
+    t0 = time.monotonic()
+    with pytest.raises(GenerationEnded, match="cut short"):
+        worker._enter(train, job)
     assert seen == [0, 1, 2, 3]
     assert time.monotonic() - t0 < 10, "left during the step, not after it"
     assert not job.interruptible
+
+
+def test_an_end_signalled_once_train_has_raised_is_not_raised_again(job: Job) -> None:
+    """A collective's error leaves the loop mid-step; the worker then waits for the
+    generation's end, which the signal brings: raising there would escape the handling."""
+
+    def train(job: Job) -> None:
+        for step in job.steps({}, total=100):
+            if step == 2:
+                raise RuntimeError("gloo: Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match="reset"):
+        worker._enter(train, job)
+    assert not job.interruptible
+    job.interruptible = True  # even so: the signal comes outside train(job)
+    _end_soon(job, 0.0)
+    assert job._ended.wait(5)
+    time.sleep(0.3)  # the handler has run by now, and raised nothing
 
 
 def test_tierswaps_own_call_runs_to_its_end_and_raises_after(job: Job) -> None:
@@ -66,9 +90,13 @@ def test_tierswaps_own_call_runs_to_its_end_and_raises_after(job: Job) -> None:
             sent.append(msg)
 
     job._chan = Chan()  # type: ignore[assignment]
-    job.interruptible = True  # in the loop's body
-    with pytest.raises(GenerationEnded):
+
+    def train(job: Job) -> None:
+        job.interruptible = True  # in the loop's body
         job.report(3, loss=1.0)
+
+    with pytest.raises(GenerationEnded):
+        worker._enter(train, job)
     assert len(sent) == 1, "the message went out whole before the end was raised"
 
 

@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -164,13 +165,8 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     local, incarnation = int(env["TIERSWAP_LOCAL"]), int(env.get("TIERSWAP_INCARNATION", "0"))
     interrupt = env.get("TIERSWAP_INTERRUPT_STEPS", "true").lower() in ("1", "true", "yes", "on")
     current: list[Job] = []  # the job of the generation this worker runs, if any
-
-    def cut_short(_sig: int, _frame: object) -> None:
-        if current:
-            current[0].interrupt()
-
     if interrupt:
-        signal.signal(SIGNAL, cut_short)
+        signal.signal(SIGNAL, cut_short(current))
     control = Control(env["TIERSWAP_AGENT"], secret, local, incarnation, heartbeat, interrupt)
     threads = int(env.get("TIERSWAP_THREADS", "0"))
     if threads:
@@ -316,7 +312,7 @@ def _train_once(
     a failure elsewhere and the worker has parked for the next one."""
     rank = job.rank
     try:
-        train(job)
+        _enter(train, job)
         job.close()
         chan.call(p.Finished(rank=rank, step=job.last_step), p.Ack)
         return 0
@@ -340,6 +336,36 @@ def _train_once(
     _leave(job)
     control.chan.send(p.Parked(generation=job.generation, rank=rank, reason=reason, why=why))
     return None
+
+
+def _enter(train: Callable[[Job], Any], job: Job) -> None:
+    """``train(job)``: while this frame is on the stack (and only then) the generation's
+    end may cut the loop's step short (:func:`_inside_train`)."""
+    try:
+        train(job)
+    finally:
+        job.interruptible = False  # (a collective's error left the loop mid-step)
+
+
+def cut_short(current: list[Job]) -> Callable[[int, FrameType | None], None]:
+    """The handler of :data:`~tierswap.interrupt.SIGNAL`: the job ``current`` holds, if
+    any, cuts its step short (``Job.interrupt``) when the signal came inside ``train``."""
+
+    def handler(_sig: int, frame: FrameType | None) -> None:
+        if current and _inside_train(frame):  # not once train(job) has raised or returned
+            current[0].interrupt()
+
+    return handler
+
+
+def _inside_train(frame: FrameType | None) -> bool:
+    """Whether the code a signal interrupted runs inside ``_enter``: never the handling
+    of an error that already left ``train(job)``, where a second exception would escape."""
+    while frame is not None:
+        if frame.f_code is _enter.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _leave(job: Job) -> None:

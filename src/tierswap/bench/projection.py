@@ -6,7 +6,10 @@ killed hosts rebooted as spares), real jobs of the example GPT, interleaved per 
 - ``clean``: no failure. Its training wall time (first generation started to job
   finished) over its steps is the step time;
 - ``workers``: two worker kills; ``nodes``: two node kills with two spares parked. What
-  each kind costs is the wall time it adds to ``clean``, per failure;
+  each kind costs is the wall time it adds to ``clean``, per failure. No worker is parked
+  (no ``--spare-workers``, as in the chaos runs): a killed worker's rank waits for a new
+  process to start and import torch (seconds), while a killed node's goes to a spare
+  host's parked worker at once, which is why a worker failure costs more here;
 - ``boot``: one node kill with no spare: a killed host is rebooted as a spare when the job
   needs one (not before), so what it adds beyond a node kill's cost is the boot;
 - ``chaos``: ``--chaos`` strikes at random moments, workers and nodes, one spare parked.
@@ -124,8 +127,8 @@ def measure(nodes: int, repeats: int, seed: int = 7) -> dict[str, Any]:
 
 def report(res: list[dict[str, Any]]) -> str:
     lines = [
-        "| job | step | a worker failure | a node failure | boot | chaos run: strikes "
-        "(nodes) | measured | predicted | error |",
+        "| job | step | a worker failure (a new process) | a node failure (a parked spare "
+        "host) | boot | chaos run: strikes (nodes) | measured | predicted | error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
