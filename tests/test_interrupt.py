@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 def job() -> Iterator[Job]:
     """A job whose end is signalled the way the worker's control thread does it, to the
     worker's own handler, which acts only inside ``train(job)`` (``worker._enter``)."""
-    j = Job(ended=threading.Event())
+    j = Job(ended=threading.Event(), interrupt_steps=True)
     old = signal.signal(SIGNAL, worker.cut_short([j]))
     try:
         yield j
@@ -108,3 +108,43 @@ def test_outside_the_loops_body_an_end_waits_for_the_next_step(job: Job) -> None
         job.interrupt()  # inside tierswap's own call
     with pytest.raises(GenerationEnded):
         next(iter(job.steps({}, total=5)))
+
+
+def test_with_no_interrupt_steps_nothing_ends_a_step_before_its_boundary() -> None:
+    job = Job(ended=threading.Event(), interrupt_steps=False)
+    old = signal.signal(SIGNAL, worker.cut_short([job]))
+    sent: list[Any] = []
+
+    class Chan:
+        def send(self, msg: Any, gen: int | None = None) -> None:
+            sent.append(msg)
+
+    seen = []
+
+    def train(job: Job) -> None:
+        for step in job.steps({}, total=10):
+            seen.append(step)
+            if step == 1:
+                assert not job.interruptible
+                _end_soon(job, 0.0)
+                time.sleep(0.5)  # the signal comes, and is let be
+                job._chan = Chan()  # type: ignore[assignment]
+                job.report(step, loss=1.0)  # runs, and does not raise either
+
+    try:
+        with pytest.raises(GenerationEnded, match=r"ended$"):  # at the step boundary
+            worker._enter(train, job)
+    finally:
+        signal.signal(SIGNAL, old)
+    assert seen == [0, 1] and len(sent) == 1
+
+
+def test_restoring_raises_what_asking_for_the_plan_raised() -> None:
+    class Chan:
+        def call(self, msg: Any, reply: Any, timeout: float | None = 60.0) -> Any:
+            raise RuntimeError("generation 3 ended")
+
+    job = Job(ended=threading.Event())
+    job._chan = Chan()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="ended"):  # no guess each rank might make alike
+        assert job.restoring

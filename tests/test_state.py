@@ -225,6 +225,16 @@ def test_an_adopting_load_copies_into_a_parameter_that_views_a_flat_buffer() -> 
     _assert_same(model.state_dict(), model2.state_dict())
 
 
+def test_an_adopting_load_keeps_tied_tensors_tied() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    snap = _snapshot({"model": model})
+    model2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model2[1].weight = nn.Parameter(model2[0].weight.data)  # two Parameters, one storage
+    _adopting({"model": model2}, snap)
+    assert model2[0].weight.data_ptr() == model2[1].weight.data_ptr(), "still one storage"
+    assert torch.equal(model2[1].weight, model[1].weight)
+
+
 def _draws() -> tuple[list[float], list[float], float]:
     return torch.rand(4).tolist(), np.random.rand(4).tolist(), random.random()
 

@@ -46,6 +46,7 @@ class Job:
         ended: threading.Event | None = None,
         tier1: snapshot.Watermark | None = None,
         max_redo: int = 0,
+        interrupt_steps: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -65,6 +66,8 @@ class Job:
         self._prefetch: Prefetch[Fetched] | None = None
         self._tier1 = tier1
         self._max_redo = max_redo
+        self._interrupt_steps = interrupt_steps
+        """``--interrupt-steps``: a generation's end may cut the loop's step short."""
         self.interruptible = False
         """True while the training loop runs its own code (between ``job.steps`` handing
         out a step and being asked for the next): the only time a generation's end may
@@ -72,6 +75,7 @@ class Job:
         self._plan: p.PlanReply | None = None
         self._planned = threading.Event()
         """Set once this rank's plan arrived, or asking for it failed."""
+        self._plan_error: BaseException | None = None
         self.restored_step: int | None = None
         self.plan_step: int | None = None
         self.plan_tier: int | None = None
@@ -111,7 +115,7 @@ class Job:
         for step in range(start, total):
             self._check()
             t = time.monotonic()
-            self.interruptible = True
+            self.interruptible = self._interrupt_steps
             try:
                 yield step
             finally:
@@ -224,13 +228,17 @@ class Job:
         initialising it (on the ``meta`` device, then ``to_empty``) and wrap it in DDP
         with ``init_sync=False``, a third of a second at 384 MiB a rank saved on every
         rank's way back. Waits for this rank's plan (it is asked for as the generation
-        starts). False on a fresh start, an ``--init-from`` load (which may leave tensors
-        it lacks as they are) and outside ``tierswap run``."""
+        starts; its failure is raised). False on a fresh start, an ``--init-from`` load
+        (which may leave tensors it lacks as they are) and outside ``tierswap run``. What
+        the state does not hold is the script's to make: a non-persistent buffer (a
+        rotary cache, a mask) and weight ties, which ``to_empty`` undoes."""
         if self._chan is None:
             return False
         if not self._planned.is_set():
             self.prefetch()  # (the worker has started it: this only waits)
             self._planned.wait()
+        if self._plan_error is not None:  # every rank must agree: no guess on a failure
+            raise self._plan_error
         plan = self._plan
         return plan is not None and plan.step is not None and plan.source is not None
 
@@ -240,6 +248,9 @@ class Job:
         try:
             plan = self._chan.call(p.PlanRequest(rank=self.rank), p.PlanReply)
             self._plan = plan
+        except BaseException as e:
+            self._plan_error = e
+            raise
         finally:
             self._planned.set()
         self.timeline["plan"] = time.monotonic() - t0

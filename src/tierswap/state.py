@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import math
 import random
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -291,7 +291,11 @@ class _Loader:
     """Rebuild values from a tree; tensors come from ``tensors`` (CPU, read-only views)."""
 
     def __init__(
-        self, tensors: list[torch.Tensor], entries: tuple[TensorEntry, ...], adopt: bool = False
+        self,
+        tensors: list[torch.Tensor],
+        entries: tuple[TensorEntry, ...],
+        adopt: bool = False,
+        shared: frozenset[int] = frozenset(),
     ) -> None:
         self.tensors = tensors
         self.entries = entries
@@ -303,6 +307,9 @@ class _Loader:
         module or optimizer that owns its storage is pointed at its saved bytes
         (``.data``), and a value without a live counterpart is taken as it is, instead of
         either being copied."""
+        self.shared = shared
+        """Storages (by address) more than one live tensor uses: copied into, never
+        adopted, so that tied tensors stay tied."""
 
     def value(self, path: str, v: Any, template: Any = None) -> Any:
         if isinstance(v, list):
@@ -350,7 +357,13 @@ class _Loader:
         if not isinstance(template, torch.Tensor):
             return src if self.adopt else src.clone()
         dst = _local(template)
-        if self.adopt and self.in_place and dst is template and _adoptable(dst, src):
+        if (
+            self.adopt
+            and self.in_place
+            and dst is template
+            and _adoptable(dst, src)
+            and dst.untyped_storage().data_ptr() not in self.shared
+        ):
             with torch.no_grad():
                 dst.data = src  # (a Parameter stays the object DDP and the optimizer hold)
             return template
@@ -367,6 +380,50 @@ class _Loader:
         with torch.no_grad():
             dst.copy_(src)
         return template
+
+
+def _templates(obj: Any, adopt: bool) -> Any:
+    """What a Stateful's values are loaded into: when adopting, a module's own Parameters
+    and buffers (``keep_vars``), so that pointing them at the fetched bytes changes the
+    module."""
+    if adopt and isinstance(obj, torch.nn.Module):
+        try:
+            return obj.state_dict(keep_vars=True)
+        except TypeError:  # a state_dict() of the user's own without the argument
+            pass
+    return obj.state_dict()
+
+
+def _live_tensors(state: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors a load may adopt into: modules' parameters and buffers, optimizers'
+    parameters and state."""
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module):
+            yield from obj.parameters()
+            yield from obj.buffers()
+        elif isinstance(obj, torch.optim.Optimizer):
+            for g in obj.param_groups:
+                yield from g["params"]
+            for st in obj.state.values():
+                yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _all_on_cpu(state: Mapping[str, Any]) -> bool:
+    """Whether a load may adopt at all: every parameter a plain CPU tensor. Else (a GPU
+    or sharded model) one small CPU tensor adopted (an optimizer's step counter) would
+    keep the whole fetched buffer alive beside the state."""
+    return all(
+        type(t.data) is torch.Tensor and t.device.type == "cpu" for t in _live_tensors(state)
+    )
+
+
+def _shared_storages(state: Mapping[str, Any]) -> frozenset[int]:
+    """Storages that more than one distinct live tensor uses (tied weights, views)."""
+    seen: dict[int, set[int]] = {}
+    for t in _live_tensors(state):
+        if t.device.type == "cpu" and t.numel():
+            seen.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+    return frozenset(ptr for ptr, ids in seen.items() if len(ids) > 1)
 
 
 def _adoptable(live: torch.Tensor, saved: torch.Tensor) -> bool:
@@ -484,7 +541,9 @@ def load(
             f"state keys {missing} are not in {what} (it has {sorted(k for k in tree)}); "
             "pass the same state to job.steps() as the run that saved it"
         )
-    loader = _Loader(tensors, layout.entries, adopt)
+    adopt = adopt and _all_on_cpu(state)
+    shared = _shared_storages(state) if adopt else frozenset()
+    loader = _Loader(tensors, layout.entries, adopt, shared)
     for name, obj in state.items():
         saved = tree[name]
         if _is_stateful(obj):
@@ -498,9 +557,7 @@ def load(
             ):
                 init_optimizer_state(obj)
             loader.in_place = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
-            # a module's own Parameters as templates, so that adopting changes them
-            live = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else None
-            value = loader.value(name, saved["__stateful__"], live or obj.state_dict())
+            value = loader.value(name, saved["__stateful__"], _templates(obj, adopt))
             try:
                 obj.load_state_dict(value)
             except (RuntimeError, KeyError, ValueError) as e:

@@ -124,9 +124,9 @@ class Control:
                     case p.Abort():
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
-                        if self.interrupt:  # the loop leaves its step now (job.interrupt)
+                        _abort_communicator()  # first: the loop then leaves its step
+                        if self.interrupt:  # now (job.interrupt), the group already aborted
                             signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
-                        _abort_communicator()
                     case p.Exit():
                         os._exit(0)
         except (EOFError, OSError, ValueError):
@@ -198,6 +198,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             ended=control.event(generation),
             tier1=control.watermark(generation),
             max_redo=a.max_redo,
+            interrupt_steps=interrupt,
         )
         os.environ.update(torchrun_env(a))
         t0 = time.monotonic()
@@ -345,6 +346,9 @@ def _enter(train: Callable[[Job], Any], job: Job) -> None:
         train(job)
     finally:
         job.interruptible = False  # (a collective's error left the loop mid-step)
+        # an end raised inside a ``finally`` of the loop's (torch's ``no_grad``, say) may
+        # have skipped what it restores: the next train(job) starts with torch's default
+        torch.set_grad_enabled(True)
 
 
 def cut_short(current: list[Job]) -> Callable[[int, FrameType | None], None]:
