@@ -200,22 +200,22 @@ def _wait_for(cond, timeout: float) -> None:
 
 def test_a_survivor_leaves_its_step_at_once_when_a_peer_dies(tmp_path: Path, baseline) -> None:
     """Ranks without collectives between them (mode single) and long steps: the survivor
-    would only notice the end of its generation after its step, 2.5 s of the loop's own
-    work (decide took 2.5 s with ``--no-interrupt-steps``); cut short by the control
-    thread's signal, it leaves at once, and the run still ends with the bits of an
-    uninterrupted one."""
-    slow = ("--sleep", "2.5")
-    base = baseline(nodes=2, mode="single", steps=4, train_args=slow)
+    would only notice the end of its generation after its step, 1.5 s of the loop's own
+    work (decide took 1.51 s with ``--no-interrupt-steps``, 0.01 s without, measured);
+    cut short by the control thread's signal, it leaves at once, and the run still ends
+    with the bits of an uninterrupted one."""
+    slow = ("--sleep", "1.5")
+    base = baseline(nodes=2, mode="single", steps=3, train_args=slow)
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
-        steps=4,
+        steps=3,
         mode="single",
         train_args=slow,
-        extra=("--spare-workers", "1", "--inject", "kill:rank=1:step=1"),
+        extra=("--spare-workers", "1", "--inject", "kill:rank=1:step=0"),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     (resumed,) = events(run_dir, "resumed")
     assert resumed["kept"] == [0], "the survivor kept its process"
-    assert resumed["phases"]["decide"] < 1.0, f"the survivor finished its step: {resumed}"
+    assert resumed["phases"]["decide"] < 0.75, f"the survivor finished its step: {resumed}"
