@@ -409,8 +409,8 @@ def _live_tensors(state: Mapping[str, Any]) -> Iterator[torch.Tensor]:
 
 
 def _all_on_cpu(state: Mapping[str, Any]) -> bool:
-    """Whether a load may adopt at all: every parameter a plain CPU tensor. Else (a GPU
-    or sharded model) one small CPU tensor adopted (an optimizer's step counter) would
+    """Whether a load may adopt at all: every live tensor a plain CPU tensor. Else (a
+    GPU or sharded model) one small CPU tensor adopted (an optimizer's step counter) would
     keep the whole fetched buffer alive beside the state."""
     return all(
         type(t.data) is torch.Tensor and t.device.type == "cpu" for t in _live_tensors(state)
@@ -427,13 +427,12 @@ def _shared_storages(state: Mapping[str, Any]) -> frozenset[int]:
 
 
 def _adoptable(live: torch.Tensor, saved: torch.Tensor) -> bool:
-    """Whether ``live`` can take ``saved``'s memory for its own: the same dtype and shape,
-    both on the CPU, and ``live`` the only tensor in its storage (a parameter that is a view
-    into a flat buffer must keep aliasing it, so it is copied into instead)."""
+    """Whether ``live`` can take ``saved``'s memory for its own (both on the CPU, as
+    :func:`_all_on_cpu` found): the same dtype and shape, and ``live`` the only tensor in
+    its storage (a parameter that is a view into a flat buffer must keep aliasing it, so it
+    is copied into instead)."""
     return (
-        live.device.type == "cpu"
-        and saved.device.type == "cpu"
-        and live.dtype == saved.dtype
+        live.dtype == saved.dtype
         and live.shape == saved.shape
         and live.is_contiguous()
         and live.storage_offset() == 0

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from tierswap.affinity import pin_worker
+from tierswap.config import Config
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
@@ -163,7 +164,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     chan = Channel.connect(env["TIERSWAP_AGENT"], secret, p.AgentToWorker)
     heartbeat = float(env.get("TIERSWAP_HEARTBEAT", "1.0"))
     local, incarnation = int(env["TIERSWAP_LOCAL"]), int(env.get("TIERSWAP_INCARNATION", "0"))
-    interrupt = env.get("TIERSWAP_INTERRUPT_STEPS", "true").lower() in ("1", "true", "yes", "on")
+    interrupt = Config.from_env(env).interrupt_steps  # --no-interrupt-steps
     current: list[Job] = []  # the job of the generation this worker runs, if any
     if interrupt:
         signal.signal(SIGNAL, cut_short(current))
