@@ -391,6 +391,7 @@ class Agent:
     def __init__(self, nproc: int = 1, **kw: Any) -> None:
         cfg = Config(nodes=2, nproc_per_node=nproc, console=False, **kw)
         segs: dict[str, MemorySegment] = {}
+        self.segs = segs
         rings = NodeRings("t", cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
         peers = PeerStore("t", cfg.slots, 0, lambda m, g: None,
                           create=lambda n, s: MemorySegment(n, s, segs))  # fmt: skip
@@ -405,6 +406,13 @@ class Agent:
         g = self.core.generation if gen is None else gen
         out = self.core.handle(ae.FromWorker(conn, p.Envelope(g, msg), 0.0), 0.0)
         self.out += out
+        return self.made(out)
+
+    def made(self, out: list[Any]) -> list[Any]:
+        """What a shell does at once with ``MakeSegment``: the slot, made, back in."""
+        for c in [c for c in out if isinstance(c, ae.MakeSegment)]:
+            seg = MemorySegment(c.name, c.nbytes, self.segs)
+            out += self.core.handle(ae.SegmentMade(c.tier, c.rank, c.alloc, c.index, seg), 0.0)
         return out
 
     def coordinator(self, msg: p.Message, gen: int) -> list[Any]:
@@ -475,6 +483,49 @@ def test_the_agent_holds_one_step_at_a_time_and_the_newest_after_a_commit() -> N
     out = a.coordinator(p.Committed(tier=0, step=0), 0)
     assert [m for m in a.to_coordinator(out) if isinstance(m, p.Held)] == [p.Held(tier=0, step=1)]
     assert [c for c in out if isinstance(c, Tell)] == []
+
+
+def test_the_agent_makes_a_rings_first_slot_at_once_and_the_others_off_its_loop() -> None:
+    """A layout's first slot is made in the loop (the first snapshot needs it), the others
+    by its shell (``MakeSegment``); a step that finds no free slot only because they are
+    being made is told to wait (``filling``), not skipped; a slot that cannot be made
+    fails the rank's next snapshot with what to do about it."""
+    a = Agent()
+    a.start(0)
+    out = a.core.handle(ae.FromWorker(1, p.Envelope(0, p.Alloc(rank=0, layout=LAYOUT)), 0.0), 0.0)
+    (alloc,) = [c.msg for c in out if isinstance(c, ae.Reply)]
+    assert isinstance(alloc, p.Allocated) and len(alloc.segments) == a.core.cfg.slots
+    makes = [c for c in out if isinstance(c, ae.MakeSegment)]
+    assert [c.index for c in makes] == list(range(1, a.core.cfg.slots))
+    assert {c.name for c in makes} == set(alloc.segments[1:])
+
+    def ask(step: int) -> tuple[p.SlotGranted, list[Any]]:
+        req = p.SlotRequest(rank=0, step=step, alloc=alloc.alloc)
+        out = a.core.handle(ae.FromWorker(1, p.Envelope(0, req), 0.0), 0.0)
+        (grant,) = [c.msg for c in out if isinstance(c, ae.Reply)]
+        assert isinstance(grant, p.SlotGranted)
+        return grant, out
+
+    grant, _ = ask(0)
+    assert grant.slot == 0
+    a.worker(1, p.Written(rank=0, step=0, slot=0, alloc=alloc.alloc, tree={}, stall=0.0,
+                          checksum="c0"))  # fmt: skip
+    grant, out = ask(1)  # slot 0 holds the newest step, the others are not made yet
+    assert grant == p.SlotGranted(slot=None, filling=True)
+    assert not [m for m in a.to_coordinator(out) if isinstance(m, p.Skipped)]
+    first, *rest = makes
+    seg = MemorySegment(first.name, first.nbytes, a.segs)
+    a.core.handle(ae.SegmentMade(0, 0, first.alloc, first.index, seg), 0.0)
+    assert ask(1)[0] == p.SlotGranted(slot=1)
+    out = a.core.handle(ae.SegmentMade(0, 0, rest[0].alloc, rest[0].index, None, "ENOSPC"), 0.0)
+    (error,) = [m for m in a.to_coordinator(out) if isinstance(m, p.AgentError)]
+    assert "cannot allocate" in error.error and "Free or enlarge" in error.error
+    a.worker(1, p.Written(rank=0, step=1, slot=1, alloc=alloc.alloc, tree={}, stall=0.0,
+                          checksum="c1"))  # fmt: skip
+    req = p.SlotRequest(rank=0, step=2, alloc=alloc.alloc)
+    out = a.core.handle(ae.FromWorker(1, p.Envelope(0, req), 0.0), 0.0)
+    (reply,) = [c.msg for c in out if isinstance(c, ae.Reply)]
+    assert isinstance(reply, p.Error) and "UsageError: node 0 cannot allocate" in reply.message
 
 
 def test_an_injected_persist_failure_fails_every_part_of_that_step() -> None:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierswap.shm import PREFIX, SHM_DIR
+from tierswap.errors import UsageError
+from tierswap.shm import PREFIX, SHM_DIR, Segment
 from tierswap.state import Layout, TensorEntry
 from tierswap.tiers.memory import RankRing, Slot, SlotState
 
@@ -214,6 +215,76 @@ def test_new_layout_retires_old_slots_once_unleased(make_ring: Callable[..., Ran
     assert all(s.segment.path.exists() for s in new.slots)
     newer = ring.allocate(_layout(8))  # nothing leased: the old ones go at once
     assert not any(s.segment.path.exists() for s in new.slots) and newer.slots
+
+
+def _make(ring: RankRing) -> None:
+    """What the agent's shell does with the ring's ``wanted``: make them, hand them in."""
+    for alloc, index, name, nbytes in ring.take_wanted():
+        assert ring.add(alloc, index, Segment.create(name, nbytes))
+
+
+def test_slots_after_the_first_are_made_later_and_waited_for_not_skipped(
+    make_ring: Callable[..., RankRing],
+) -> None:
+    """``allocate(now=1)``: one slot at once, the others left to be made off the loop; until
+    they are in, a step with no free slot waits (``filling``) and is not counted skipped."""
+    ring = make_ring(4)
+    alloc = ring.allocate(_layout(), now=1)
+    assert len(alloc.slots) == 1 and len(alloc.names) == 4 and ring.filling()
+    assert ring.nbytes() == 4 * 64  # what the ring will hold, made or not
+    assert _write(ring, 0)[0] == 0
+    assert _write(ring, 1) == (None, []) and ring.skipped == 0  # slot 0 holds the newest
+    wanted = ring.take_wanted()
+    assert [(a, i) for a, i, _, _ in wanted] == [(alloc.id, 1), (alloc.id, 2), (alloc.id, 3)]
+    assert ring.take_wanted() == []  # handed out once
+    for a, i, name, nbytes in reversed(wanted):  # made in any order
+        assert ring.add(a, i, Segment.create(name, nbytes))
+    assert not ring.filling()
+    assert sorted(_write(ring, s)[0] or 0 for s in (1, 2, 3)) == [1, 2, 3]
+    assert ring.held().keys() == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="slot 1 of allocation"):
+        ring.add(alloc.id, 1, None)
+
+
+def test_a_slot_made_for_a_replaced_allocation_is_refused(
+    make_ring: Callable[..., RankRing],
+) -> None:
+    ring = make_ring(3)
+    old = ring.allocate(_layout(16), now=1)
+    ((aid, index, name, nbytes), _) = ring.take_wanted()
+    ring.allocate(_layout(32), now=1)  # the layout changed while slot 1 was being made
+    seg = Segment.create(name, nbytes)
+    assert not ring.add(aid, index, seg) and aid == old.id  # the caller unlinks it
+    seg.unlink()
+    _make(ring)
+    assert not ring.filling()
+
+
+def test_a_slot_that_could_not_be_made_fails_the_next_write_with_the_reason(
+    make_ring: Callable[..., RankRing],
+) -> None:
+    ring = make_ring(3)
+    alloc = ring.allocate(_layout(), now=1)
+    assert _write(ring, 0)[0] == 0
+    aid, index, _, _ = ring.take_wanted()[0]
+    assert ring.add(aid, index, None, "no space left in /dev/shm: enlarge it")
+    assert not ring.filling() and alloc.error is not None
+    with pytest.raises(UsageError, match="enlarge it"):
+        ring.begin_write(1, alloc.id)
+
+
+def test_a_replica_slot_that_could_not_be_made_leaves_the_ring_one_short(
+    make_ring: Callable[..., RankRing],
+) -> None:
+    """Tier 1 (``fatal=False``): the ring goes on with the slots it has, no longer filling."""
+    ring = make_ring(3)
+    alloc = ring.allocate(_layout(), now=1)
+    (aid, i1, n1, size), (_, i2, _, _) = ring.take_wanted()
+    assert ring.add(aid, i2, None, "ENOSPC", fatal=False) and ring.filling()
+    assert ring.add(aid, i1, Segment.create(n1, size))
+    assert not ring.filling() and alloc.error is None
+    assert [_write(ring, s)[0] for s in (0, 1)] == [0, 1]
+    assert _write(ring, 2) == (0, [0]) and ring.skipped == 0  # two slots take turns
 
 
 def test_written_checks_its_slot(make_ring: Callable[..., RankRing]) -> None:

@@ -33,6 +33,7 @@ from tierswap.errors import UsageError
 from tierswap.interrupt import own_call
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
+from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S
 from tierswap.wire import Channel
 
 _active: list[Snapshotter] = []
@@ -128,15 +129,26 @@ class Stats:
 class _Allocation:
     id: int
     layout: Layout
-    segments: list[Segment]
+    names: list[str]
+    """Every slot's segment, by index; the agent may still be making some (it grants
+    only made ones), so each is mapped when it is first granted (``segment``)."""
+    segments: dict[int, Segment] = field(default_factory=dict)
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     pinned: dict[int, int] = field(default_factory=dict)
     """slot -> address registered with cudaHostRegister."""
 
+    def segment(self, slot: int) -> Segment:
+        """Slot ``slot``'s segment, mapped on first use (by the training thread, in
+        ``take``, before its copy is queued)."""
+        seg = self.segments.get(slot)
+        if seg is None:
+            seg = self.segments[slot] = Segment.attach(self.names[slot], self.layout.nbytes)
+        return seg
+
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         views = self.views.get(slot)
         if views is None:
-            buf = self.segments[slot].buf
+            buf = self.segment(slot).buf
             views = self.views[slot] = [tensor_view(buf, e) for e in self.layout.entries]
         return views
 
@@ -145,8 +157,9 @@ class _Allocation:
         for ptr in self.pinned.values():  # unpin before unmapping, or a later map may alias
             torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
         self.pinned.clear()
-        for seg in self.segments:
+        for seg in self.segments.values():
             seg.close()
+        self.segments.clear()
 
 
 @dataclass(slots=True)
@@ -255,8 +268,23 @@ class Snapshotter:
         self.stats.waited = 0.0
 
     def _slot(self, step: int, alloc: _Allocation, retry: bool = False) -> int | None:
+        """A slot for ``step``, or None to skip it; while the agent is still making the
+        ring's slots (a job's first steps) it waits for one, up to ``FILL_LIMIT_S``."""
         msg = p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id, retry=retry)
-        return self.chan.call(msg, p.SlotGranted).slot
+        deadline = time.monotonic() + FILL_LIMIT_S
+        while True:
+            if time.monotonic() >= deadline:  # asked once more without waiting: a skip
+                msg = p.SlotRequest(rank=self.rank, step=step, alloc=alloc.id, retry=retry,
+                                    wait=False)  # fmt: skip
+            try:
+                granted = self.chan.call(msg, p.SlotGranted)
+            except RuntimeError as e:  # its ring could not be made: no restart helps
+                if "UsageError: " in str(e):
+                    raise UsageError(str(e).split("UsageError: ", 1)[1]) from e
+                raise
+            if granted.slot is not None or not granted.filling:
+                return granted.slot
+            time.sleep(FILL_POLL_S)
 
     def fence(self) -> None:
         """Block until the in-flight copy has read the state (its checksum and its report
@@ -326,10 +354,9 @@ class Snapshotter:
             reply = self.chan.call(p.Alloc(rank=self.rank, layout=layout), p.Allocated, timeout=300)
         except RuntimeError as e:  # no memory for the slots: restarting would fail the same way
             raise UsageError(str(e)) from e
-        segments = [Segment.attach(name, layout.nbytes) for name in reply.segments]
         if current is not None:
             current.close()
-        self._alloc = _Allocation(reply.alloc, layout, segments)
+        self._alloc = _Allocation(reply.alloc, layout, list(reply.segments))
         return self._alloc
 
     def _launch_cuda_copy(self, alloc: _Allocation, slot: int, flat: Flat) -> Any:
@@ -344,7 +371,7 @@ class Snapshotter:
         if not cuda:
             return None
         if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
-            buf = alloc.segments[slot].buf
+            buf = alloc.segment(slot).buf
             ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
             err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)  # type: ignore[no-untyped-call]
             if int(err) != 0:
@@ -380,7 +407,7 @@ class Snapshotter:
         t0, cpu0 = time.monotonic(), time.thread_time()
         views = job.alloc.slot_views(job.slot)
         entries = job.alloc.layout.entries
-        buf = job.alloc.segments[job.slot].buf
+        buf = job.alloc.segment(job.slot).buf
         here = [
             e.deferred and not t.is_cuda for e, t in zip(entries, job.flat.tensors, strict=True)
         ]

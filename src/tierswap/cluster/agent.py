@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,9 +44,11 @@ from tierswap.control.agent_events import (
     CoordinatorClosed,
     FromCoordinator,
     FromWorker,
+    MakeSegment,
     Rejoined,
     Replicate,
     Reply,
+    SegmentMade,
     Shutdown,
     Tick,
     ToCoordinator,
@@ -121,6 +123,8 @@ class Agent:
         """Worker connections by token (the core's ``conn``)."""
         self._tokens = itertools.count(1)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-check")
+        self.maker = _SlotMaker(self.events.put, self._make_segment)
+        """Makes the rings' slots after their first (``MakeSegment``), off the loop."""
         # tier-2 writes get their own threads: a slow disk must not hold up checksums
         self.writer = PartWriter(cfg, self.events.put)
         self.sock = str(run_dir / f"agent-{host}-{os.getpid()}.sock")
@@ -336,6 +340,8 @@ class Agent:
                     self.writer.submit(part, bases, delay)
                 case AnswerAsk(answer=answer, value=value, error=error):
                     answer(value, error)
+                case MakeSegment():
+                    self.maker.submit(cmd)
                 case WarmSegments(sizes=sizes):
                     self.segments.warm(list(sizes))
                 case Spawn(local=local, incarnation=incarnation):
@@ -346,6 +352,13 @@ class Agent:
                 case Shutdown():
                     return False
         return True
+
+    def _make_segment(self, cmd: MakeSegment) -> SegmentMade:
+        try:
+            seg = self.segments.create(cmd.name, cmd.nbytes)
+        except Exception as e:  # the loop must hear of every slot it waits for
+            return SegmentMade(cmd.tier, cmd.rank, cmd.alloc, cmd.index, None, f"{e}")
+        return SegmentMade(cmd.tier, cmd.rank, cmd.alloc, cmd.index, seg)
 
     def _checksum(self, rank: int, step: int, slot: Any, layout: Any) -> None:
         try:
@@ -362,10 +375,46 @@ class Agent:
         self.replicator.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.writer.close()
+        self.maker.close()
+        while True:  # slots made that the loop never took: theirs to unlink, no one else's
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, SegmentMade) and event.segment is not None:
+                event.segment.unlink()
         self.core.rings.close()
         self.core.peers.close()
         self.segments.close()
         Path(self.sock).unlink(missing_ok=True)
+
+
+class _SlotMaker:
+    """One thread that makes rings' slots, lowest slot index first: every ring's second
+    slot (what its next snapshot needs) before any ring's third, so a node of 8 ranks in
+    lockstep does not wait for the first rank's whole ring before the last rank's second
+    slot. ``close`` drops what is not begun (nothing is made, nothing leaks) and waits for
+    the one being made."""
+
+    def __init__(
+        self, deliver: Callable[[Any], None], make: Callable[[MakeSegment], SegmentMade]
+    ) -> None:
+        self._deliver, self._make = deliver, make
+        self._jobs: queue.PriorityQueue[tuple[int, int, MakeSegment | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="tierswap-slots", daemon=True)
+        self._thread.start()
+
+    def submit(self, cmd: MakeSegment) -> None:
+        self._jobs.put((cmd.index, next(self._seq), cmd))
+
+    def _run(self) -> None:
+        while (cmd := self._jobs.get()[2]) is not None:
+            self._deliver(self._make(cmd))
+
+    def close(self) -> None:
+        self._jobs.put((-1, -1, None))  # ahead of every slot still queued
+        self._thread.join(timeout=60)
 
 
 def _connect(coord_host: str, port: int, secret: bytes, launch: HostLaunch | None) -> Channel:

@@ -29,12 +29,14 @@ from tierswap.control.agent_events import (
     CoordinatorClosed,
     FromCoordinator,
     FromWorker,
+    MakeSegment,
     PartWritten,
     Rejoined,
     Replicate,
     Replicated,
     ReplicationFailed,
     Reply,
+    SegmentMade,
     Shutdown,
     Tick,
     ToCoordinator,
@@ -161,6 +163,7 @@ class AgentCore:
         self.rings = rings
         self.peers = peers
         peers.report = self._report
+        peers.later = True  # a ring's slots after its first are made off the loop
         self.workers = WorkerTable()
         self.queue = ReplicationQueue()
         self.plans: dict[int, p.RankPlan] = {}
@@ -187,6 +190,8 @@ class AgentCore:
 
     def handle(self, event: AgentEvent, now: float) -> list[Any]:
         if self.exiting:
+            if isinstance(event, SegmentMade) and event.segment is not None:
+                event.segment.unlink()  # made for a ring that is gone with the agent
             return []
         match event:
             case FromWorker():
@@ -215,6 +220,8 @@ class AgentCore:
                 self._exited(local, incarnation, code, now)
             case Tick():
                 self._watch(now)
+            case SegmentMade():
+                self._segment_made(event)
             case WarmRefused(why=why):  # the spare makes them when it takes a node
                 self._tell(p.AgentError(rank=-1, request="warm", error=why))
             case Boot():
@@ -232,9 +239,38 @@ class AgentCore:
                 self.coordinator_gone = True
                 self.exit_code = 1  # the job did not end: its coordinator is gone
                 self._shutdown()
+        self._make_wanted()
         self.out.extend(self.workers.take())
         out, self.out = self.out, []
         return out
+
+    def _make_wanted(self) -> None:
+        """Slots the rings left to be made off the loop: one command each."""
+        for tier, rings in ((0, self.rings.by_rank), (1, self.peers.rings)):
+            for rank, ring in rings.items():
+                for alloc, index, name, nbytes in ring.take_wanted():
+                    self.out.append(MakeSegment(tier, rank, alloc, index, name, nbytes))
+
+    def _segment_made(self, event: SegmentMade) -> None:
+        rings = self.rings.by_rank if event.tier == 0 else self.peers.rings
+        ring = rings.get(event.rank)
+        error = event.error and self._no_room(event.tier, event.rank, event.error)
+        # a tier-0 ring short of a slot stops the job (its next snapshot says why); a
+        # replica ring goes on with the slots it has, and the loss is reported
+        fatal = event.tier == 0
+        kept = ring is not None and ring.add(event.alloc, event.index, event.segment, error, fatal)
+        if not kept and event.segment is not None:  # its allocation went meanwhile
+            event.segment.unlink()
+        if error and kept:
+            self._tell(p.AgentError(rank=event.rank, request="alloc", error=error))
+
+    def _no_room(self, tier: int, rank: int, error: str) -> str:
+        what = "tier-0 slots" if tier == 0 else "tier-1 replica slots"
+        return (
+            f"node {self.node} cannot allocate its {self.cfg.slots} {what} for rank {rank} "
+            f"in {SHM_DIR}: {error}. Free or enlarge {SHM_DIR} (a container's --shm-size), "
+            "or use fewer --slots."
+        )
 
     def _add(self, cmd: Any) -> None:
         if cmd is not None:
@@ -490,25 +526,25 @@ class AgentCore:
     def _alloc(self, conn: int, msg: p.Alloc) -> None:
         msg.layout.check()
         ring = self.rings[msg.rank]
-        try:
-            alloc = ring.allocate(msg.layout)
+        try:  # the first slot now, the others on a thread (the first snapshot needs one)
+            alloc = ring.allocate(msg.layout, now=1)
         except OSError as e:
-            raise UsageError(
-                f"node {self.node} cannot allocate {self.cfg.slots} tier-0 slots of "
-                f"{msg.layout.nbytes:,} bytes for rank {msg.rank} in {SHM_DIR}: {e}. Free or "
-                f"enlarge {SHM_DIR} (a container's --shm-size), or use fewer --slots."
-            ) from e
+            why = f"{e} (slots of {msg.layout.nbytes:,} bytes)"
+            raise UsageError(self._no_room(0, msg.rank, why)) from e
         self._lost_holds()  # the layout changed: steps of the old slots are gone
-        sizes = [s.segment.size for s in alloc.slots]
+        sizes = [msg.layout.nbytes] * len(alloc.names)
         self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes(), segments=sizes))
-        segments = [str(s.segment.path.name) for s in alloc.slots]
-        self._reply(conn, p.Allocated(alloc=alloc.id, segments=segments))
+        self._reply(conn, p.Allocated(alloc=alloc.id, segments=list(alloc.names)))
 
     def _slot(self, conn: int, msg: p.SlotRequest) -> None:
         if self.phase != AgentPhase.SERVING:
             raise ValueError(f"generation {self.generation} is ending: no new snapshots")
-        slot, _ = self.rings[msg.rank].begin_write(msg.step, msg.alloc)
-        self._reply(conn, p.SlotGranted(slot=slot))
+        ring = self.rings[msg.rank]
+        slot, _ = ring.begin_write(msg.step, msg.alloc)
+        filling = slot is None and msg.wait and ring.filling()  # it asks again: no skip
+        self._reply(conn, p.SlotGranted(slot=slot, filling=filling))
+        if filling:
+            return
         if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:
             self.last_skipped[msg.rank] = msg.step
             self._tell(p.Skipped(rank=msg.rank, step=msg.step))

@@ -15,6 +15,7 @@ from typing import Any
 from tierswap.control import protocol as p
 from tierswap.control.workers import Kill, Spawn, Tell
 from tierswap.layout import Layout
+from tierswap.shm import Segment
 from tierswap.tiers.durable import PartInfo
 from tierswap.tiers.durable_deltas import Part
 from tierswap.tiers.memory import Slot
@@ -129,6 +130,20 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentMade:
+    """A slot of a tier's ring (0: a rank of this node, 1: a replica held for a peer's
+    rank) was made off the loop (``MakeSegment``): ``segment``, or ``error`` saying why
+    not."""
+
+    tier: int
+    rank: int
+    alloc: int
+    index: int
+    segment: Segment | None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WarmRefused:
     """Segments a spare was told to make ahead were not made (``why``)."""
 
@@ -148,6 +163,7 @@ AgentEvent = (
     | PartWritten
     | Ask
     | Tick
+    | SegmentMade
     | WarmRefused
 )
 
@@ -222,6 +238,18 @@ class AnswerAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class MakeSegment:
+    """Make a ring's slot on a thread (``name``, ``nbytes``); ``SegmentMade`` when done."""
+
+    tier: int
+    rank: int
+    alloc: int
+    index: int
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class WarmSegments:
     """Hold shared-memory segments of these sizes, made ahead (``SegmentPool.warm``);
     empty frees those not taken."""
@@ -245,6 +273,7 @@ AgentCommand = (
     | ConfigureReplication
     | WritePart
     | AnswerAsk
+    | MakeSegment
     | WarmSegments
     | Shutdown
 )

@@ -139,6 +139,9 @@ class SlotRequest(Message, frozen=True, kw_only=True, tag="slot"):
     retry: bool = False
     """The worker asks again if refused (the last step of a job waits for a slot): a
     refusal is not a skip yet."""
+    wait: bool = True
+    """While the ring's slots are still being made, a refusal is ``filling`` (the worker
+    asks again), not a skip; False once the worker gave up waiting: then it is a skip."""
 
 
 class Written(Message, frozen=True, kw_only=True, tag="written"):
@@ -301,6 +304,9 @@ class Allocated(Message, frozen=True, kw_only=True, tag="allocated"):
 class SlotGranted(Message, frozen=True, kw_only=True, tag="slot_granted"):
     scoped = False
     slot: int | None
+    filling: bool = False
+    """No slot now, but the ring's slots are still being made: ask again soon (not a
+    skip)."""
 
 
 class PlanReply(Message, frozen=True, kw_only=True, tag="plan_reply"):

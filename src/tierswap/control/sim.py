@@ -44,7 +44,7 @@ from tierswap.errors import CorruptPartError
 from tierswap.shm import Segment
 from tierswap.state import Layout, TensorEntry
 from tierswap.tiers.durable import PartInfo
-from tierswap.tiers.memory import NodeRings
+from tierswap.tiers.memory import FILLING, NodeRings
 from tierswap.tiers.peer import Lease
 from tierswap.tiers.replicas import PeerStore
 
@@ -302,10 +302,20 @@ class SimHost:
                 sim.after(sim.latency(), lambda: self._write_part(part))
             case ae.AnswerAsk(answer=answer, value=value, error=error):
                 answer(value, error)
+            case ae.MakeSegment(tier=tier, rank=rank, alloc=alloc, index=index):
+                seg = MemorySegment(cmd.name, cmd.nbytes, sim.segments)
+                made = ae.SegmentMade(tier, rank, alloc, index, seg)
+                sim.after(sim.latency(), lambda: self._made(made))
             case ae.WarmSegments():
                 pass  # simulated segments cost nothing to make
             case ae.Shutdown():
                 self.die()
+
+    def _made(self, made: ae.SegmentMade) -> None:
+        if self.alive and self.core is not None:
+            self.feed(made)
+        elif made.segment is not None:  # the host died meanwhile, and its memory with it
+            made.segment.unlink()
 
     def _spawn(self, local: int, incarnation: int) -> None:
         if self.alive:
@@ -337,7 +347,9 @@ class SimHost:
                 if peer is None:
                     self._failed(job, node, "refused")
                     continue
-                got = yield Ask(peer, "replica_slot", {**fields, "layout": job.layout})
+                ask = {**fields, "layout": job.layout, "wait": True}
+                while (got := (yield Ask(peer, "replica_slot", ask))) == FILLING:
+                    yield 0.005
                 if got is Dead:
                     self._failed(job, node, "peer gone")
                 if got is Dead or got is None:
@@ -587,7 +599,7 @@ class SimWorker:
                 granted = yield from self._call(request, gen)
                 if not isinstance(granted, p.SlotGranted) or granted.slot is not None:
                     break
-                if not retry or gen in self.ended:
+                if not (retry or granted.filling) or gen in self.ended:
                     break
                 yield 0.005
             if isinstance(granted, p.SlotGranted) and granted.slot is not None:

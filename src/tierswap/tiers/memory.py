@@ -2,7 +2,8 @@
 
 Invariants (DESIGN.md): a slot being written, checksummed, persisted or restored from is
 leased and never handed out; the newest committed step is never overwritten before a
-newer one is committed; when no slot is free the step is skipped, never waited for.
+newer one is committed; when no slot is free the step is skipped, never waited for
+(except while the ring's slots are still being made, for at most ``FILL_LIMIT_S``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,24 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from tierswap.errors import UsageError
 from tierswap.layout import Layout
 from tierswap.shm import Segment, segment_name
 
 SegmentFactory = Callable[[str, int], Segment]
 """``create(name, nbytes)``: a new shared-memory segment (``Segment.create``; tests and
 the simulation hand in one backed by plain memory)."""
+
+
+FILLING = "filling"
+"""A replica store's answer when it has no free slot only because its ring's slots are
+still being made (:meth:`RankRing.allocate`): the sender's bytes wait for one."""
+FILL_LIMIT_S = 30.0
+"""The longest a snapshot or a replica waits for a slot that is still being made (then it
+is skipped, and reported so): making one is an allocation of shared memory, seconds at
+most. Under the 60 s a replica's sender waits for room."""
+FILL_POLL_S = 0.01
+"""How often a waiting writer asks again (each ask is a turn of the agent's loop)."""
 
 
 class SlotState(Enum):
@@ -46,10 +59,20 @@ class Allocation:
     id: int
     layout: Layout
     slots: list[Slot]
+    """The slots made so far (in the order they were made); the rest are being made
+    (``filling``)."""
+    names: list[str] = field(default_factory=list)
+    """Every slot's segment name, made or not, by index."""
+    error: str | None = None
+    """Why a slot could not be made (a full /dev/shm): the ring cannot be used."""
 
     def release(self) -> None:
         for s in self.slots:
             s.segment.unlink()
+
+    @property
+    def filling(self) -> bool:
+        return len(self.slots) < sum(map(bool, self.names)) and self.error is None
 
 
 _alloc_ids = itertools.count(1)
@@ -104,29 +127,72 @@ class RankRing(CommitVotes):
         """The step committed in tier 1: kept here too, so that after a node loss the
         survivors still hold the step its ranks come back with from peers."""
         self.skipped = 0
+        self.wanted: list[tuple[int, int, str, int]] = []
+        """Slots to be made off the loop: (allocation, index, name, bytes) each, taken by
+        the agent's core (``take_wanted``) and handed back made (``add``)."""
 
     # ------------------------------------------------------------ allocation
 
-    def allocate(self, layout: Layout) -> Allocation:
+    def allocate(self, layout: Layout, now: int | None = None) -> Allocation:
         """Slots for ``layout``: the current ones when it is unchanged (a restarted worker
-        keeps what its predecessor held), else new ones; old ones go once unleased."""
+        keeps what its predecessor held), else new ones; old ones go once unleased.
+
+        ``now`` slots are made here (all by default); the others are left in ``wanted``,
+        to be made on a thread and handed back with :meth:`add`. Making 4 slots of 384 MiB
+        took 6 s on a loaded 2-core machine: made all at once here they stalled the
+        agent's loop, and the trainer's first snapshot, for all of it."""
         if self.alloc is not None and self.alloc.layout == layout:
             return self.alloc
         aid = next(_alloc_ids)
+        names = [segment_name(self.job_id, self.rank, i, aid) for i in range(self.nslots)]
+        first = self.nslots if now is None else max(1, min(now, self.nslots))
         slots = []
         try:
-            for i in range(self.nslots):
-                name = segment_name(self.job_id, self.rank, i, aid)
-                slots.append(Slot(i, self.create(name, layout.nbytes)))
+            for i in range(first):
+                slots.append(Slot(i, self.create(names[i], layout.nbytes)))
         except BaseException:
             for s in slots:
                 s.segment.unlink()
             raise
         if self.alloc is not None:
             self.retired.append(self.alloc)
-        self.alloc = Allocation(aid, layout, slots)
+        self.alloc = Allocation(aid, layout, slots, names)
+        self.wanted = [(aid, i, names[i], layout.nbytes) for i in range(first, self.nslots)]
         self._drop_retired()
         return self.alloc
+
+    def take_wanted(self) -> list[tuple[int, int, str, int]]:
+        wanted, self.wanted = self.wanted, []
+        return wanted
+
+    def add(
+        self,
+        alloc_id: int,
+        index: int,
+        segment: Segment | None,
+        error: str = "",
+        fatal: bool = True,
+    ) -> bool:
+        """A slot made off the loop (``segment``), or why it could not be (``error``):
+        ``fatal``, the ring's next write raises it; else the ring goes on without that
+        slot. False when its allocation is no longer this ring's: the caller unlinks it."""
+        a = self.alloc
+        if a is None or a.id != alloc_id:
+            return False
+        if not 0 <= index < len(a.names) or any(s.index == index for s in a.slots):
+            raise ValueError(f"rank {self.rank}: slot {index} of allocation {alloc_id} twice")
+        if segment is None and not fatal:
+            a.names[index] = ""  # never made: the ring holds one slot fewer
+            return True
+        if segment is None:
+            a.error = a.error or error or f"slot {index} could not be made"
+            return True
+        a.slots.append(Slot(index, segment))
+        return True
+
+    def filling(self) -> bool:
+        """Some slots of the current allocation are still being made."""
+        return self.alloc is not None and self.alloc.filling
 
     def _drop_retired(self) -> None:
         keep = []
@@ -148,6 +214,8 @@ class RankRing(CommitVotes):
         a = self.alloc
         if a is None or a.id != alloc_id:
             raise ValueError(f"rank {self.rank}: unknown slot allocation {alloc_id}")
+        if a.error is not None:
+            raise UsageError(a.error)
         live = [s.step for s in a.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
         newest = max(live, default=-1)
         keep = {self.committed, *self.proposed, newest, self.peer_committed}
@@ -156,8 +224,8 @@ class RankRing(CommitVotes):
             s for s in a.slots if s.state is SlotState.HELD and s.step not in keep and not s.leases
         ]
         candidates = free or sorted(stale, key=lambda s: s.step)
-        if not candidates:
-            self.skipped += 1
+        if not candidates:  # (while slots are still being made the writer waits: no skip)
+            self.skipped += 0 if a.filling else 1
             return None, []
         slot = candidates[0]
         dropped = [slot.step] if slot.state is SlotState.HELD else []
@@ -166,7 +234,7 @@ class RankRing(CommitVotes):
 
     def written(self, slot_index: int, step: int, alloc_id: int, tree: dict[str, Any]) -> Slot:
         """The worker finished copying; the slot waits for its checksum (leased)."""
-        slot = self._slot(alloc_id, slot_index)
+        slot = self.slot(alloc_id, slot_index)
         if slot.state is not SlotState.WRITING or slot.step != step:
             raise ValueError(f"rank {self.rank}: slot {slot_index} is not being written")
         slot.state, slot.tree = SlotState.CHECKING, tree
@@ -238,10 +306,13 @@ class RankRing(CommitVotes):
         assert self.alloc is not None
         return self.alloc.layout
 
-    def _slot(self, alloc_id: int, index: int) -> Slot:
-        if self.alloc is None or self.alloc.id != alloc_id or not 0 <= index < self.nslots:
-            raise ValueError(f"rank {self.rank}: no slot {index} in allocation {alloc_id}")
-        return self.alloc.slots[index]
+    def slot(self, alloc_id: int, index: int) -> Slot:
+        """Slot ``index`` of allocation ``alloc_id``, made."""
+        found = [] if self.alloc is None or self.alloc.id != alloc_id else self.alloc.slots
+        for slot in found:
+            if slot.index == index:
+                return slot
+        raise ValueError(f"rank {self.rank}: no slot {index} in allocation {alloc_id}")
 
     def close(self) -> None:
         for a in [*self.retired, *([self.alloc] if self.alloc else [])]:

@@ -20,6 +20,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
 from tierswap.shm import populated
+from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING
 from tierswap.wire import Address, Channel, Server
 
 if TYPE_CHECKING:
@@ -103,7 +104,13 @@ class ReplicaServer(Server):
     def _receive(self, chan: Channel, msg: p.Replica, generation: int) -> None:
         rank, step, layout = msg.rank, msg.step, msg.layout
         layout.check()
-        got = self.ask("replica_slot", rank=rank, step=step, layout=layout, generation=generation)
+        fields = {"rank": rank, "step": step, "layout": layout, "generation": generation}
+        deadline = time.monotonic() + FILL_LIMIT_S
+        while (got := self.ask("replica_slot", **fields, wait=True)) == FILLING:
+            if time.monotonic() >= deadline:  # (the last ask refuses, and says so)
+                got = self.ask("replica_slot", **fields)
+                break
+            time.sleep(FILL_POLL_S)
         if got is None:
             chan.send(p.Room(ok=False))
             return

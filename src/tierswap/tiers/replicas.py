@@ -20,7 +20,7 @@ from tierswap.faults import Injection
 from tierswap.layout import Layout
 from tierswap.shm import Segment, populated
 from tierswap.tiers.deltas import Base, DeltaRing, Entry
-from tierswap.tiers.memory import RankRing, SegmentFactory, Slot, SlotState
+from tierswap.tiers.memory import FILLING, RankRing, SegmentFactory, Slot, SlotState
 from tierswap.tiers.peer import Lease
 
 Report = Callable[[p.Message, int], None]
@@ -57,6 +57,9 @@ class PeerStore:
         self.protects: list[int] = []
         self.corrupt: list[Injection] = []
         self.peak = 0
+        self.later = False
+        """Make a ring's first slot at once and leave the others in its ``wanted``, as
+        tier 0 does (set by the agent's core, which has them made on a thread)."""
         self.generation = -1
         """Replicas sent in an older generation are refused: they may be of a timeline a
         restore went back from, and would arrive after :meth:`discard_after`."""
@@ -90,11 +93,12 @@ class PeerStore:
         return True
 
     def slot(
-        self, rank: int, step: int, layout: Layout, generation: int = -1
-    ) -> tuple[Any, memoryview] | None:
+        self, rank: int, step: int, layout: Layout, generation: int = -1, wait: bool = False
+    ) -> tuple[Any, memoryview] | str | None:
         """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
         (no room, or sent in an ended generation: skipped). The token goes back to
-        :meth:`written`."""
+        :meth:`written`. With ``wait``, :data:`FILLING` when no slot is free only because
+        the ring's slots are still being made: the server asks again."""
         if self._stale(rank, step, generation):
             return None
         if self.delta:
@@ -109,16 +113,18 @@ class PeerStore:
         if ring.alloc is None or ring.alloc.layout != layout:
             if not self._fits(rank, layout):
                 return None
-            ring.allocate(layout)
-            sizes = [s.segment.size for s in ring.alloc.slots] if ring.alloc else []
+            ring.allocate(layout, now=1 if self.later else None)
+            sizes = [layout.nbytes] * self.nslots
             msg = p.Memory(rank=rank, tier=1, nbytes=ring.nbytes(), segments=sizes)
             self.report(msg, self.generation)
         assert ring.alloc is not None
         index, _ = ring.begin_write(step, ring.alloc.id)
+        if index is None and wait and ring.filling():
+            return FILLING
         if index is None:
             self._rejected(rank, step, "no free slot", generation)
             return None
-        slot = ring.alloc.slots[index]
+        slot = ring.slot(ring.alloc.id, index)
         return slot, slot.segment.buf
 
     def received(self, rank: int, step: int, buf: memoryview) -> None:
