@@ -256,18 +256,49 @@ def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_bench_overhead_runs_tiny_plain_and_pinned() -> None:
-    """Two of its six runs (the full bench interleaves all of them: tier 0 is tier 0+1
-    without replicas, and the unpinned runs leave out two flags)."""
+def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None:
+    """Four of its six jobs, through ``bench peers``' rounds (tier 0 is tier 0+1 without
+    replicas): tier01 unpinned and pinned, each against the plain job of its pinning."""
     from tierswap.bench import overhead
 
-    res = overhead.run(1, 1, steps=7, modes=("plain", "tier01"), pinnings=(True,))
-    assert set(res) >= {"plain_pinned", "tier01_pinned"} and "tier0" not in res
-    for key in ("plain_pinned", "tier01_pinned"):
+    res = overhead.run(1, 1, steps=7, modes=("plain", "tier01"))
+    assert set(res) >= {"plain", "tier01", "plain_pinned", "tier01_pinned"}
+    assert "tier0" not in res
+    for key in ("plain", "tier01", "plain_pinned", "tier01_pinned"):
         assert res[key]["step_s"]["median"] > 0, key
-    assert res["tier01_pinned"]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
-    assert res["tier01_pinned"]["copy_cpu_s_per_gib"]["median"] > 0
+        assert res[key]["failed"] == 0, key
+    for key in ("tier01", "tier01_pinned"):
+        assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
+        assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
+        assert res[key]["agents_cpu_s_per_gib"]["median"] >= 0  # 10 ms ticks: may read 0
+    assert res["plain"]["agents_cpu_s_per_gib"]["median"] == 0, "nothing snapshotted"
     with pytest.raises(ValueError, match="baseline"):
         overhead.run(1, 1, modes=("tier0",))
     assert res["memcpy_cpu_s_per_gib"] > 0
     overhead.report(res)
+
+
+def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -> None:
+    from tierswap.bench import overhead
+
+    def job(step: float, agents: float = 0.0) -> dict[str, float]:
+        return {"step_s": step, "stall_s": 0.01, "copy_cpu_s_per_gib": 0.2,
+                "agents_cpu_s": agents, "agents_sampled": 2.0,
+                "agents_cpu_s_per_gib": agents}  # fmt: skip
+
+    runs = {
+        "plain": [job(1.0), job(2.0), job(1.0)],
+        "tier0": [job(1.1, 0.1), None, job(1.3, 0.1)],
+        "plain_pinned": [job(4.0), None, job(4.0)],
+        "tier0_pinned": [job(4.4, 0.2), job(4.0, 0.2), job(4.0, 0.2)],
+    }
+    res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14)
+    assert res["memcpy_cpu_s_per_gib"] == pytest.approx(0.1)
+    assert res["tier0"]["overhead"]["samples"] == pytest.approx([0.1, 0.3]), "round 2 failed"
+    assert res["tier0"]["failed"] == 1
+    assert res["tier0_pinned"]["overhead"]["samples"] == pytest.approx([0.1, 0.0]), (
+        "against plain_pinned, not plain; its failed round left out"
+    )
+    assert res["tier0_pinned"]["agents_vs_memcpy"] == pytest.approx(2.0)
+    assert res["tier0"]["copy_vs_memcpy"] == pytest.approx(2.0)
+    assert res["plain"]["overhead"]["median"] == 0

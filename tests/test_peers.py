@@ -169,3 +169,32 @@ def test_torchrun_dcp_and_hot_swap_recoveries_end_to_end_are_exact_and_leave_not
         assert "torchft-heal" in res["not_run"] and "dlrover-restart" in res["not_run"]
     assert set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*")) == temps
     assert _ours_alive("tierswap-bench-peers-") == []
+
+
+def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tierswap's uninterrupted reference is a tier01 job that also writes its state; a
+    pinned twin is its system with tierswap's own work on a core of its own."""
+    cfg = peers.Config(size_mib=1, repeats=1, peers_python=None, only=frozenset({"tier01"}))
+    bench = peers.Bench(cfg, tmp_path, sys.executable, tmp_path)
+    assert "--out" in bench.tierswap_cmd("tier01", tmp_path / "a", out=True)
+    assert "--out" not in bench.tierswap_cmd("tier01", tmp_path / "b")
+    twin = bench.tierswap_cmd("tier0-pinned", tmp_path / "c")
+    assert "--agent-cpus" in twin and "--worker-cpus" in twin and "--replicas" in twin
+    assert "--plain" in bench.tierswap_cmd("plain-pinned", tmp_path / "d")
+    assert peers.tierswap_side("plain-pinned") and not peers.tierswap_side("torch-save")
+    folder = tmp_path / "job"
+    folder.mkdir()
+    notes = [{"rank": 0, "step": s, "t": 0.5 * s, "stall": 0.01, "copy_cpu": 0.0}
+             for s in range(peers.STEPS)]  # fmt: skip
+    (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
+    monkeypatch.setattr(peers.Bench, "job", lambda self, system, kind, out=False, watch=None:
+                        folder)  # fmt: skip
+    costs, _ = bench.checkpoint("tier0")
+    assert costs is not None and costs["step_s"] == pytest.approx(0.5)
+    assert "tierswap" not in bench.references
+    bench.checkpoint("tier01", out=True)
+    assert bench.references["tierswap"] == folder
+    with pytest.raises(ValueError, match="use at least 11"):
+        peers.Config(size_mib=1, repeats=1, peers_python=None, steps=7)

@@ -80,6 +80,18 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert "## Recovery by state size" in md and "| 384 | worker |" in md
 
 
+def test_report_takes_the_overhead_from_the_peers_rounds_when_it_did_not_run_alone(
+    tmp_path: Path,
+) -> None:
+    peers = {"config": {"size_mib": 384, "repeats": 3}, "checkpoint": {}, "recovery": {},
+             "not_run": {}, "failures": [], "overhead": _overhead()}  # fmt: skip
+    folder = _folder(tmp_path, {"peers": ("ok", peers)})
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
+    assert rows["step overhead, snapshot every step, tier 0, unpinned"].endswith("| yes |")
+    assert "### Snapshot overhead of a whole job" in md and "| tier0_pinned |" in md
+
+
 def test_report_draws_its_plots_where_matplotlib_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need tierswap[bench]")
     folder = _folder(tmp_path, {"recovery": ("ok", _recovery(1.0, 1.1))})

@@ -14,6 +14,9 @@ launcher, the workers' copy threads) on a core of its own (``--agent-cpus`` /
 ``--worker-cpus``; on a 2-core machine both trainers share core 0, the rest core 1, so
 its step times are not the unpinned ones: only ratios against the same pinning count).
 
+The jobs are ``tierswap bench peers``' own: its rounds run these six beside the peers
+(``bench all`` takes the figures from there); this command runs only them.
+
 Per run, from the trainers' own step times (``--times``): the median step (steps 4 to
 the second last: the first snapshot allocates its slots), the stall per step (fence,
 synchronous part, tier-1 wait), the copy threads' CPU seconds per GiB, and the agents'
@@ -26,20 +29,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-from tierswap.bench import limits
 from tierswap.bench.common import stats
-from tierswap.examples import FOLDER, job_command
-from tierswap.shm import remove_job_segments
 
-MLP = FOLDER / "train_mlp.py"
-MODES = {"plain": ("--replicas", "0"), "tier0": ("--replicas", "0"), "tier01": ()}
+MODES = ("plain", "tier0", "tier01")
 FIRST = 4
 """Steps before this one are left out: the first snapshots allocate their slots."""
 CLK = os.sysconf("SC_CLK_TCK")
@@ -54,15 +53,25 @@ def _cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
-class _Sampler:
-    """Samples the CPU time of the job's agents (their pids from the event log)."""
+class Sampler:
+    """Samples the CPU time of a job's agents (their pids from its event log) while the
+    ``with`` block runs."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.samples: dict[int, list[tuple[float, float]]] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
         self.thread.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
 
     def _pids(self) -> list[int]:
         try:
@@ -89,117 +98,87 @@ class _Sampler:
                 total += after[0] - before[-1]
         return total
 
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
 
-
-def once(
-    work: Path, name: str, mode: str, pinned: bool, size_mib: int, steps: int
-) -> dict[str, float]:
-    run_dir = work / name
-    times = work / f"{name}.times"
+def pin_args() -> tuple[str, ...]:
+    """``tierswap run`` options of a pinned run: tierswap's own work on the last CPU, the
+    trainers on the others."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        raise ValueError("bench overhead needs 2 CPUs or more: one for the agents, one for work")
-    others = ",".join(map(str, cpus[:-1]))
-    pin = ("--agent-cpus", str(cpus[-1]), "--worker-cpus", others)
-    script = ["--steps", str(steps), "--size-mib", str(size_mib), "--times", str(times)]
-    cmd = job_command(
-        run_dir,
-        ["--nodes", "2", *MODES[mode], *(pin if pinned else ())],
-        [*script, *(["--plain"] if mode == "plain" else [])],
-        script=MLP,
-    )
-    sampler = _Sampler(run_dir)
-    with open(work / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-        try:
-            code = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            code = proc.wait()
-        finally:
-            sampler.close()
-    if code != 0:
-        tail = (work / f"{name}.log").read_text()[-2000:]
-        _free(run_dir)
-        raise RuntimeError(f"benchmark job {name} exited with {code}:\n{tail}")
-    notes = [json.loads(x) for x in times.read_text().splitlines()]
-    ends = {n["step"]: n["t"] for n in notes if n["rank"] == 0}
+        raise ValueError("a pinned run needs 2 CPUs or more: one for the agents, one for work")
+    return ("--agent-cpus", str(cpus[-1]), "--worker-cpus", ",".join(map(str, cpus[:-1])))
+
+
+def job_costs(
+    notes: Sequence[dict[str, Any]], sampler: Sampler, plain: bool, size_mib: int, steps: int
+) -> dict[str, float]:
+    """One job's figures from its trainers' ``--times`` entries and its agents' CPU."""
+    ends = {n["step"]: float(n["t"]) for n in notes if n["rank"] == 0}
     window = range(FIRST, steps - 1)
     step_s = [ends[s] - ends[s - 1] for s in window if s in ends and s - 1 in ends]
-    stall = [n["stall"] for n in notes if n["step"] in window]
-    copy_cpu = [n["copy_cpu"] for n in notes if n["step"] in window]
-    t0, t1 = ends[FIRST - 1], ends[steps - 2]
+    if not step_s or FIRST - 1 not in ends or steps - 2 not in ends:
+        raise ValueError(f"no step ends of rank 0 in steps {FIRST - 1} to {steps - 2}")
+    stall = [float(n["stall"]) for n in notes if n["step"] in window]
+    copy_cpu = [float(n["copy_cpu"]) for n in notes if n["step"] in window]
     state = size_mib * 2**20
-    snapshotted = 0 if mode == "plain" else 2 * state * (steps - 1 - FIRST)  # both ranks
-    agents = sampler.between(t0, t1)
+    snapshotted = 0 if plain else 2 * state * (steps - 1 - FIRST)  # both ranks
+    agents = sampler.between(ends[FIRST - 1], ends[steps - 2])
     return {
         "step_s": statistics.median(step_s),
         "stall_s": statistics.median(stall),
-        "copy_cpu_s_per_gib": (statistics.median(copy_cpu) / (state / 2**30))
-        if mode != "plain"
-        else 0.0,
+        "copy_cpu_s_per_gib": 0.0 if plain else statistics.median(copy_cpu) / (state / 2**30),
         "agents_cpu_s": agents,
         "agents_sampled": float(len(sampler.samples)),
         "agents_cpu_s_per_gib": agents / (snapshotted / 2**30) if snapshotted else 0.0,
     }
 
 
-def _free(run_dir: Path) -> None:
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return
-    for e in map(json.loads, lines):
-        if e["event"] == "job_started":
-            remove_job_segments(e["job_id"])
-
-
-def run(
-    size_mib: int,
-    repeats: int,
-    steps: int = 14,
-    modes: tuple[str, ...] = tuple(MODES),
-    pinnings: tuple[bool, ...] = (False, True),
-) -> dict[str, Any]:
-    """Every mode in ``modes`` (``plain`` among them: the baseline) under each pinning,
-    interleaved, ``repeats`` times."""
-    if unknown := sorted(set(modes) - set(MODES)):
-        raise ValueError(f"modes {unknown} are not among {sorted(MODES)}")
-    if "plain" not in modes:
-        raise ValueError(f"modes {modes} leave out 'plain', the baseline of the others")
-    out: dict[str, Any] = {
-        "size_mib": size_mib,
-        "steps": steps,
-        "cpus": len(os.sched_getaffinity(0)),
-    }
-    with tempfile.TemporaryDirectory(prefix="tierswap-bench-overhead-") as tmp:
-        work = Path(tmp)
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for i in range(repeats):
-            for pinned in pinnings:
-                order = list(modes)[:: -1 if i % 2 else 1]
-                for mode in order:
-                    key = f"{mode}{'_pinned' if pinned else ''}"
-                    runs.setdefault(key, []).append(
-                        once(work, f"{key}-{i}", mode, pinned, size_mib, steps)
-                    )
-        lim = limits.measure(size_mib * 2**20, 3, work)
-    memcpy_cpu = 2**30 / lim["memcpy"]["median"]  # one core: CPU seconds per GiB
-    out["memcpy_cpu_s_per_gib"] = memcpy_cpu
+def summarize(
+    runs: Mapping[str, Sequence[dict[str, float] | None]], memcpy_bps: float, size_mib: int,
+    steps: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Per run key (``tier0``, ``tier01_pinned``, ...) the stats of its figures, its
+    overhead against the plain run of the same pinning in the same round (a round where
+    either failed is left out), and its CPU per GiB against a one-core memcpy."""
+    memcpy_cpu = 2**30 / memcpy_bps  # one core: CPU seconds per GiB
+    out: dict[str, Any] = {"size_mib": size_mib, "steps": steps,
+                           "cpus": len(os.sched_getaffinity(0)),
+                           "memcpy_cpu_s_per_gib": memcpy_cpu}  # fmt: skip
     for key, rs in runs.items():
-        pinned = key.endswith("_pinned")
-        base = runs["plain_pinned" if pinned else "plain"]
-        entry = {k: stats([r[k] for r in rs]) for k in rs[0]}
-        ratios = [r["step_s"] / b["step_s"] - 1 for r, b in zip(rs, base, strict=True)]
-        entry["overhead"] = stats(ratios)
+        base = runs.get("plain_pinned" if key.endswith("_pinned") else "plain", [])
+        ok = [r for r in rs if r is not None]
+        if not ok or not base:
+            continue
+        entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ok[0]}
+        pairs = [(r, b) for r, b in zip(rs, base, strict=False) if r is not None and b is not None]
+        if not pairs:
+            continue
+        entry["overhead"] = stats([r["step_s"] / b["step_s"] - 1 for r, b in pairs])
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
+        entry["failed"] = len(rs) - len(ok)
         out[key] = entry
+    return out
+
+
+def run(
+    size_mib: int, repeats: int, steps: int = 14, modes: tuple[str, ...] = MODES,
+    pinned: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """Every mode in ``modes`` (``plain`` among them: the baseline), unpinned and (with
+    ``pinned``) pinned, interleaved, ``repeats`` times: ``bench peers`` with only these."""
+    from tierswap.bench import peers
+
+    if unknown := sorted(set(modes) - set(MODES)):
+        raise ValueError(f"modes {unknown} are not among {list(MODES)}")
+    if "plain" not in modes:
+        raise ValueError(f"modes {modes} leave out 'plain', the baseline of the others")
+    cfg = peers.Config(size_mib=size_mib, repeats=repeats, peers_python=None,
+                       only=frozenset(modes), steps=steps, pinned=pinned)  # fmt: skip
+    res = peers.run(cfg)
+    if res["failures"]:
+        raise RuntimeError("bench overhead: jobs failed:\n" + "\n".join(res["failures"]))
+    out: dict[str, Any] = res["overhead"]
     return out
 
 

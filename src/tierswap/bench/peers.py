@@ -18,10 +18,17 @@ B) recovery from rank 1 killed right after step 8: from the victim's own end of 
 (its ``--times`` entry, written before it dies) to the moment every rank completed a
 step after its own step-8 entry; and whether the run ends bit for bit equal to an
 uninterrupted run of the same system (``--out``, ``tierswap.examples.differing``).
+tierswap's uninterrupted run is the first round's ``tier01`` job (it is one, with
+``--out``) where that runs.
+
+C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
+tierswap's ``plain``, ``tier0`` and ``tier01`` jobs, and their pinned twins (tierswap's own
+work on a core of its own) interleaved with them, with the agents' CPU sampled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,11 +37,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tierswap
+from tierswap.bench import limits, overhead
 from tierswap.bench.common import Stats, run_bounded, stats
 from tierswap.examples import FOLDER, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
@@ -77,6 +86,18 @@ REFERENCE = {s: "tierswap" for s in RECOVERY if s.startswith("tierswap")} | {
 """The uninterrupted run each recovery is compared with, bit for bit."""
 BASE_CKPT, BASE_RECOVERY = "tier0", "tierswap-worker-spare"
 """The tierswap systems the peers' ratios are taken against."""
+PINNED = "-pinned"
+"""The suffix of a tierswap system's pinned twin (``tier0-pinned``: ``overhead.pin_args``)."""
+OVERHEAD = {"plain": "plain", "tier0": "tier0", "tier01": "tier01",
+            "plain-pinned": "plain_pinned", "tier0-pinned": "tier0_pinned",
+            "tier01-pinned": "tier01_pinned"}  # fmt: skip
+"""The systems whose jobs also give ``bench overhead``'s figures, by their keys there."""
+
+
+def tierswap_side(system: str) -> bool:
+    """Whether ``system`` is trained by ``tierswap run`` (not a peer's launcher)."""
+    base = system.removesuffix(PINNED)
+    return base.startswith("tier") or base in ("plain", "tierswap")
 
 
 def peers_folder() -> Path:
@@ -190,9 +211,14 @@ class Config:
     peers_python: Path | None
     """The Python with DLRover and torchft; None: torch-only peers run with this one."""
     only: frozenset[str] | None = None
-    """Run only these systems (plus the plain run and references they need)."""
+    """Run only these systems (plus the plain run, the pinned twins and the references
+    they need)."""
     timeout_s: float = 0.0
     """Seconds one job may take before it is killed; 0 picks one from the size."""
+    steps: int = STEPS
+    """Steps of every job (the recoveries need the default: their kill is at step 8)."""
+    pinned: bool = True
+    """Also run the pinned twins of tierswap's plain, tier0 and tier01 jobs (``OVERHEAD``)."""
 
     def __post_init__(self) -> None:
         if self.size_mib < 1 or self.repeats < 1:
@@ -201,6 +227,12 @@ class Config:
             raise ValueError(
                 f"--only {' '.join(unknown)}: not a system of bench peers; "
                 f"the systems: {' '.join(CHECKPOINT + RECOVERY)}"
+            )
+        recovering = set(RECOVERY) if self.only is None else self.only & set(RECOVERY)
+        if self.steps < FIRST + 2 or (recovering and self.steps < KILL + 3):
+            raise ValueError(
+                f"steps {self.steps}: the step times start at step {FIRST}, a recovery's kill "
+                f"is after step {KILL}; use at least {KILL + 3 if recovering else FIRST + 2}"
             )
         if self.peers_python is not None and not self.peers_python.exists():
             raise ValueError(
@@ -257,7 +289,7 @@ class Bench:
     def _script_args(self, folder: Path, out: bool) -> list[str]:
         args = [
             "--steps",
-            str(STEPS),
+            str(self.cfg.steps),
             "--size-mib",
             str(self.cfg.size_mib),
             "--times",
@@ -265,13 +297,17 @@ class Bench:
         ]
         return [*args, "--out", str(folder / "out")] if out else args
 
-    def tierswap_cmd(self, system: str, folder: Path) -> list[str]:
-        run_args = ["--nodes", "2", *TIERSWAP_RUN.get(system, ())]
-        if system == "tier012":
+    def tierswap_cmd(self, system: str, folder: Path, out: bool = False) -> list[str]:
+        base = system.removesuffix(PINNED)
+        run_args = ["--nodes", "2", *TIERSWAP_RUN.get(base, ())]
+        if base == "tier012":
             run_args += ["--persist", str(folder / "persist")]
-        script = self._script_args(folder, out=system in RECOVERY or system == "tierswap")
+        if system.endswith(PINNED):
+            run_args += overhead.pin_args()
+        out = out or system in RECOVERY or system == "tierswap"
+        script = self._script_args(folder, out=out)
         return job_command(
-            folder / "run", run_args, [*script, *(["--plain"] * (system == "plain"))], script=MLP
+            folder / "run", run_args, [*script, *(["--plain"] * (base == "plain"))], script=MLP
         )
 
     def peer_cmd(self, system: str, folder: Path, kind: str) -> list[str]:
@@ -293,27 +329,34 @@ class Bench:
         return [*launch, script, "--system", peer, *args]
 
     # --- one job --------------------------------------------------------------------
-    def job(self, system: str, kind: str) -> Path | None:
-        """Run one job of ``system`` (``kind``: checkpoint, recovery or reference); its
-        folder, or None when it failed (then the failure is recorded)."""
+    def job(
+        self,
+        system: str,
+        kind: str,
+        out: bool = False,
+        watch: Callable[[Path], AbstractContextManager[Any]] | None = None,
+    ) -> Path | None:
+        """Run one job of ``system`` (``kind``: checkpoint, recovery or reference; ``out``:
+        a tierswap job writes its final state too; ``watch``: entered with the job's run
+        folder while it runs); its folder, or None when it failed (then the failure is
+        recorded)."""
         self.count += 1
         folder = self.work / f"{self.count:03d}-{system}-{kind}"
         folder.mkdir()
-        tierswap_side = system.startswith("tier") or system in ("plain", "tierswap")
-        cmd = (
-            self.tierswap_cmd(system, folder)
-            if tierswap_side
-            else self.peer_cmd(system, folder, kind)
-        )
+        ours = tierswap_side(system)
+        if ours:
+            cmd = self.tierswap_cmd(system, folder, out)
+        else:
+            cmd = self.peer_cmd(system, folder, kind)
         before = _leftovers()
         env_tmp = folder / "tmp"
         env_tmp.mkdir()
+        run_dir = folder / "run" if ours else None
         t0 = time.monotonic()
-        code = _bounded(
-            cmd, folder, self.cfg.timeout_s, env_tmp, folder / "run" if tierswap_side else None
-        )
+        with watch(folder / "run") if watch is not None else contextlib.nullcontext():
+            code = _bounded(cmd, folder, self.cfg.timeout_s, env_tmp, run_dir)
         took = time.monotonic() - t0
-        _clean(before, folder / "run" if tierswap_side else None)
+        _clean(before, run_dir)
         shutil.rmtree(folder / "ckpt", ignore_errors=True)
         shutil.rmtree(folder / "persist", ignore_errors=True)
         shutil.rmtree(env_tmp, ignore_errors=True)
@@ -324,15 +367,35 @@ class Bench:
             return None
         return folder
 
-    def checkpoint(self, system: str) -> dict[str, float] | None:
-        folder = self.job(system, "checkpoint")
+    def checkpoint(
+        self, system: str, out: bool = False
+    ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        """One checkpoint job's costs, and its ``bench overhead`` figures (None where it is
+        not one of ``OVERHEAD``); both None when it failed. ``out``: it is tierswap's
+        uninterrupted reference too."""
+        sampler: overhead.Sampler | None = None
+
+        def watch(run_dir: Path) -> overhead.Sampler:
+            nonlocal sampler
+            sampler = overhead.Sampler(run_dir)
+            return sampler
+
+        folder = self.job(system, "checkpoint", out, watch if system in OVERHEAD else None)
         if folder is None:
-            return None
+            return None, None
+        notes = _notes(folder)
         try:
-            return checkpoint_costs(_notes(folder))
+            costs = checkpoint_costs(notes, self.cfg.steps)
+            plain = system.removesuffix(PINNED) == "plain"
+            figures = None if sampler is None else overhead.job_costs(
+                notes, sampler, plain, self.cfg.size_mib, self.cfg.steps
+            )  # fmt: skip
         except ValueError as e:
             self.failures.append(f"{system} (checkpoint): {e}")
-            return None
+            return None, None
+        if out:
+            self.references["tierswap"] = folder
+        return costs, figures
 
     def recovery(self, system: str) -> dict[str, Any] | None:
         ref = self.reference(REFERENCE[system])
@@ -436,7 +499,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "config": {
             "size_mib": cfg.size_mib,
             "repeats": cfg.repeats,
-            "steps": STEPS,
+            "steps": cfg.steps,
+            "pinned_twins": cfg.pinned,
             "kill_step": KILL,
             "victim_rank": VICTIM,
             "ranks": 2,
@@ -452,16 +516,30 @@ def run(cfg: Config) -> dict[str, Any]:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-peers-") as tmp:
         bench = Bench(cfg, Path(tmp), have["python"], scripts)
+        twins = [s + PINNED for s in ckpt if s + PINNED in OVERHEAD] if cfg.pinned else []
         ck: dict[str, list[dict[str, float] | None]] = {s: [] for s in ckpt}
+        ov: dict[str, list[dict[str, float] | None]] = {OVERHEAD[s]: [] for s in ckpt + twins
+                                                        if s in OVERHEAD}  # fmt: skip
         rc: dict[str, list[dict[str, Any] | None]] = {s: [] for s in rec}
+        # tierswap's reference is round 1's tier01 job, run before any recovery
+        own_ref = "tier01" in ckpt
         for system in rec:  # the references first: also warms the page cache
-            bench.reference(REFERENCE[system])
+            if not (own_ref and REFERENCE[system] == "tierswap"):
+                bench.reference(REFERENCE[system])
         for r in range(cfg.repeats):
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
-            for system in _order(ckpt, r):
-                ck[system].append(bench.checkpoint(system))
+            for system in _order(ckpt + twins, r):
+                ref = own_ref and system == "tier01" and "tierswap" not in bench.references
+                costs, figures = bench.checkpoint(system, out=ref)
+                if system in ck:
+                    ck[system].append(costs)
+                if system in OVERHEAD:
+                    ov[OVERHEAD[system]].append(figures)
             for system in _order(rec, r):
                 rc[system].append(bench.recovery(system))
+        if ov:
+            memcpy = limits.measure(cfg.size_mib * 2**20, 3, Path(tmp))["memcpy"]["median"]
+            out["overhead"] = overhead.summarize(ov, memcpy, cfg.size_mib, cfg.steps)
     out["checkpoint"] = summarize_checkpoint(ck)
     out["recovery"] = summarize_recovery(rc)
     out["failures"] = bench.failures
@@ -614,6 +692,8 @@ def report(res: dict[str, Any]) -> None:
             str(e["failed"]),
         )
     console.print(t)
+    if "overhead" in res:
+        overhead.report(res["overhead"])
     for system, why in res["not_run"].items():
         console.print(f"not run: {system}: {why}")
     for f in res["failures"]:

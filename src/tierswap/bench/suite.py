@@ -53,8 +53,6 @@ class Bench:
 PLAN: tuple[Bench, ...] = (
     Bench("snapshot", "snapshot", ("--size-mib", "16", "--repeats", "1"),
           ("--size-mib", "384", "--repeats", "5"), 10),
-    Bench("overhead", "overhead", ("--size-mib", "8", "--repeats", "1"),
-          ("--size-mib", "384", "--repeats", "2"), 15),
     Bench("recovery", "recovery", ("--size-mib", "5", "--repeats", "1"),
           ("--size-mib", "5", "75", "384", "1024", "--repeats", "3"), 20),
     Bench("peers", "peers", ("--size-mib", "8", "--repeats", "1"),
@@ -72,7 +70,8 @@ PLAN: tuple[Bench, ...] = (
     Bench("goodput", "goodput", ("--nodes", "2", "--repeats", "1"), ("--nodes", "2", "4",
           "--repeats", "2"), 15, quick_too=False),
 )  # fmt: skip
-"""What ``bench all`` runs, in this order: the headline's first."""
+"""What ``bench all`` runs, in this order: the headline's first. ``bench overhead``'s jobs
+are among ``peers``' rounds, its figures in ``peers.json`` (``overhead``)."""
 
 LIMITS_MIB = (64, 384)
 """The bytes per pass of the machine's limits: a quick run's, a full run's."""

@@ -420,6 +420,8 @@ def load(folder: Path) -> tuple[Res, dict[str, Any]]:
         path = folder / f"{name}.json"
         if path.exists():
             res[name] = json.loads(path.read_text())
+    if "overhead" not in res and "overhead" in res.get("peers", {}):
+        res["overhead"] = res["peers"]["overhead"]  # its jobs ran in the peers' rounds
     return index, res
 
 
@@ -457,6 +459,10 @@ def write(folder: Path, md: Path) -> Path:
             lines += [f"**{bench['status']}**; the end of its output:", "", "```", tail, "```", ""]
             continue
         lines += render(res[name], lim)
+        if name == "peers" and "overhead" in res and "overhead" not in index["benches"]:
+            title = SECTIONS["overhead"][0]
+            lines += [f"### {title}, from the same rounds", "", *_overhead_section(
+                res["overhead"], lim)]  # fmt: skip
         if name in drawn:
             lines += [f"![{name}]({rel / drawn[name].name})", ""]
         for extra in (k for k in drawn if k.startswith(name + "_")):
