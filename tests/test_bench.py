@@ -270,8 +270,6 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
     for key in ("tier01", "tier01_pinned"):
         assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
-        assert res[key]["agents_cpu_s_per_gib"]["median"] >= 0  # 10 ms ticks: may read 0
-    assert res["plain"]["agents_cpu_s_per_gib"]["median"] == 0, "nothing snapshotted"
     with pytest.raises(ValueError, match="baseline"):
         overhead.run(1, 1, modes=("tier0",))
     assert res["memcpy_cpu_s_per_gib"] > 0
@@ -302,3 +300,7 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     assert res["tier0_pinned"]["agents_vs_memcpy"] == pytest.approx(2.0)
     assert res["tier0"]["copy_vs_memcpy"] == pytest.approx(2.0)
     assert res["plain"]["overhead"]["median"] == 0
+    runs["plain_pinned"] = [None, None, None]
+    res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14)
+    assert res["tier0_pinned"] == {"failed": 0, "unpaired": 3}, "kept, as without a baseline"
+    overhead.report(res)

@@ -117,6 +117,22 @@ def test_peers_a_python_lacks_are_not_run_and_say_how_to_get_them() -> None:
     assert all("make bench-peers" in why for why in not_run.values())
 
 
+def test_overhead_jobs_run_only_beside_a_snapshotting_system_and_twins_need_2_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = peers.Config(size_mib=1, repeats=1, peers_python=None)
+    not_run: dict[str, str] = {}
+    assert peers.overhead_plan(cfg, ["plain", "torch-save"], not_run) == ([], [])
+    sampled, twins = peers.overhead_plan(cfg, ["plain", "tier0", "tier012"], not_run)
+    assert twins == ["plain-pinned", "tier0-pinned"]
+    assert sampled == ["plain", "tier0", *twins] and not not_run
+    monkeypatch.setattr(peers.os, "sched_getaffinity", lambda pid: {0})
+    sampled, twins = peers.overhead_plan(cfg, ["plain", "tier0"], not_run)
+    assert sampled == ["plain", "tier0"] and twins == []
+    assert set(not_run) == {"plain-pinned", "tier0-pinned"}
+    assert "2 CPUs" in not_run["tier0-pinned"]
+
+
 def test_a_missing_peer_scripts_folder_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,12 +205,26 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     notes = [{"rank": 0, "step": s, "t": 0.5 * s, "stall": 0.01, "copy_cpu": 0.0}
              for s in range(peers.STEPS)]  # fmt: skip
     (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
-    monkeypatch.setattr(peers.Bench, "job", lambda self, system, kind, out=False, watch=None:
-                        folder)  # fmt: skip
-    costs, _ = bench.checkpoint("tier0")
+    entered: list[Path] = []
+
+    def job(self: Any, system: str, kind: str, out: bool = False, watch: Any = None) -> Path:
+        if watch is not None:
+            with watch(folder / "run"):
+                entered.append(folder / "run")
+        return folder
+
+    monkeypatch.setattr(peers.Bench, "job", job)
+    costs, figures = bench.checkpoint("tier0", sample=True)
     assert costs is not None and costs["step_s"] == pytest.approx(0.5)
-    assert "tierswap" not in bench.references
+    assert figures is not None and figures["step_s"] == pytest.approx(0.5), "sampled"
+    assert entered == [folder / "run"] and "tierswap" not in bench.references
+    assert bench.checkpoint("torch-save")[1] is None and len(entered) == 1, "not sampled"
     bench.checkpoint("tier01", out=True)
     assert bench.references["tierswap"] == folder
+    (folder / "times.jsonl").write_text(json.dumps(notes[0]))  # too short to time
+    bench.references.clear()
+    assert bench.checkpoint("tier01", out=True, sample=True) == (None, None)
+    assert "tierswap" not in bench.references, "a failed job is no reference"
+    assert [f.split(":")[0] for f in bench.failures] == ["tier01 (checkpoint)", "tier01 (overhead)"]
     with pytest.raises(ValueError, match="use at least 11"):
         peers.Config(size_mib=1, repeats=1, peers_python=None, steps=7)

@@ -146,12 +146,11 @@ def summarize(
     for key, rs in runs.items():
         base = runs.get("plain_pinned" if key.endswith("_pinned") else "plain", [])
         ok = [r for r in rs if r is not None]
-        if not ok or not base:
+        pairs = [(r, b) for r, b in zip(rs, base, strict=False) if r is not None and b is not None]
+        if not pairs:  # every round failed, or its baseline did
+            out[key] = {"failed": len(rs) - len(ok), "unpaired": len(ok)}
             continue
         entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ok[0]}
-        pairs = [(r, b) for r, b in zip(rs, base, strict=False) if r is not None and b is not None]
-        if not pairs:
-            continue
         entry["overhead"] = stats([r["step_s"] / b["step_s"] - 1 for r, b in pairs])
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
@@ -202,6 +201,10 @@ def report(res: dict[str, Any]) -> None:
         if key not in res:
             continue
         e = res[key]
+        if "step_s" not in e:
+            table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
+                          f"{e['unpaired']}", "", "", "", "", "", "")  # fmt: skip
+            continue
         o = e["overhead"]
         table.add_row(
             key.replace("_", ", "),

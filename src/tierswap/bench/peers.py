@@ -23,7 +23,8 @@ tierswap's uninterrupted run is the first round's ``tier01`` job (it is one, wit
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
 tierswap's ``plain``, ``tier0`` and ``tier01`` jobs, and their pinned twins (tierswap's own
-work on a core of its own) interleaved with them, with the agents' CPU sampled.
+work on a core of its own) interleaved with them, with the agents' CPU sampled. Its stall
+is the median over every rank's steps, the checkpoint table's the longest rank's per step.
 """
 
 from __future__ import annotations
@@ -368,11 +369,11 @@ class Bench:
         return folder
 
     def checkpoint(
-        self, system: str, out: bool = False
+        self, system: str, out: bool = False, sample: bool = False
     ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-        """One checkpoint job's costs, and its ``bench overhead`` figures (None where it is
-        not one of ``OVERHEAD``); both None when it failed. ``out``: it is tierswap's
-        uninterrupted reference too."""
+        """One checkpoint job's costs, and (``sample``: its agents' CPU sampled while it
+        runs) its ``bench overhead`` figures; each None where it could not be had (the
+        failure recorded). ``out``: the job is tierswap's uninterrupted reference too."""
         sampler: overhead.Sampler | None = None
 
         def watch(run_dir: Path) -> overhead.Sampler:
@@ -380,21 +381,27 @@ class Bench:
             sampler = overhead.Sampler(run_dir)
             return sampler
 
-        folder = self.job(system, "checkpoint", out, watch if system in OVERHEAD else None)
+        folder = self.job(system, "checkpoint", out, watch if sample else None)
         if folder is None:
             return None, None
         notes = _notes(folder)
+        costs = figures = None
         try:
             costs = checkpoint_costs(notes, self.cfg.steps)
-            plain = system.removesuffix(PINNED) == "plain"
-            figures = None if sampler is None else overhead.job_costs(
-                notes, sampler, plain, self.cfg.size_mib, self.cfg.steps
-            )  # fmt: skip
         except ValueError as e:
             self.failures.append(f"{system} (checkpoint): {e}")
-            return None, None
-        if out:
+        if out and costs is not None:
             self.references["tierswap"] = folder
+        if sample:
+            try:
+                if sampler is None:
+                    raise ValueError("its agents' CPU was not sampled")
+                plain = system.removesuffix(PINNED) == "plain"
+                figures = overhead.job_costs(
+                    notes, sampler, plain, self.cfg.size_mib, self.cfg.steps
+                )
+            except ValueError as e:
+                self.failures.append(f"{system} (overhead): {e}")
         return costs, figures
 
     def recovery(self, system: str) -> dict[str, Any] | None:
@@ -516,13 +523,12 @@ def run(cfg: Config) -> dict[str, Any]:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tierswap-bench-peers-") as tmp:
         bench = Bench(cfg, Path(tmp), have["python"], scripts)
-        twins = [s + PINNED for s in ckpt if s + PINNED in OVERHEAD] if cfg.pinned else []
+        sampled, twins = overhead_plan(cfg, ckpt, not_run)
         ck: dict[str, list[dict[str, float] | None]] = {s: [] for s in ckpt}
-        ov: dict[str, list[dict[str, float] | None]] = {OVERHEAD[s]: [] for s in ckpt + twins
-                                                        if s in OVERHEAD}  # fmt: skip
+        ov: dict[str, list[dict[str, float] | None]] = {OVERHEAD[s]: [] for s in sampled}
         rc: dict[str, list[dict[str, Any] | None]] = {s: [] for s in rec}
-        # tierswap's reference is round 1's tier01 job, run before any recovery
-        own_ref = "tier01" in ckpt
+        # tierswap's reference is round 1's tier01 job (run before any recovery) if it runs
+        own_ref = "tier01" in ckpt and any(REFERENCE[s] == "tierswap" for s in rec)
         for system in rec:  # the references first: also warms the page cache
             if not (own_ref and REFERENCE[system] == "tierswap"):
                 bench.reference(REFERENCE[system])
@@ -530,10 +536,10 @@ def run(cfg: Config) -> dict[str, Any]:
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
             for system in _order(ckpt + twins, r):
                 ref = own_ref and system == "tier01" and "tierswap" not in bench.references
-                costs, figures = bench.checkpoint(system, out=ref)
+                costs, figures = bench.checkpoint(system, out=ref, sample=system in sampled)
                 if system in ck:
                     ck[system].append(costs)
-                if system in OVERHEAD:
+                if system in sampled:
                     ov[OVERHEAD[system]].append(figures)
             for system in _order(rec, r):
                 rc[system].append(bench.recovery(system))
@@ -545,6 +551,27 @@ def run(cfg: Config) -> dict[str, Any]:
     out["failures"] = bench.failures
     out["config"]["seconds"] = time.monotonic() - t_start
     return out
+
+
+def overhead_plan(
+    cfg: Config, ckpt: list[str], not_run: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """The checkpoint systems whose jobs also give ``bench overhead``'s figures (none
+    unless a snapshotting one runs), and the pinned twins to run beside them (a reason
+    in ``not_run`` where they cannot)."""
+    if not {"tier0", "tier01"} & set(ckpt):
+        return [], []
+    sampled = [s for s in ckpt if s in OVERHEAD]
+    if not cfg.pinned:
+        return sampled, []
+    twins = [s + PINNED for s in sampled]
+    try:
+        overhead.pin_args()
+    except ValueError as e:
+        for twin in twins:
+            not_run[twin] = str(e)
+        return sampled, []
+    return sampled + twins, twins
 
 
 def _order(systems: list[str], r: int) -> list[str]:

@@ -212,6 +212,9 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"tierswap bench report: {folder} has no index.json: not the "
                              "folder of a `tierswap bench all` run")  # fmt: skip
     else:
+        if "overhead" in (args.only or ()):
+            raise SystemExit("tierswap bench all --only overhead: its jobs run in bench peers' "
+                             "rounds now; use --only peers")  # fmt: skip
         unknown = sorted(set(args.only or ()) - known)
         if unknown:
             raise SystemExit(f"tierswap bench all --only {' '.join(unknown)}: not a benchmark "

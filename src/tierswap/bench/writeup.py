@@ -420,8 +420,8 @@ def load(folder: Path) -> tuple[Res, dict[str, Any]]:
         path = folder / f"{name}.json"
         if path.exists():
             res[name] = json.loads(path.read_text())
-    if "overhead" not in res and "overhead" in res.get("peers", {}):
-        res["overhead"] = res["peers"]["overhead"]  # its jobs ran in the peers' rounds
+    if "overhead" in res.get("peers", {}):  # its jobs ran in the peers' rounds
+        res["overhead"] = res["peers"]["overhead"]
     return index, res
 
 
@@ -449,8 +449,8 @@ def write(folder: Path, md: Path) -> Path:
         lines += [f"Not in this run: {', '.join(index['left_out'])}.", ""]
     lines += [*_machine_section(index), *_limits_section(index)]
     for name, bench in index.get("benches", {}).items():
-        if name == "simulate":
-            continue
+        if name == "simulate" or (name == "overhead" and "overhead" in res.get("peers", {})):
+            continue  # an overhead of its own left in the index: the peers' rounds have it
         title, render = SECTIONS.get(name, (f"`tierswap bench {bench['what']}`", _generic_section))
         lines += [f"## {title}", "", f"`tierswap bench {bench['what']} {' '.join(bench['args'])}`"
                   f", {bench['seconds']:.0f} s.", ""]  # fmt: skip
@@ -459,7 +459,7 @@ def write(folder: Path, md: Path) -> Path:
             lines += [f"**{bench['status']}**; the end of its output:", "", "```", tail, "```", ""]
             continue
         lines += render(res[name], lim)
-        if name == "peers" and "overhead" in res and "overhead" not in index["benches"]:
+        if name == "peers" and "overhead" in res.get("peers", {}):
             title = SECTIONS["overhead"][0]
             lines += [f"### {title}, from the same rounds", "", *_overhead_section(
                 res["overhead"], lim)]  # fmt: skip
