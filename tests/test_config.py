@@ -215,6 +215,8 @@ def test_advertised_address_must_be_one_others_can_reach() -> None:
     assert interface_of("127.0.0.1") == "lo"
     assert worker_env("127.0.0.1", {})["GLOO_SOCKET_IFNAME"] == "lo"
     assert worker_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"})["GLOO_SOCKET_IFNAME"] == "eth9"
+    assert worker_env("127.0.0.1", {})["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert worker_env("127.0.0.1", {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
     with pytest.raises(UsageError, match="wildcard"):
         check_advertised("0.0.0.0", "--bind")
     with pytest.raises(

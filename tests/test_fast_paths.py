@@ -196,6 +196,50 @@ def test_an_optimizer_of_its_own_kind_still_gets_its_state_made_first(monkeypatc
     assert made, "a subclass may keep state of other shapes: the zero step made it"
 
 
+def test_a_tier0_fetch_loads_the_slot_bit_for_bit_and_refuses_a_corrupt_one() -> None:
+    """A worker restoring from its node's tier 0 maps the slot and copies from it: the same
+    bits, the agent's slot never aliased (zeroing it after the load changes nothing), and
+    a flipped byte refused before anything loads."""
+    from tierswap.checksum import checksum_chunks
+    from tierswap.control import protocol as p
+    from tierswap.errors import CorruptPartError
+    from tierswap.fetch import fetch
+    from tierswap.shm import Segment
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))  # 240 KiB: one chunk+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    tree, layout, buf, _ = _snap({"model": model, "optim": opt})
+    name = f"{PREFIX}fetchtest"
+    seg = Segment.create(name, layout.nbytes)
+    try:
+        seg.buf[:] = buf
+        source = p.FromSlot(segment=name, layout=layout, tree=tree,
+                            checksum=checksum_chunks(layout.chunks(memoryview(buf))))  # fmt: skip
+        timeline: dict[str, float] = {}
+        got = fetch(p.PlanReply(step=7, source=source), 0, b"", "", timeline)
+        assert got.private is False and set(timeline) == {"fetch", "verify"}
+        model2 = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+        load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
+             adopt=got.private)  # fmt: skip
+        got.release()
+        seg.buf[:] = bytes(layout.nbytes)  # the agent reuses the slot
+        for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        for pa, pb in zip(model.parameters(), model2.parameters(), strict=True):
+            for k, v in opt.state[pa].items():
+                assert torch.equal(v, opt2.state[pb][k]), k
+        seg.buf[:] = buf
+        seg.buf[layout.entries[1].offset] ^= 0xFF
+        with pytest.raises(CorruptPartError, match="tier-0 memory"):
+            fetch(p.PlanReply(step=7, source=source), 0, b"", "", {})
+    finally:
+        seg.unlink()
+
+
 def test_a_prefetch_hands_over_its_value_or_raises_its_error_in_the_caller() -> None:
     seen: list[str] = []
     ok = Prefetch(lambda: seen.append(threading.current_thread().name) or 5)

@@ -4,8 +4,9 @@ model in the same run, interleaved with tierswap's own runs.
 The model is the reference MLP (``tierswap.examples.mlp``: 384 MiB of state per rank by
 default, DDP on 2 ranks, 1 torch thread each, batch 32); tierswap trains it with
 ``examples/train_mlp.py``, the peers with ``bench/peers/train_peer.py`` in the peers' own
-Python (``--peers-python``, made by ``make bench-peers``). Rounds interleave every system,
-the order flipped every other round.
+Python (``--peers-python``, made by ``make bench-peers``). Every job runs with torch's
+allocator on transparent huge pages (:data:`SAME_ENV`, tierswap's default for its
+workers). Rounds interleave every system, the order flipped every other round.
 
 A) a checkpoint every step, 14 steps: the median step (steps 4 to 12, rank 0's step ends),
 the stall per checkpoint (per step the longest any rank spent in the checkpoint call,
@@ -46,6 +47,7 @@ from typing import Any
 import tierswap
 from tierswap.bench import limits, overhead
 from tierswap.bench.common import Stats, run_bounded, stats
+from tierswap.cluster.address import HUGE_PAGES_ENV
 from tierswap.examples import FOLDER, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
 
@@ -441,17 +443,26 @@ class Bench:
         return self.references[system]
 
 
+SAME_ENV = {HUGE_PAGES_ENV: "1"}
+"""Given to every system's jobs: torch's CPU allocator on transparent huge pages, which
+tierswap's agent gives its workers by default (``worker_env``), so that no system's step
+or restore pays 4 KiB page faults that another's does not."""
+
+
 def _bounded(cmd: list[str], folder: Path, timeout: float, tmp: Path, run_dir: Path | None) -> int:
-    """``run_bounded`` with the peers' temporary files (torchrun's logs) in ``tmp``."""
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(tmp)
+    """``run_bounded`` with the peers' temporary files (torchrun's logs) in ``tmp`` and
+    :data:`SAME_ENV` set."""
+    changed = {"TMPDIR": str(tmp), **SAME_ENV}
+    old = {k: os.environ.get(k) for k in changed}
+    os.environ.update(changed)
     try:
         return run_bounded(cmd, folder / "output.log", folder, timeout, run_dir)
     finally:
-        if old is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = old
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 LEFTOVER_DIRS = (Path("/dev/shm"), Path("/tmp/ckpt_sock"), Path("/tmp/dlrover"))

@@ -224,7 +224,9 @@ def _peers_section(res: Res, limits: Res) -> list[str]:
     out: list[str] = []
     cfg = res.get("config", {})
     out += [f"The same model for every system ({cfg.get('size_mib', '?')} MiB of state per "
-            f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds.", ""]  # fmt: skip
+            f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds, every job with "
+            "torch's allocator on huge pages (`THP_MEM_ALLOC_ENABLE=1`, tierswap's default "
+            "for its workers).", ""]  # fmt: skip
     ck = res.get("checkpoint", {})
     if ck:
         rows = []
