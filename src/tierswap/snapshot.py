@@ -171,8 +171,10 @@ class _Job:
     event: Any = None  # a CUDA event, when the copy went on a side stream
 
 
-CHUNK = 256 << 10
-"""Bytes the copy writes before it hashes them: small enough to be read back from cache."""
+CHUNK = 1 << 20
+"""Bytes the copy writes before it hashes them: small enough to be read back from a core's
+L2 cache, large enough that the per-chunk calls cost little (384 MiB copied and hashed
+alone, one core: 1.54x a plain copy in 256 KiB chunks, 1.22x in 1 MiB ones)."""
 
 
 def _copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest: Any) -> None:
