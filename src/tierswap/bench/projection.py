@@ -33,7 +33,7 @@ from tierswap.bench.common import run_bounded
 from tierswap.examples import job_command
 from tierswap.goodput import Failure, Model, tierswap
 
-STEPS = 90
+STEPS = 60
 SLEEP = ("--sleep", "0.05")
 CHAOS_RATE = 60.0
 """Strikes a minute while training goes on."""

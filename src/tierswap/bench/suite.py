@@ -52,7 +52,7 @@ class Bench:
 
 PLAN: tuple[Bench, ...] = (
     Bench("snapshot", "snapshot", ("--size-mib", "16", "--repeats", "1"),
-          ("--size-mib", "384", "--repeats", "5"), 10),
+          ("--size-mib", "384", "--repeats", "3"), 10),
     Bench("recovery", "recovery", ("--size-mib", "5", "--repeats", "1"),
           ("--size-mib", "5", "75", "384", "1024", "--repeats", "3"), 20),
     Bench("peers", "peers", ("--size-mib", "8", "--repeats", "1"),
