@@ -207,7 +207,7 @@ def test_a_tier0_fetch_loads_the_slot_bit_for_bit_and_refuses_a_corrupt_one() ->
     from tierswap.shm import Segment
 
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))  # 240 KiB: one chunk+
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))  # 720 KiB with AdamW's moments
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 300)).sum().backward()
     opt.step()

@@ -5,7 +5,7 @@ The model is the reference MLP (``tierswap.examples.mlp``: 384 MiB of state per 
 default, DDP on 2 ranks, 1 torch thread each, batch 32); tierswap trains it with
 ``examples/train_mlp.py``, the peers with ``bench/peers/train_peer.py`` in the peers' own
 Python (``--peers-python``, made by ``make bench-peers``). Every job runs with torch's
-allocator on transparent huge pages (:data:`SAME_ENV`, tierswap's default for its
+allocator on transparent huge pages (:func:`same_env`, tierswap's default for its
 workers). Rounds interleave every system, the order flipped every other round.
 
 A) a checkpoint every step, 14 steps: the median step (steps 4 to 12, rank 0's step ends),
@@ -443,16 +443,18 @@ class Bench:
         return self.references[system]
 
 
-SAME_ENV = {HUGE_PAGES_ENV: "1"}
-"""Given to every system's jobs: torch's CPU allocator on transparent huge pages, which
-tierswap's agent gives its workers by default (``worker_env``), so that no system's step
-or restore pays 4 KiB page faults that another's does not."""
+def same_env() -> dict[str, str]:
+    """Given to every system's jobs: torch's CPU allocator on transparent huge pages, which
+    tierswap's agent gives its workers by default (``worker_env``), so that no system's
+    step or restore pays 4 KiB page faults that another's does not; a value already set
+    (``THP_MEM_ALLOC_ENABLE=0``, to compare without) is kept, for every system alike."""
+    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
 
 
 def _bounded(cmd: list[str], folder: Path, timeout: float, tmp: Path, run_dir: Path | None) -> int:
     """``run_bounded`` with the peers' temporary files (torchrun's logs) in ``tmp`` and
-    :data:`SAME_ENV` set."""
-    changed = {"TMPDIR": str(tmp), **SAME_ENV}
+    :func:`same_env` set."""
+    changed = {"TMPDIR": str(tmp), **same_env()}
     old = {k: os.environ.get(k) for k in changed}
     os.environ.update(changed)
     try:
@@ -528,6 +530,7 @@ def run(cfg: Config) -> dict[str, Any]:
             "peers": have,
             "tierswap_python": sys.executable,
             "settings": SETTINGS,
+            "env": same_env(),
         },
         "not_run": not_run,
     }

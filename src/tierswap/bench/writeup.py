@@ -223,10 +223,13 @@ def _overhead_section(res: Res, limits: Res) -> list[str]:
 def _peers_section(res: Res, limits: Res) -> list[str]:
     out: list[str] = []
     cfg = res.get("config", {})
-    out += [f"The same model for every system ({cfg.get('size_mib', '?')} MiB of state per "
-            f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds, every job with "
-            "torch's allocator on huge pages (`THP_MEM_ALLOC_ENABLE=1`, tierswap's default "
-            "for its workers).", ""]  # fmt: skip
+    env = cfg.get("env", {})  # runs before 12-03 did not record it
+    given = "".join(f", every job with `{k}={v}`" for k, v in env.items())
+    out += [
+        f"The same model for every system ({cfg.get('size_mib', '?')} MiB of state per "
+        f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds{given}.",
+        "",
+    ]
     ck = res.get("checkpoint", {})
     if ck:
         rows = []
