@@ -108,6 +108,21 @@ def test_bad_arguments_say_what_to_do(tmp_path: Path) -> None:
         peers.config_from(_args(peers_python=str(tmp_path / "nope" / "python")))
 
 
+def test_a_relative_peers_python_still_runs_from_the_jobs_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `make bench-peers` passes .venv-peers/bin/python; the jobs run in folders of their
+    # own, where that relative path names nothing
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    monkeypatch.chdir(tmp_path)
+    cfg = peers.config_from(_args(peers_python="venv/bin/python"))
+    assert cfg.peers_python == venv / "python"  # absolute, the venv's link itself kept
+    monkeypatch.chdir(venv)
+    assert cfg.peers_python is not None and cfg.peers_python.exists()
+
+
 def test_peers_a_python_lacks_are_not_run_and_say_how_to_get_them() -> None:
     cfg = peers.Config(size_mib=1, repeats=1, peers_python=None, only=frozenset({"torch-save"}))
     have = {"python": "/usr/bin/python3", "torch": "2.13.0", "dlrover": None, "torchft": None}

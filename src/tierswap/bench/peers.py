@@ -237,6 +237,10 @@ class Config:
                 f"steps {self.steps}: the step times start at step {FIRST}, a recovery's kill "
                 f"is after step {KILL}; use at least {KILL + 3 if recovering else FIRST + 2}"
             )
+        if self.peers_python is not None:
+            # absolute, not resolved: the jobs run in folders of their own, and a venv's
+            # python is a link that must stay inside its venv to find its packages
+            self.peers_python = self.peers_python.absolute()
         if self.peers_python is not None and not self.peers_python.exists():
             raise ValueError(
                 f"--peers-python {self.peers_python}: no such file; "
