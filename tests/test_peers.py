@@ -173,13 +173,23 @@ def _ours_alive(prefix: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_dcp_and_hot_swap_recoveries_end_to_end_are_exact_and_leave_nothing(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The torch-only restart baseline and tierswap's two hot swaps (a spare worker
     restoring from tier 0, a spare host from a peer's replica, both into a model built
     without initialising it: ``job.restoring``), measured and compared bit for bit with
     uninterrupted runs (about 60 s on 2 cores); the peers this Python lacks are named."""
-    temps = set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*"))
+    # its own temporary folder, by name: another test running beside it (bench overhead,
+    # bench all) makes tierswap-bench-peers-* folders in /tmp too
+    made: list[str] = []
+    real = tempfile.TemporaryDirectory
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        folder = real(*args, **kwargs)
+        made.append(folder.name)
+        return folder
+
+    monkeypatch.setattr(peers.tempfile, "TemporaryDirectory", recorded)
     out = tmp_path / "peers.json"
     swaps = ["tierswap-worker-spare", "tierswap-node-spare"]
     args = _args(
@@ -196,10 +206,18 @@ def test_torchrun_dcp_and_hot_swap_recoveries_end_to_end_are_exact_and_leave_not
     assert 0 < rec["seconds"]["median"] < 120
     for swap in swaps:  # no weight left as to_empty made it: every byte came from the step
         assert res["recovery"][swap]["exact"] == [True], swap
+    # the same two jobs give bench recovery's account at this size, floors measured after
+    (entry,) = res["recovery_curve"].values()
+    assert entry["limits"]["memcpy"]["median"] > 0
+    for kind in ("worker", "node"):
+        s = entry[kind]
+        assert 0 < s["seconds"]["median"] < 60 and s["redone"] <= 1, kind
+        assert s["lost"]["step"] > 0 and s["floors"]["load"] > 0 and s["restore_vs_floor"] > 0
+    assert entry["node"]["floors"]["fetch"] > 0 == entry["worker"]["floors"]["fetch"]
     if not have_peers:
         assert "torchft-heal" in res["not_run"] and "dlrover-restart" in res["not_run"]
-    assert set(Path(tempfile.gettempdir()).glob("tierswap-bench-peers-*")) == temps
-    assert _ours_alive("tierswap-bench-peers-") == []
+    assert len(made) == 1 and not Path(made[0]).exists()
+    assert _ours_alive(made[0]) == []
 
 
 def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
@@ -211,6 +229,13 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     bench = peers.Bench(cfg, tmp_path, sys.executable, tmp_path)
     assert "--out" in bench.tierswap_cmd("tier01", tmp_path / "a", out=True)
     assert "--out" not in bench.tierswap_cmd("tier01", tmp_path / "b")
+    # DLRover's reference is round one's dlrover-memory job, which then writes its state
+    assert peers.OWN_REFERENCE["dlrover"] == "dlrover-memory"
+    assert peers.REFERENCE["dlrover-restart"] == "dlrover"
+    memory = bench.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint", out=True)
+    restart = bench.peer_cmd("dlrover", tmp_path / "d", "reference")
+    assert "--out" in memory and memory == restart, "the same command as its own reference"
+    assert "--out" not in bench.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint")
     twin = bench.tierswap_cmd("tier0-pinned", tmp_path / "c")
     assert "--agent-cpus" in twin and "--worker-cpus" in twin and "--replicas" in twin
     assert "--plain" in bench.tierswap_cmd("plain-pinned", tmp_path / "d")
@@ -234,11 +259,11 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     assert figures is not None and figures["step_s"] == pytest.approx(0.5), "sampled"
     assert entered == [folder / "run"] and "tierswap" not in bench.references
     assert bench.checkpoint("torch-save")[1] is None and len(entered) == 1, "not sampled"
-    bench.checkpoint("tier01", out=True)
+    bench.checkpoint("tier01", reference="tierswap")
     assert bench.references["tierswap"] == folder
     (folder / "times.jsonl").write_text(json.dumps(notes[0]))  # too short to time
     bench.references.clear()
-    assert bench.checkpoint("tier01", out=True, sample=True) == (None, None)
+    assert bench.checkpoint("tier01", reference="tierswap", sample=True) == (None, None)
     assert "tierswap" not in bench.references, "a failed job is no reference"
     assert [f.split(":")[0] for f in bench.failures] == ["tier01 (checkpoint)", "tier01 (overhead)"]
     with pytest.raises(ValueError, match="use at least 11"):

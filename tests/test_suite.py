@@ -92,6 +92,30 @@ def test_report_takes_the_overhead_from_the_peers_rounds_when_it_did_not_run_alo
     assert "### Snapshot overhead of a whole job" in md and "| tier0_pinned |" in md
 
 
+def test_report_puts_the_peers_size_into_the_recovery_curve_where_recovery_left_it_out(
+    tmp_path: Path,
+) -> None:
+    """`bench all` runs the curve's 384 MiB jobs only in `bench peers`: the headline and
+    the curve read that size from there, in its place by size; a size both measured
+    keeps bench recovery's own figures."""
+    ours = _recovery(worker_s=0.3, node_s=0.4)["sizes"]["384"]
+    theirs = _recovery(worker_s=1.2, node_s=1.4)["sizes"]["384"]
+    small, big = dict(ours, rank_state_bytes=5 << 20), dict(ours, rank_state_bytes=1 << 30)
+    peers = {"config": {"size_mib": 384, "repeats": 3}, "checkpoint": {}, "recovery": {},
+             "not_run": {}, "failures": [],
+             "recovery_curve": {"384": theirs, "5": dict(theirs, rank_state_bytes=1)}}  # fmt: skip
+    folder = _folder(tmp_path, {"recovery": ("ok", {"sizes": {"5": small, "1024": big}}),
+                                "peers": ("ok", peers)})  # fmt: skip
+    _, res = writeup.load(folder)
+    assert list(res["recovery"]["sizes"]) == ["5", "384", "1024"]
+    assert res["recovery"]["sizes"]["5"]["rank_state_bytes"] == 5 << 20, "its own kept"
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
+    worker = rows["recovery, worker killed, spare worker parked, 384 MiB/rank"]
+    assert "1.20 s (1.10 – 1.30)" in worker and worker.endswith("| yes |")
+    assert "| 384 (bench peers) | node | 1.40 s" in md and "| 5 | worker | 0.30 s" in md
+
+
 def test_report_draws_its_plots_where_matplotlib_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need tierswap[bench]")
     folder = _folder(tmp_path, {"recovery": ("ok", _recovery(1.0, 1.1))})

@@ -19,8 +19,11 @@ B) recovery from rank 1 killed right after step 8: from the victim's own end of 
 (its ``--times`` entry, written before it dies) to the moment every rank completed a
 step after its own step-8 entry; and whether the run ends bit for bit equal to an
 uninterrupted run of the same system (``--out``, ``tierswap.examples.differing``).
-tierswap's uninterrupted run is the first round's ``tier01`` job (it is one, with
-``--out``) where that runs.
+tierswap's uninterrupted run is the first round's ``tier01`` job, DLRover's its
+``dlrover-memory`` job (each is one, with ``--out``) where that runs. tierswap's worker
+and node kills with a spare also give ``bench recovery``'s account of the way back at this
+size (``recovery_curve``: each part beside its floor, the machine's limits measured after
+the rounds), so ``bench all`` does not run those jobs twice.
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
 tierswap's ``plain``, ``tier0`` and ``tier01`` jobs, and their pinned twins (tierswap's own
@@ -45,9 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import tierswap
-from tierswap.bench import limits, overhead
+from tierswap.bench import limits, overhead, recovery
 from tierswap.bench.common import Stats, run_bounded, stats
 from tierswap.cluster.address import HUGE_PAGES_ENV
+from tierswap.config import Config as TierswapConfig
 from tierswap.examples import FOLDER, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
 
@@ -87,6 +91,13 @@ REFERENCE = {s: "tierswap" for s in RECOVERY if s.startswith("tierswap")} | {
     "torchrun-dcp": "torchrun-dcp",
 }
 """The uninterrupted run each recovery is compared with, bit for bit."""
+OWN_REFERENCE = {"tierswap": "tier01", "dlrover": "dlrover-memory"}
+"""The checkpoint system whose first-round job is also that system's uninterrupted run
+for the recoveries (the same command with no kill; its final state written too), so the
+reference costs no job of its own where it runs."""
+ACCOUNTED = {"tierswap-worker-spare": "worker", "tierswap-node-spare": "node"}
+"""The recoveries whose events also give ``bench recovery``'s account of the way back
+(:func:`tierswap.bench.recovery.account`) at this size, by its kill's name there."""
 BASE_CKPT, BASE_RECOVERY = "tier0", "tierswap-worker-spare"
 """The tierswap systems the peers' ratios are taken against."""
 PINNED = "-pinned"
@@ -290,6 +301,8 @@ class Bench:
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     references: dict[str, Path] = field(default_factory=dict)
+    accounts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The :data:`ACCOUNTED` recoveries' own accounts, by kill."""
     count: int = 0
 
     # --- commands -------------------------------------------------------------------
@@ -317,11 +330,11 @@ class Bench:
             folder / "run", run_args, [*script, *(["--plain"] * (base == "plain"))], script=MLP
         )
 
-    def peer_cmd(self, system: str, folder: Path, kind: str) -> list[str]:
+    def peer_cmd(self, system: str, folder: Path, kind: str, out: bool = False) -> list[str]:
         peer = PEER_SYSTEM.get(system, system)
         script = str(self.scripts / "train_peer.py")
         kill = kind == "recovery"
-        args = [*self._script_args(folder, out=kind != "checkpoint"), "--ckpt",
+        args = [*self._script_args(folder, out=out or kind != "checkpoint"), "--ckpt",
                 str(folder / "ckpt"), *(["--kill-step", str(KILL)] if kill else [])]  # fmt: skip
         if peer == "torchft":
             pair = str(self.scripts / "torchft_pair.py")
@@ -344,7 +357,7 @@ class Bench:
         watch: Callable[[Path], AbstractContextManager[Any]] | None = None,
     ) -> Path | None:
         """Run one job of ``system`` (``kind``: checkpoint, recovery or reference; ``out``:
-        a tierswap job writes its final state too; ``watch``: entered with the job's run
+        a checkpoint job writes its final state too; ``watch``: entered with the job's run
         folder while it runs); its folder, or None when it failed (then the failure is
         recorded)."""
         self.count += 1
@@ -354,7 +367,7 @@ class Bench:
         if ours:
             cmd = self.tierswap_cmd(system, folder, out)
         else:
-            cmd = self.peer_cmd(system, folder, kind)
+            cmd = self.peer_cmd(system, folder, kind, out)
         before = _leftovers()
         env_tmp = folder / "tmp"
         env_tmp.mkdir()
@@ -375,11 +388,12 @@ class Bench:
         return folder
 
     def checkpoint(
-        self, system: str, out: bool = False, sample: bool = False
+        self, system: str, reference: str | None = None, sample: bool = False
     ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
         """One checkpoint job's costs, and (``sample``: its agents' CPU sampled while it
         runs) its ``bench overhead`` figures; each None where it could not be had (the
-        failure recorded). ``out``: the job is tierswap's uninterrupted reference too."""
+        failure recorded). ``reference``: the job is also the uninterrupted run of that
+        system (:data:`OWN_REFERENCE`); if it fails, the recoveries run one of their own."""
         sampler: overhead.Sampler | None = None
 
         def watch(run_dir: Path) -> overhead.Sampler:
@@ -387,7 +401,7 @@ class Bench:
             sampler = overhead.Sampler(run_dir)
             return sampler
 
-        folder = self.job(system, "checkpoint", out, watch if sample else None)
+        folder = self.job(system, "checkpoint", reference is not None, watch if sample else None)
         if folder is None:
             return None, None
         notes = _notes(folder)
@@ -396,8 +410,8 @@ class Bench:
             costs = checkpoint_costs(notes, self.cfg.steps)
         except ValueError as e:
             self.failures.append(f"{system} (checkpoint): {e}")
-        if out and costs is not None:
-            self.references["tierswap"] = folder
+        if reference is not None and costs is not None:
+            self.references[reference] = folder
         if sample:
             try:
                 if sampler is None:
@@ -427,6 +441,12 @@ class Bench:
         except ValueError as e:
             self.failures.append(f"{system} (recovery): {e}")
             return None
+        if system in ACCOUNTED:
+            try:
+                acc = recovery.account(folder / "run", TierswapConfig().slots)
+                self.accounts.setdefault(ACCOUNTED[system], []).append(acc)
+            except (KeyError, ValueError, OSError) as e:  # its seconds above still count
+                self.failures.append(f"{system} (its account of the way back): {e!r}")
         diff, rng = ([], []) if ref is None else same_bits(ref / "out", folder / "out")
         shutil.rmtree(folder / "out", ignore_errors=True)
         return {
@@ -545,25 +565,33 @@ def run(cfg: Config) -> dict[str, Any]:
         ck: dict[str, list[dict[str, float] | None]] = {s: [] for s in ckpt}
         ov: dict[str, list[dict[str, float] | None]] = {OVERHEAD[s]: [] for s in sampled}
         rc: dict[str, list[dict[str, Any] | None]] = {s: [] for s in rec}
-        # tierswap's reference is round 1's tier01 job (run before any recovery) if it runs
-        own_ref = "tier01" in ckpt and any(REFERENCE[s] == "tierswap" for s in rec)
-        for system in rec:  # the references first: also warms the page cache
-            if not (own_ref and REFERENCE[system] == "tierswap"):
-                bench.reference(REFERENCE[system])
+        # a reference is round 1's job of OWN_REFERENCE (run before any recovery) if it runs
+        needed = {REFERENCE[s] for s in rec}
+        own = {ref: s for ref, s in OWN_REFERENCE.items() if ref in needed and s in ckpt}
+        for name in sorted(needed - set(own)):  # the others first: also warms the page cache
+            bench.reference(name)
         for r in range(cfg.repeats):
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
             for system in _order(ckpt + twins, r):
-                ref = own_ref and system == "tier01" and "tierswap" not in bench.references
-                costs, figures = bench.checkpoint(system, out=ref, sample=system in sampled)
+                ref = next((n for n, s in own.items() if s == system), None)
+                ref = ref if ref is not None and ref not in bench.references else None
+                costs, figures = bench.checkpoint(system, reference=ref, sample=system in sampled)
                 if system in ck:
                     ck[system].append(costs)
                 if system in sampled:
                     ov[OVERHEAD[system]].append(figures)
             for system in _order(rec, r):
                 rc[system].append(bench.recovery(system))
+        if ov or bench.accounts:
+            kinds: list[str] = [k for k in ("worker", "node") if k in bench.accounts]
+            nbytes = bench.accounts[kinds[0]][0]["rank_state_bytes"] if kinds else None
+            lim = limits.measure(nbytes or cfg.size_mib * 2**20, max(3, cfg.repeats), Path(tmp))
         if ov:
-            memcpy = limits.measure(cfg.size_mib * 2**20, 3, Path(tmp))["memcpy"]["median"]
+            memcpy = lim["memcpy"]["median"]
             out["overhead"] = overhead.summarize(ov, memcpy, cfg.size_mib, cfg.steps)
+        if bench.accounts:  # bench recovery's figures at this size, from the same jobs
+            runs: dict[str, list[dict[str, Any]]] = {k: bench.accounts[k] for k in kinds}
+            out["recovery_curve"] = {str(cfg.size_mib): recovery.size_entry(runs, lim)}
     out["checkpoint"] = summarize_checkpoint(ck)
     out["recovery"] = summarize_recovery(rc)
     out["failures"] = bench.failures

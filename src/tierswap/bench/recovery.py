@@ -153,6 +153,13 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
     code, out = _run(cmd, work, work / f"{name}.log", 900)
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
+    return account(run_dir, 3 if extra else Config().slots)
+
+
+def account(run_dir: Path, slots: int) -> dict[str, Any]:
+    """What the events of a finished job of the reference model with one kill say of its
+    recovery (``slots``: the tier-0 slots it ran with, to read a rank's state size off
+    its ring). ``bench peers`` reads its tierswap recoveries with this too."""
     (resumed,) = _events(run_dir, "resumed")
     tiers = _events(run_dir, "restored")[-1]["tiers"]
     lost = [t for r, t in resumed["ranks"].items() if int(r) in resumed["replaced"]]
@@ -168,7 +175,7 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
         "kept": _slowest(kept),
         "step_s": statistics.median(steady) if steady else float("nan"),
         "lost_tiers": sorted({tiers[str(r)] for r in resumed["replaced"]}),
-        "rank_state_bytes": ring // (3 if extra else Config().slots),
+        "rank_state_bytes": ring // slots,
     }
 
 
@@ -200,24 +207,32 @@ def size_curve(work: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, An
             for kind in kinds[:: -1 if i % 2 else 1]:
                 runs[kind].append(mlp_once(work, f"mlp{mib}-{kind}-{i}", mib, kind))
         nbytes = runs[kinds[0]][0]["rank_state_bytes"]
-        lim = limits.measure(nbytes, max(3, repeats), work)
-        entry: dict[str, Any] = {"rank_state_bytes": nbytes, "limits": lim}
-        for kind, rs in runs.items():
-            summary = _summary(rs)
-            for side in ("lost", "kept"):
-                summary[side] = {k: statistics.median(r[side][k] for r in rs) for k in PARTS}
-            summary["step_s"] = statistics.median(r["step_s"] for r in rs)
-            summary["lost_tiers"] = sorted({t for r in rs for t in r["lost_tiers"]})
-            summary["floors"] = floors(nbytes, kind, lim, summary["step_s"])
-            lost = summary["lost"]
-            work_s = lost["fetch"] + lost["verify"] + lost["load"]
-            summary["restore_vs_floor"] = work_s / summary["floors"]["restore"]
-            entry[kind] = summary
+        entry = size_entry(runs, limits.measure(nbytes, max(3, repeats), work))
         if mib >= BIG_MIB:
             entry["node"] = {"skipped": f"{mib} MiB per rank: 3 hosts x 2 tiers x 4 slots "
                              "do not fit in this machine's memory"}  # fmt: skip
         out[str(mib)] = entry
     return out
+
+
+def size_entry(runs: dict[str, list[dict[str, Any]]], lim: dict[str, Any]) -> dict[str, Any]:
+    """One size of the curve: per kill (``runs``: its jobs' :func:`account`) the medians of
+    its parts beside their floors at this machine's limits ``lim``, measured at that size
+    beside the runs."""
+    first = next(iter(runs.values()))
+    entry: dict[str, Any] = {"rank_state_bytes": first[0]["rank_state_bytes"], "limits": lim}
+    for kind, rs in runs.items():
+        summary = _summary(rs)
+        for side in ("lost", "kept"):
+            summary[side] = {k: statistics.median(r[side][k] for r in rs) for k in PARTS}
+        summary["step_s"] = statistics.median(r["step_s"] for r in rs)
+        summary["lost_tiers"] = sorted({t for r in rs for t in r["lost_tiers"]})
+        summary["floors"] = floors(entry["rank_state_bytes"], kind, lim, summary["step_s"])
+        lost = summary["lost"]
+        work_s = lost["fetch"] + lost["verify"] + lost["load"]
+        summary["restore_vs_floor"] = work_s / summary["floors"]["restore"]
+        entry[kind] = summary
+    return entry
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

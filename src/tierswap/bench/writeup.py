@@ -177,7 +177,9 @@ def _machine_section(index: Res) -> list[str]:
 def _recovery_section(res: Res, limits: Res) -> list[str]:
     out = ["Kill to the first step every rank completed afterwards, the reference model "
            "(`examples/train_mlp.py`), 2 ranks; the lost rank's restore beside its floor "
-           "(its bytes over memcpy, xxh3 and TCP speed measured beside it).", ""]  # fmt: skip
+           "(its bytes over memcpy, xxh3 and TCP speed measured beside it). A size marked "
+           "(bench peers) is from `bench peers`' tierswap recoveries in the same run, "
+           "the same jobs interleaved with the peers'.", ""]  # fmt: skip
     rows = []
     for mib, e in res.get("sizes", {}).items():
         for kind in ("worker", "node"):
@@ -187,7 +189,8 @@ def _recovery_section(res: Res, limits: Res) -> list[str]:
                 continue
             ph, fl, lost = s["phases"], s["floors"], s["lost"]
             work = lost["fetch"] + lost["verify"] + lost["load"]
-            rows.append([mib, kind, _stats_cell(s["seconds"]),
+            where = " (bench peers)" if e.get("from") == "bench peers" else ""
+            rows.append([mib + where, kind, _stats_cell(s["seconds"]),
                          " / ".join(f"{ph[k]:.2f}" for k in ph), f"{work:.2f} s",
                          f"{fl['restore']:.2f} s ({s['restore_vs_floor']:.1f}x)"])  # fmt: skip
     head = ["MiB/rank", "kill", "recovery", "phases: " + " / ".join(_phase_names(res)),
@@ -427,7 +430,21 @@ def load(folder: Path) -> tuple[Res, dict[str, Any]]:
             res[name] = json.loads(path.read_text())
     if "overhead" in res.get("peers", {}):  # its jobs ran in the peers' rounds
         res["overhead"] = res["peers"]["overhead"]
+    merge_curve(res)
     return index, res
+
+
+def merge_curve(res: Res) -> None:
+    """The recovery curve's sizes that ``bench peers``' tierswap recoveries measured and
+    ``bench recovery`` did not (``bench all`` runs 384 MiB only there), put in their
+    place by size, each marked with where it came from."""
+    extra = res.get("peers", {}).get("recovery_curve", {})
+    if not extra:
+        return
+    curve = res.setdefault("recovery", {}).setdefault("sizes", {})
+    for mib, entry in extra.items():
+        curve.setdefault(mib, {**entry, "from": "bench peers"})
+    res["recovery"]["sizes"] = dict(sorted(curve.items(), key=lambda kv: float(kv[0])))
 
 
 def write(folder: Path, md: Path) -> Path:
