@@ -304,3 +304,18 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14)
     assert res["tier0_pinned"] == {"failed": 0, "unpaired": 3}, "kept, as without a baseline"
     overhead.report(res)
+
+
+def test_limits_measured_round_by_round_pool_into_one_set_of_stats(tmp_path: Path) -> None:
+    """bench peers measures the machine's limits once a round, between its jobs: the
+    floors use the stats of every sample from every round, not the last round's."""
+    from tierswap.bench import limits
+
+    one = limits.measure(1 << 20, 1, tmp_path)
+    two = limits.measure(1 << 20, 2, tmp_path)
+    pooled = limits.pooled([one, two])
+    assert pooled["nbytes"] == 1 << 20
+    for name in ("memcpy", "xxh3", "tcp", "write_fsync"):
+        samples = one[name]["samples"] + two[name]["samples"]
+        assert pooled[name]["samples"] == samples and len(samples) == 3
+        assert pooled[name]["median"] == sorted(samples)[1]

@@ -268,3 +268,98 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     assert [f.split(":")[0] for f in bench.failures] == ["tier01 (checkpoint)", "tier01 (overhead)"]
     with pytest.raises(ValueError, match="use at least 11"):
         peers.Config(size_mib=1, repeats=1, peers_python=None, steps=7)
+
+
+def test_round_ones_dlrover_memory_job_is_dlrovers_reference_else_it_gets_one_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLRover's uninterrupted run is round one's dlrover-memory job (the same command,
+    its final state written): no reference job of its own, and the restart is compared
+    with that job's folder; where that job fails, the first recovery runs one."""
+    have = {"dlrover": "0.6.1", "torchft": None, "torch": "2.13.0", "python": sys.executable}
+    monkeypatch.setattr(peers, "_probe", lambda python: have)
+    compared: list[Path] = []
+
+    def same_bits(ref: Path, run: Path) -> tuple[list[str], list[str]]:
+        compared.append(ref.parent)
+        return [], []
+
+    monkeypatch.setattr(peers, "same_bits", same_bits)
+    notes = [{"rank": r, "step": s, "t": 0.5 * s + 0.01 * r, "stall": 0.01}
+             for s in range(peers.STEPS) for r in (0, 1)]  # fmt: skip
+    calls: list[tuple[str, str, bool, Path | None]] = []
+    failing: set[tuple[str, str]] = set()
+
+    def job(self: Any, system: str, kind: str, out: bool = False, watch: Any = None) -> Any:
+        folder = self.work / f"{len(calls):03d}-{system}-{kind}"
+        ok = (system, kind) not in failing or any(c[:2] == (system, kind) for c in calls)
+        calls.append((system, kind, out, folder if ok else None))
+        if not ok:  # fails once: its first run
+            return None
+        folder.mkdir()
+        (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
+        return folder
+
+    monkeypatch.setattr(peers.Bench, "job", job)
+    only = frozenset({"dlrover-memory", "dlrover-restart"})
+    cfg = peers.Config(size_mib=1, repeats=2, peers_python=None, only=only, pinned=False)
+    res = peers.run(cfg)
+    assert [c[:3] for c in calls if c[0] == "dlrover-memory"] == [
+        ("dlrover-memory", "checkpoint", True),
+        ("dlrover-memory", "checkpoint", False),
+    ]
+    assert not [c for c in calls if c[1] == "reference"], "no job of its own"
+    first = next(c[3] for c in calls if c[0] == "dlrover-memory")
+    assert compared == [first, first] and res["recovery"]["dlrover-restart"]["exact"] == [True] * 2
+    assert res["checkpoint"]["dlrover-memory"]["failed"] == 0
+
+    calls.clear()
+    compared.clear()
+    failing.add(("dlrover-memory", "checkpoint"))
+    res = peers.run(cfg)
+    refs = [c for c in calls if c[1] == "reference"]
+    assert [c[:3] for c in refs] == [("dlrover", "reference", False)], "one of its own"
+    assert calls.index(refs[0]) > next(
+        i for i, c in enumerate(calls) if c[0] == "dlrover-memory"
+    ), "after the job that failed"
+    assert compared == [refs[0][3], refs[0][3]]
+    assert res["checkpoint"]["dlrover-memory"]["failed"] == 1
+
+
+def test_a_recovery_whose_events_cannot_be_read_still_counts_its_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The account of the way back is read off tierswap's events; a job whose events lack
+    a part of it (no ``restored`` here) keeps its recovery seconds, and says why it gave
+    no account instead of ending the benchmark."""
+    notes = [{"rank": r, "step": s, "t": 0.5 * s + 0.01 * r, "stall": 0.0}
+             for s in range(peers.STEPS) for r in (0, 1)]  # fmt: skip
+
+    def job(self: Any, system: str, kind: str, out: bool = False, watch: Any = None) -> Path:
+        folder = tmp_path / f"{system}-{kind}"
+        (folder / "run").mkdir(parents=True)
+        (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
+        resumed = {"event": "resumed", "seconds": 0.5, "phases": {}, "redone": 1,
+                   "ranks": {}, "replaced": [1], "time": 1.0}  # fmt: skip
+        (folder / "run" / "events.jsonl").write_text(json.dumps(resumed) + "\n")
+        return folder
+
+    monkeypatch.setattr(peers.Bench, "job", job)
+    monkeypatch.setattr(peers, "same_bits", lambda ref, run: ([], []))
+    cfg = peers.Config(size_mib=1, repeats=1, peers_python=None)
+    bench = peers.Bench(cfg, tmp_path, sys.executable, tmp_path)
+    got = bench.recovery("tierswap-worker-spare")
+    assert got is not None and got["seconds"] == pytest.approx(0.5) and got["exact"]
+    assert bench.accounts == {}
+    (failure,) = bench.failures
+    assert failure.startswith("tierswap-worker-spare (its account of the way back): IndexError")
+
+
+def test_a_failed_jobs_text_keeps_the_childs_traceback_above_the_launchers_summary() -> None:
+    child = "Traceback (most recent call last):\n  File x\nRuntimeError: attempt 1: no flash\n"
+    summary = "launcher noise\n" * 200 + "ChildFailedError: rank 1 exitcode 1 (no traceback)\n"
+    text = peers.failure_text("starting\n" + child + "\n" + summary)
+    assert "RuntimeError: attempt 1: no flash" in text and text.endswith(summary[-200:])
+    short = "Traceback (most recent call last):\nValueError: bad\n"
+    assert peers.failure_text(short) == short, "all of it already at the end"
+    assert peers.failure_text("no traceback at all") == "no traceback at all"

@@ -116,6 +116,30 @@ def test_report_puts_the_peers_size_into_the_recovery_curve_where_recovery_left_
     assert "| 384 (bench peers) | node | 1.40 s" in md and "| 5 | worker | 0.30 s" in md
 
 
+def test_report_judges_recovery_at_384_mib_only_and_says_why_a_size_has_no_row(
+    tmp_path: Path,
+) -> None:
+    """Without a 384 MiB figure (bench peers failed, say) the largest size is shown but
+    not judged against a target set for 384 MiB; a kill the peers' jobs gave no account of
+    says so in the curve."""
+    big = dict(_recovery(worker_s=3.6, node_s=4.0)["sizes"]["384"], rank_state_bytes=1 << 30)
+    only_worker = {k: v for k, v in _recovery(1.2, 1.4)["sizes"]["384"].items() if k != "node"}
+    peers = {"config": {"size_mib": 384, "repeats": 3}, "checkpoint": {}, "recovery": {},
+             "not_run": {}, "failures": [], "recovery_curve": {"384": only_worker}}  # fmt: skip
+    folder = _folder(tmp_path, {"recovery": ("ok", {"sizes": {"1024": big}})})
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
+    worker = rows["recovery, worker killed, spare worker parked, 1024 MiB/rank"]
+    assert "3.60 s" in worker and worker.endswith("| – |"), "not judged at 1024 MiB"
+    assert "(bench peers)" not in md
+    (tmp_path / "b").mkdir()
+    folder = _folder(tmp_path / "b", {"recovery": ("ok", {"sizes": {"1024": big}}),
+                                      "peers": ("ok", peers)})  # fmt: skip
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    assert "| 384 (bench peers) | node | not run: its jobs there failed |" in md
+    assert "The rows marked (bench peers)" in md
+
+
 def test_report_draws_its_plots_where_matplotlib_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need tierswap[bench]")
     folder = _folder(tmp_path, {"recovery": ("ok", _recovery(1.0, 1.1))})

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tierswap.bench.common import Sample, interleave
+from tierswap.bench.common import Sample, interleave, stats
 from tierswap.checksum import checksum_bytes
 from tierswap.shm import populated
 
@@ -84,6 +84,16 @@ def write_fsync_once(path: Path, data: memoryview) -> Sample:
     seconds = time.monotonic() - t0
     path.unlink()
     return {"bps": len(data) / seconds}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several :func:`measure` results (taken between a benchmark's rounds, say) as one:
+    per limit the stats of all their samples; ``nbytes`` the first's."""
+    names = [k for k, v in runs[0].items() if isinstance(v, dict)]
+    out: dict[str, Any] = {"nbytes": runs[0]["nbytes"]}
+    for name in names:
+        out[name] = stats([x for r in runs for x in r[name]["samples"]])
+    return out
 
 
 def measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:

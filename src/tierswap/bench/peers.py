@@ -22,8 +22,8 @@ uninterrupted run of the same system (``--out``, ``tierswap.examples.differing``
 tierswap's uninterrupted run is the first round's ``tier01`` job, DLRover's its
 ``dlrover-memory`` job (each is one, with ``--out``) where that runs. tierswap's worker
 and node kills with a spare also give ``bench recovery``'s account of the way back at this
-size (``recovery_curve``: each part beside its floor, the machine's limits measured after
-the rounds), so ``bench all`` does not run those jobs twice.
+size (``recovery_curve``: each part beside its floor, the machine's limits measured once
+in every round, after its jobs), so ``bench all`` does not run those jobs twice.
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
 tierswap's ``plain``, ``tier0`` and ``tier01`` jobs, and their pinned twins (tierswap's own
@@ -305,6 +305,12 @@ class Bench:
     """The :data:`ACCOUNTED` recoveries' own accounts, by kill."""
     count: int = 0
 
+    def state_bytes(self) -> int:
+        """A rank's state as its tierswap jobs read it off their rings, else the size asked
+        for: the bytes per pass of the machine's limits the floors are taken at."""
+        found = [a[0]["rank_state_bytes"] for a in self.accounts.values() if a]
+        return int(found[0]) if found else self.cfg.size_mib * 2**20
+
     # --- commands -------------------------------------------------------------------
     def _script_args(self, folder: Path, out: bool) -> list[str]:
         args = [
@@ -382,8 +388,9 @@ class Bench:
         shutil.rmtree(env_tmp, ignore_errors=True)
         print(f"  {system} ({kind}): exit {code} in {took:.1f} s", flush=True)
         if code != 0:
-            tail = (folder / "output.log").read_text(errors="replace")[-1500:]
-            self.failures.append(f"{system} ({kind}), exit {code} after {took:.0f} s: {tail}")
+            log = (folder / "output.log").read_text(errors="replace")
+            self.failures.append(f"{system} ({kind}), exit {code} after {took:.0f} s: "
+                                 f"{failure_text(log)}")  # fmt: skip
             return None
         return folder
 
@@ -436,17 +443,17 @@ class Bench:
         # of its rank is a redo by its replacement, later than the injection
         own = first is not None and (fired is None or float(first["t"]) <= fired)
         kill_t = None if own else fired
+        if system in ACCOUNTED:  # its own events, whatever its times file says
+            try:
+                acc = recovery.account(folder / "run", TierswapConfig().slots)
+                self.accounts.setdefault(ACCOUNTED[system], []).append(acc)
+            except (KeyError, ValueError, IndexError, TypeError, OSError) as e:
+                self.failures.append(f"{system} (its account of the way back): {e!r}")
         try:
             seconds = recovery_seconds(notes, kill_t)
         except ValueError as e:
             self.failures.append(f"{system} (recovery): {e}")
             return None
-        if system in ACCOUNTED:
-            try:
-                acc = recovery.account(folder / "run", TierswapConfig().slots)
-                self.accounts.setdefault(ACCOUNTED[system], []).append(acc)
-            except (KeyError, ValueError, OSError) as e:  # its seconds above still count
-                self.failures.append(f"{system} (its account of the way back): {e!r}")
         diff, rng = ([], []) if ref is None else same_bits(ref / "out", folder / "out")
         shutil.rmtree(folder / "out", ignore_errors=True)
         return {
@@ -465,6 +472,19 @@ class Bench:
                 return None
             self.references[system] = folder
         return self.references[system]
+
+
+def failure_text(log: str, chars: int = 1500) -> str:
+    """What a failed job's output says of why: its first Python traceback where the end
+    of the output does not hold it (a launcher's summary of a failed child, after the
+    child's own traceback), then the end of the output."""
+    tail = log[-chars:]
+    first = log.find("Traceback (most recent call last)")
+    if first < 0 or first >= len(log) - chars:
+        return tail
+    end = log.find("\n\n", first)
+    block = log[first : end if end > 0 else first + chars][:chars]
+    return f"first traceback:\n{block}\n[...]\nend of its output:\n{tail}"
 
 
 def same_env() -> dict[str, str]:
@@ -565,6 +585,7 @@ def run(cfg: Config) -> dict[str, Any]:
         ck: dict[str, list[dict[str, float] | None]] = {s: [] for s in ckpt}
         ov: dict[str, list[dict[str, float] | None]] = {OVERHEAD[s]: [] for s in sampled}
         rc: dict[str, list[dict[str, Any] | None]] = {s: [] for s in rec}
+        lims: list[dict[str, Any]] = []
         # a reference is round 1's job of OWN_REFERENCE (run before any recovery) if it runs
         needed = {REFERENCE[s] for s in rec}
         own = {ref: s for ref, s in OWN_REFERENCE.items() if ref in needed and s in ckpt}
@@ -582,10 +603,12 @@ def run(cfg: Config) -> dict[str, Any]:
                     ov[OVERHEAD[system]].append(figures)
             for system in _order(rec, r):
                 rc[system].append(bench.recovery(system))
-        if ov or bench.accounts:
-            kinds: list[str] = [k for k in ("worker", "node") if k in bench.accounts]
-            nbytes = bench.accounts[kinds[0]][0]["rank_state_bytes"] if kinds else None
-            lim = limits.measure(nbytes or cfg.size_mib * 2**20, max(3, cfg.repeats), Path(tmp))
+            if ov or bench.accounts:  # the limits between the jobs, as the machine is now
+                lims.append(limits.measure(bench.state_bytes(), 1, Path(tmp)))
+        if len(lims) < 3 and (ov or bench.accounts):  # 3 samples at least, for a median
+            lims.append(limits.measure(bench.state_bytes(), 3 - len(lims), Path(tmp)))
+        lim = limits.pooled(lims) if lims else {}
+        kinds: list[str] = [k for k in ("worker", "node") if k in bench.accounts]
         if ov:
             memcpy = lim["memcpy"]["median"]
             out["overhead"] = overhead.summarize(ov, memcpy, cfg.size_mib, cfg.steps)
