@@ -588,14 +588,14 @@ def run(cfg: Config) -> dict[str, Any]:
         lims: list[dict[str, Any]] = []
         # a reference is round 1's job of OWN_REFERENCE (run before any recovery) if it runs
         needed = {REFERENCE[s] for s in rec}
-        own = {ref: s for ref, s in OWN_REFERENCE.items() if ref in needed and s in ckpt}
-        for name in sorted(needed - set(own)):  # the others first: also warms the page cache
+        own = {s: ref for ref, s in OWN_REFERENCE.items() if ref in needed and s in ckpt}
+        for name in sorted(needed - set(own.values())):  # first: also warms the page cache
             bench.reference(name)
         for r in range(cfg.repeats):
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
             for system in _order(ckpt + twins, r):
-                ref = next((n for n, s in own.items() if s == system), None)
-                ref = ref if ref is not None and ref not in bench.references else None
+                ref = own.get(system)
+                ref = None if ref in bench.references else ref
                 costs, figures = bench.checkpoint(system, reference=ref, sample=system in sampled)
                 if system in ck:
                     ck[system].append(costs)
