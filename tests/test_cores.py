@@ -393,7 +393,7 @@ class Agent:
         segs: dict[str, MemorySegment] = {}
         self.segs = segs
         rings = NodeRings("t", cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
-        peers = PeerStore("t", cfg.slots, 0, lambda m, g: None,
+        peers = PeerStore("t", cfg.peer_slots, 0, lambda m, g: None,
                           create=lambda n, s: MemorySegment(n, s, segs))  # fmt: skip
         self.core = AgentCore(0, cfg, rings=rings, peers=peers, replica_address=("h", 9),
                               coord_host="h")  # fmt: skip
@@ -483,6 +483,34 @@ def test_the_agent_holds_one_step_at_a_time_and_the_newest_after_a_commit() -> N
     out = a.coordinator(p.Committed(tier=0, step=0), 0)
     assert [m for m in a.to_coordinator(out) if isinstance(m, p.Held)] == [p.Held(tier=0, step=1)]
     assert [c for c in out if isinstance(c, Tell)] == []
+
+
+def test_a_newest_step_written_over_is_reported_as_never_held() -> None:
+    """A ring of 3 whose every other slot is kept lets its newest step give way to the
+    next; the node will then never hold that step, and says so (``skipped``), or another
+    node holding it for a commit would wait on this one for the rest of the generation."""
+    a = Agent()
+    a.start(0)
+    (alloc,) = [
+        c.msg for c in a.worker(1, p.Alloc(rank=0, layout=LAYOUT)) if isinstance(c, ae.Reply)
+    ]
+    assert isinstance(alloc, p.Allocated) and a.core.cfg.slots == 3
+    told: list[p.Message] = []
+    for step in range(4):
+        out = a.worker(1, p.SlotRequest(rank=0, step=step, alloc=alloc.alloc))
+        grant = next(c.msg for c in out if isinstance(c, ae.Reply))
+        told += a.to_coordinator(out)
+        assert isinstance(grant, p.SlotGranted) and grant.slot is not None
+        out = a.worker(1, p.Written(rank=0, step=step, slot=grant.slot, alloc=alloc.alloc,
+                                    tree={}, stall=0.0))  # fmt: skip
+        (check,) = [c for c in out if isinstance(c, ae.Checksum)]
+        told += a.to_coordinator(a.core.handle(ae.Checked(0, step, check.slot, f"c{step}"), 0.0))
+        if step == 1:  # 0 committed, 1 held for the next commit: 2 will be the newest only
+            told += a.to_coordinator(a.coordinator(p.Committed(tier=0, step=0), 0))
+    assert [m for m in told if isinstance(m, p.Held)] == [p.Held(tier=0, step=0),
+                                                          p.Held(tier=0, step=1)]  # fmt: skip
+    assert [m for m in told if isinstance(m, p.Skipped)] == [p.Skipped(rank=0, step=2)]
+    assert sorted(a.core.rings[0].held()) == [0, 1, 3]
 
 
 def test_the_agent_makes_a_rings_first_slot_at_once_and_the_others_off_its_loop() -> None:

@@ -381,3 +381,28 @@ def test_planner_reads_tier_2_rather_than_a_delta_whose_base_is_there_too() -> N
     assert plan_restore(peer_only).sources[1] == Source(Tier.PEER, 0), "tier 2 lacks step 5"
     both = dataclasses.replace(peer_only, durable=frozenset({5}))
     assert plan_restore(both).sources[1] == Source(Tier.DURABLE)
+
+
+def test_a_replica_ring_of_3_lets_its_newest_give_way_and_reports_it() -> None:
+    """Tier 1's rings keep their committed step and a step held for a commit; a newest that
+    is neither gives way to a newer replica when no other slot is free, and is reported
+    refused, so that the coordinator stops waiting for it in tier 1."""
+    reports: list[p.Message] = []
+    store = PeerStore("test-giveway", nslots=3, max_bytes=0, report=lambda m, g: reports.append(m))
+    rs = _replicas(4)
+    try:
+        for step, r in enumerate(rs):
+            got = store.slot(0, step, r.layout)
+            assert got is not None and not isinstance(got, str), step
+            token, buf = got
+            buf[: r.layout.nbytes] = r.view
+            store.written(0, token, True, step, r.layout, r.tree, r.checksum)
+            if step == 0:
+                store.committed(0)
+            if step == 1:
+                assert store.propose(1, ranks=[0])
+        refused = [m for m in reports if isinstance(m, p.ReplicaRejected)]
+        assert refused == [p.ReplicaRejected(rank=0, step=2, why="gave way to step 3")]
+        assert sorted(store.holdings()[0]) == [0, 1, 3]
+    finally:
+        store.close()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tierswap.errors import UsageError
 from tierswap.shm import PREFIX, SHM_DIR, Segment
 from tierswap.state import Layout, TensorEntry
-from tierswap.tiers.memory import RankRing, Slot, SlotState
+from tierswap.tiers.memory import NodeRings, RankRing, Slot, SlotState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,6 +41,20 @@ def make_ring() -> Iterator[Callable[..., RankRing]]:
     yield make
     for ring in rings:
         ring.close()
+    assert _segments(job_id) == []
+
+
+@pytest.fixture
+def two_ranks() -> Iterator[NodeRings]:
+    """A node's rings of 3 slots for ranks 0 and 1, allocated; every segment is gone after
+    the test."""
+    job_id = uuid.uuid4().hex[:12]
+    node = NodeRings(job_id, nslots=3)
+    node.serve([0, 1], restart=-1, committed=-1, peer_committed=-1)
+    for rank in (0, 1):
+        node[rank].allocate(_layout())
+    yield node
+    node.close()
     assert _segments(job_id) == []
 
 
@@ -77,16 +91,19 @@ def test_committed_and_proposed_steps_are_never_reused(make_ring: Callable[..., 
     for s in range(3):
         _write(ring, s)
     ring.set_committed(0)
-    assert ring.propose(1)
+    ring.peer_committed = 1  # tier 1's commit, kept in tier 0 for a node loss
+    assert ring.propose(2)
     assert not ring.propose(7)  # not held: a vote against
-    assert _write(ring, 3) == (None, [])  # 0 committed, 1 proposed, 2 newest
+    assert _write(ring, 3) == (None, [])  # 0 committed, 1 committed in tier 1, 2 proposed
     assert ring.skipped == 1 and sorted(ring.held()) == [0, 1, 2]
-    ring.set_committed(1)  # 1 committed: 0 may go now
+    ring.set_committed(2)  # 2 committed: 0 may go now
     assert _write(ring, 3) == (0, [0])
-    assert ring.committed == 1 and ring.proposed == set()
+    assert ring.committed == 2 and ring.proposed == set()
 
 
-def test_newest_held_step_is_never_reused(make_ring: Callable[..., RankRing]) -> None:
+def test_newest_held_step_is_reused_only_when_every_other_slot_is_kept(
+    make_ring: Callable[..., RankRing],
+) -> None:
     ring = make_ring(3)
     ring.allocate(_layout())
     for s in range(3):
@@ -94,9 +111,44 @@ def test_newest_held_step_is_never_reused(make_ring: Callable[..., RankRing]) ->
     ring.set_committed(0)
     slot = ring.lease(1)
     assert slot is not None
-    assert _write(ring, 3) == (None, [])  # only 2 is unprotected by commit or lease
+    assert _write(ring, 3) == (2, [2])  # only the newest is unprotected: it gives way
+    assert ring.gave_way == 2
     ring.unlease(slot)
-    assert _write(ring, 3) == (1, [1])
+    assert _write(ring, 4) == (1, [1])  # an older step is free: the newest (3) is kept
+    assert sorted(ring.held()) == [0, 3, 4]
+    assert ring.gave_way is None
+    assert ring.propose(4) and _write(ring, 5) == (2, [3]) and ring.gave_way is None  # stale
+    ring.set_committed(4)  # ... and a newest held for a commit is never reused
+    ring.peer_committed = 0
+    assert ring.propose(5) and _write(ring, 6) == (None, []) and ring.skipped == 1
+
+
+def test_two_ranks_whose_newest_steps_parted_meet_again_in_rings_of_3(
+    two_ranks: NodeRings,
+) -> None:
+    """Found by the simulation with 3 slots and tier 1 on: rank 1 skipped step 2 (its
+    slots were leased), so the node held 2 for rank 0 only; with the committed step and
+    tier 1's kept, rank 0's ring then had every slot protected and refused every later
+    step, and the node never held a step in common again (tier 0 stopped committing)."""
+    node = two_ranks
+    for rank in (0, 1):
+        _write(node[rank], 0)
+        _write(node[rank], 1)
+    node.commit(1)
+    node.peer_committed(0)
+    _write(node[0], 2)  # rank 1's snapshot of step 2 is skipped:
+    leased = [node[1].lease(0), node[1].lease(1)]
+    node[1].alloc.slots[2].leases += 1  # type: ignore[union-attr]
+    assert _write(node[1], 2) == (None, []) and node[1].skipped == 1
+    for slot in [*leased, node[1].alloc.slots[2]]:  # type: ignore[union-attr]
+        assert slot is not None
+        node[1].unlease(slot)
+    assert sorted(node[0].held()) == [0, 1, 2] and sorted(node[1].held()) == [0, 1]
+    # rank 0 keeps 0 (tier 1), 1 (tier 0) and its newest, 2, which only it holds
+    for step in (3, 4):  # both go on; rank 0's newest gives way each time
+        assert _write(node[0], step) == (2, [step - 1])
+        assert _write(node[1], step)[0] is not None
+    assert node.newest_complete() == 4 and node.propose(4)
 
 
 def test_leased_slot_is_never_reused(make_ring: Callable[..., RankRing]) -> None:
@@ -314,12 +366,19 @@ def _protected(ring: RankRing) -> set[int]:
 def _eligible(ring: RankRing) -> list[Slot]:
     assert ring.alloc is not None
     keep = _protected(ring)
-    return [
+    found = [
         s
         for s in ring.alloc.slots
         if not s.leases
         and (s.state is SlotState.FREE or (s.state is SlotState.HELD and s.step not in keep))
     ]
+    held = [s for s in ring.alloc.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
+    newest = max(held, key=lambda s: s.step, default=None)
+    committed = {ring.committed, *ring.proposed, ring.peer_committed}
+    if found or newest is None or newest.step in committed or ring.filling():
+        return found
+    # every other slot kept: the newest, held for no commit, gives way unless leased
+    return [newest] if newest.state is SlotState.HELD and not newest.leases else []
 
 
 def _check_begin(ring: RankRing, step: int) -> tuple[int | None, Any]:
@@ -393,31 +452,22 @@ def test_random_schedules_keep_the_invariants(nslots: int, ops: list[tuple[str, 
     assert _segments(ring.job_id) == []
 
 
-def test_a_node_commits_a_step_only_when_every_rank_holds_it() -> None:
+def test_a_node_commits_a_step_only_when_every_rank_holds_it(two_ranks: NodeRings) -> None:
     """``NodeRings``: a step missing from one rank's ring is aborted in all; a restore's
     lease is returned when the rank restored or when the workers let go."""
-    from tierswap.tiers.memory import NodeRings
-
-    job_id = uuid.uuid4().hex[:12]
-    node = NodeRings(job_id, nslots=3)
-    try:
-        node.serve([0, 1], restart=-1, committed=-1, peer_committed=-1)
-        for rank in (0, 1):
-            node[rank].allocate(_layout())
-            _write(node[rank], 1)
-        _write(node[0], 2)  # rank 1 never got step 2
-        assert node.propose(1) and not node.propose(2)
-        node.commit(1)
-        assert node.holdings() == {0: {1: "cs1", 2: "cs2"}, 1: {1: "cs1"}}
-        slot = node.lease_for_restore(1, 1)
-        assert slot is not None and slot.leases == 1
-        node.restored(1)
-        assert slot.leases == 0 and not node.restore_leases
-        slot = node.lease_for_restore(0, 1)
-        assert slot is not None
-        node.let_go()
-        assert slot.leases == 0 and not node.restore_leases
-        assert node.lease_for_restore(1, 2) is None
-    finally:
-        node.close()
-    assert _segments(job_id) == []
+    node = two_ranks
+    for rank in (0, 1):
+        _write(node[rank], 1)
+    _write(node[0], 2)  # rank 1 never got step 2
+    assert node.propose(1) and not node.propose(2)
+    node.commit(1)
+    assert node.holdings() == {0: {1: "cs1", 2: "cs2"}, 1: {1: "cs1"}}
+    slot = node.lease_for_restore(1, 1)
+    assert slot is not None and slot.leases == 1
+    node.restored(1)
+    assert slot.leases == 0 and not node.restore_leases
+    slot = node.lease_for_restore(0, 1)
+    assert slot is not None
+    node.let_go()
+    assert slot.leases == 0 and not node.restore_leases
+    assert node.lease_for_restore(1, 2) is None

@@ -321,6 +321,19 @@ def test_a_refused_slot_on_the_last_step_is_retried_and_the_job_finishes(
         assert state["refused"]
 
 
+@pytest.mark.parametrize("seed", [1538, 1573])
+def test_rings_of_3_slots_with_tier_1_on_keep_committing(seed: int) -> None:
+    """With 3 tier-0 and 3 tier-1 slots (the defaults since 12-03) these scenarios timed
+    out finishing while a ring kept its newest step at any cost: once a rank's newest step
+    parted from its node's other ranks' (one of them skipped a snapshot), every slot of
+    its ring was protected, it refused every later step, and its node never held a step
+    in common again. The newest now gives way when every other slot is kept."""
+    sim = scenario(seed)
+    assert (sim.cfg.slots, sim.cfg.peer_slots) == (3, 3)
+    outcome = sim.run()
+    assert outcome == "finished", f"seed {seed}: {outcome}\n{_replay(sim)}"
+
+
 def test_a_launcher_paused_longer_than_the_lease_renews_leases_and_fences_nobody() -> None:
     """Issue 14: the launcher was stopped (SIGSTOP) longer than ``--lease``; on waking it
     blamed every healthy host for the missing heartbeats, fenced them and threw away

@@ -37,11 +37,18 @@ class Config:
     gone for good, say). Two jobs writing one root lose each other's steps."""
     run_dir: str | None = None
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
-    slots: int = 4
-    """Tier-0 slots per rank: the step committed in tier 0, the one committed in tier 1
-    (when replication lags), the newest, and one being written. 3 is the least, and only
-    with tier 1 off: with tier 1 on the ring has no room for a step while tier 1 sends
-    another, snapshots are skipped, and the nodes may never hold a common step again."""
+    slots: int = 3
+    """Tier-0 slots per rank: the step committed in tier 0 (also the one committed in tier
+    1 while replication keeps up), the newest, and one being written; a fourth keeps every
+    step's snapshot while tier 1 trails tier 0 (else such a step is skipped, and counted).
+    3 is the least."""
+    peer_slots: int = 3
+    """Tier-1 slots per protected rank on each of the ``--replicas`` peers holding its
+    replicas: the step committed in tier 1, the newest received (held for the next
+    commit), and one being received. A node holds ``slots + peer_slots * replicas`` times
+    its ranks' state. 2 is the least: a replica that arrives while the newest waits for
+    its commit is then refused, so tier 1 commits fewer steps where the network is slow
+    against the step."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo (``tierswap.faults`` lists the forms)."""
     chaos: str | None = None
@@ -159,16 +166,14 @@ class Config:
             raise ValueError(
                 f"slots must be >= 3 (committed, in flight, being written), got {self.slots}"
             )
+        if self.peer_slots < 2:
+            raise ValueError(
+                f"peer_slots must be >= 2 (the step committed in tier 1 and one being "
+                f"received), got {self.peer_slots}"
+            )
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.slots < 4 and self.replicas > 0 and self.nodes > 1:
-            raise ValueError(
-                f"slots={self.slots} with tier 1 on: tier 0 has no room for a step while "
-                "tier 1 sends another, so snapshots are skipped, and once the nodes' newest "
-                "steps part every slot is protected and no step commits again; use 4 slots, "
-                "or --replicas 0"
-            )
         for name in ("spares", "spare_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

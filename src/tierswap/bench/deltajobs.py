@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.common import stats
+from tierswap.config import Config
 from tierswap.examples import EXAMPLE, job_command
 
 WARMUP_STEPS = 5
@@ -93,7 +94,7 @@ def _run(work: Path, name: str, workload: str, mode: str) -> dict[str, Any]:
     commits = [e for e in evs if e["event"] == "snapshot_committed" and e["tier"] == 1]
     out["tier1_per_step"] = len(commits) / STEPS
     snap = [e["bytes"] for e in evs if e["event"] == "memory" and e["tier"] == 0]
-    out["snapshot_bytes"] = snap[0] // 4 if snap else 0  # tier 0 reserves 4 slots a rank
+    out["snapshot_bytes"] = snap[0] // Config().slots if snap else 0  # a ring of --slots
     traffic = [e for e in evs if e["event"] == "replica_traffic"]
     if traffic:
         t = traffic[-1]

@@ -5,7 +5,7 @@ One real job per mode (3 nodes, one rank each, the example GPT). Two readings pe
 
 - what the agents allocated, from the job's ``memory`` events: tier 0's ring of each of
   its ranks (``--slots`` snapshots), and tier 1's replicas of the ranks it protects (a ring
-  of ``--slots`` full snapshots each, or in delta mode the peak of bases and deltas);
+  of ``--peer-slots`` full snapshots each, or in delta mode the peak of bases and deltas);
 - what ``/dev/shm`` held for the job at its peak, polled while it runs (tier 0 and full
   replicas live there; delta replicas are the agent's private memory, so only the first
   reading sees them).
@@ -25,12 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.common import run_bounded
+from tierswap.config import Config
 from tierswap.examples import job_command
 from tierswap.shm import PREFIX, SHM_DIR
 
+_DEFAULT = Config()
 MODES: dict[str, list[str]] = {
-    "default: --slots 4, --replicas 1, full": [],
-    "--slots 5": ["--slots", "5"],
+    f"default: --slots {_DEFAULT.slots}, --peer-slots {_DEFAULT.peer_slots}, "
+    f"--replicas {_DEFAULT.replicas}, full": [],
+    "--slots 4 --peer-slots 4 (the defaults before 12-03)": ["--slots", "4", "--peer-slots", "4"],
+    "--peer-slots 2": ["--peer-slots", "2"],
     "--replicas 2": ["--replicas", "2"],
     "--memory-tiers delta": ["--memory-tiers", "delta"],
 }
@@ -105,7 +109,7 @@ def measure_mode(tmp: Path, name: str, extra: list[str], nodes: int, steps: int)
         tail = (tmp / f"{name}.log").read_text()[-1500:]
         raise RuntimeError(f"{name}: exit code {code}: {tail}")
     evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else 4
+    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else _DEFAULT.slots
     per_node = node_memory(evs, slots)
     state = sum(n["state"] for n in per_node.values())
     return {"args": extra, "nodes": per_node, "shm_peak": peak[0],

@@ -704,8 +704,8 @@ def summarize_recovery(runs: dict[str, list[dict[str, Any] | None]]) -> dict[str
 
 
 SETTINGS = {
-    "tierswap": "tierswap run --nodes 2 --threads 1 (defaults: 4 slots, 1 replica); tier0: "
-    "--replicas 0; tier012: --persist <local dir> --persist-every 1",
+    "tierswap": "tierswap run --nodes 2 --threads 1 (defaults: 3 slots, 3 peer slots, 1 "
+    "replica); tier0: --replicas 0; tier012: --persist <local dir> --persist-every 1",
     "dlrover": "dlrover-run --standalone --nproc_per_node 2 --max_restarts 1 (its local master "
     "started by bench/peers/dlrover_standalone.py); DdpCheckpointer.save_checkpoint(step, "
     "{model, optim, step}, storage_type=MEMORY) every step; the loaded state cloned",

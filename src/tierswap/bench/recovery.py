@@ -132,7 +132,7 @@ holds its state) and a node killed (a parked spare host takes it, its ranks' sta
 from a peer's memory)."""
 BIG_MIB = 768
 """From this size on a rank, the job runs with ``--slots 3 --replicas 0`` and only the
-worker kill: 3 hosts x 2 tiers x 4 slots of 1 GiB do not fit in this machine's memory."""
+worker kill: 3 hosts x 2 tiers x 3 slots of 1 GiB do not fit in this machine's memory."""
 PHASES = ("detect", "decide", "rebuild", "restore", "resume")
 SIZES = (5, 75, 384)
 """MiB of state per rank of the size curve (``--size-mib`` picks others)."""
@@ -209,7 +209,7 @@ def size_curve(work: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, An
         nbytes = runs[kinds[0]][0]["rank_state_bytes"]
         entry = size_entry(runs, limits.measure(nbytes, max(3, repeats), work))
         if mib >= BIG_MIB:
-            entry["node"] = {"skipped": f"{mib} MiB per rank: 3 hosts x 2 tiers x 4 slots "
+            entry["node"] = {"skipped": f"{mib} MiB per rank: 3 hosts x 2 tiers x 3 slots "
                              "do not fit in this machine's memory"}  # fmt: skip
         out[str(mib)] = entry
     return out

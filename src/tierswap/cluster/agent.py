@@ -153,7 +153,7 @@ class Agent:
         """Where the rings' segments come from: made ahead while this host is a spare."""
         peers = PeerStore(
             job_id,
-            cfg.slots,
+            cfg.peer_slots,
             cfg.max_peer_memory,
             lambda msg, gen: None,  # the core hands in its own
             cfg.memory_tiers,

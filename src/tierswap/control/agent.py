@@ -265,11 +265,15 @@ class AgentCore:
             self._tell(p.AgentError(rank=event.rank, request="alloc", error=error))
 
     def _no_room(self, tier: int, rank: int, error: str) -> str:
-        what = "tier-0 slots" if tier == 0 else "tier-1 replica slots"
+        n, what, flag = (
+            (self.cfg.slots, "tier-0 slots", "--slots")
+            if tier == 0
+            else (self.cfg.peer_slots, "tier-1 replica slots", "--peer-slots")
+        )
         return (
-            f"node {self.node} cannot allocate its {self.cfg.slots} {what} for rank {rank} "
+            f"node {self.node} cannot allocate its {n} {what} for rank {rank} "
             f"in {SHM_DIR}: {error}. Free or enlarge {SHM_DIR} (a container's --shm-size), "
-            "or use fewer --slots."
+            f"or use fewer {flag}."
         )
 
     def _add(self, cmd: Any) -> None:
@@ -543,6 +547,8 @@ class AgentCore:
         slot, _ = ring.begin_write(msg.step, msg.alloc)
         filling = slot is None and msg.wait and ring.filling()  # it asks again: no skip
         self._reply(conn, p.SlotGranted(slot=slot, filling=filling))
+        if ring.gave_way is not None:  # that step's snapshot is gone before it committed
+            self._tell(p.Skipped(rank=msg.rank, step=ring.gave_way))
         if filling:
             return
         if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:

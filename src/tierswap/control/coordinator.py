@@ -1021,9 +1021,9 @@ class CoordinatorCore:
     def _peer_memory_exceeded(self, node: int | None, msg: p.PeerMemoryExceeded) -> None:
         raise JobStopped(
             f"node {node} must hold {msg.need:,} bytes of replicas for ranks {msg.ranks} "
-            f"({self.cfg.slots} slots each, --memory-tiers {self.cfg.memory_tiers}), more than "
-            f"--max-peer-memory {msg.limit:,}. Raise --max-peer-memory, add nodes, or "
-            "lower --replicas."
+            f"({self.cfg.peer_slots} peer slots each, --memory-tiers {self.cfg.memory_tiers}), "
+            f"more than --max-peer-memory {msg.limit:,}. Raise --max-peer-memory, add nodes, "
+            "or lower --replicas or --peer-slots."
         )
 
     # ---------------------------------------------------------------- commits

@@ -551,7 +551,8 @@ class ReplicateFailed(Message, frozen=True, kw_only=True, tag="replicate_failed"
 
 
 class Skipped(Message, frozen=True, kw_only=True, tag="skipped"):
-    """A rank's snapshot of ``step`` was skipped: no tier-0 slot was free."""
+    """A rank's snapshot of ``step`` was skipped (no tier-0 slot was free), or written over
+    by the next one before its node held it for a commit (every other slot was kept)."""
 
     rank: int
     step: int

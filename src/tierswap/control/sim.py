@@ -255,7 +255,7 @@ class SimHost:
     def _welcome(self, w: p.Welcome) -> None:
         cfg, segs = self.sim.cfg, self.sim.segments
         peers = PeerStore(
-            w.job_id, cfg.slots, cfg.max_peer_memory, lambda m, g: None,
+            w.job_id, cfg.peer_slots, cfg.max_peer_memory, lambda m, g: None,
             create=lambda n, s: MemorySegment(n, s, segs),
         )  # fmt: skip
         rings = NodeRings(w.job_id, cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))

@@ -127,6 +127,11 @@ class RankRing(CommitVotes):
         """The step committed in tier 1: kept here too, so that after a node loss the
         survivors still hold the step its ranks come back with from peers."""
         self.skipped = 0
+        self.gave_way: int | None = None
+        """The step the last :meth:`begin_write` wrote over although it was this rank's
+        newest: the node can no longer hold it for a commit, which the caller reports
+        (as a skip in tier 0, a refusal in tier 1), so that no other node keeps a hold of
+        it waiting for this one."""
         self.wanted: list[tuple[int, int, str, int]] = []
         """Slots to be made off the loop: (allocation, index, name, bytes) each, taken by
         the agent's core (``take_wanted``) and handed back made (``add``)."""
@@ -208,8 +213,13 @@ class RankRing(CommitVotes):
     def begin_write(self, step: int, alloc_id: int) -> tuple[int | None, list[int]]:
         """A slot for ``step``, or None to skip it; also the steps whose slot it reuses.
 
-        Never reused: a leased slot, the committed step, a step proposed for commit, and
-        this rank's newest snapshot (so ranks that run in step always share one to commit).
+        Never reused: a leased slot, the committed step (of this tier, and in tier 0 also
+        tier 1's), a step proposed for commit, and this rank's newest snapshot (so ranks
+        that run in step always share one to commit) unless every other slot is kept: then
+        the newest, proposed for no commit, gives way (once the ring's slots are all made):
+        were it kept then too, a ring of 3 whose newest step parted from the other ranks'
+        of its node (a snapshot skipped on one of them) would keep every slot and never
+        hold a step in common with them again.
         """
         a = self.alloc
         if a is None or a.id != alloc_id:
@@ -224,6 +234,15 @@ class RankRing(CommitVotes):
             s for s in a.slots if s.state is SlotState.HELD and s.step not in keep and not s.leases
         ]
         candidates = free or sorted(stale, key=lambda s: s.step)
+        kept = {self.committed, *self.proposed, self.peer_committed}
+        self.gave_way = None
+        if not candidates and not a.filling and newest not in kept:
+            candidates = [
+                s
+                for s in a.slots
+                if s.state is SlotState.HELD and s.step == newest and not s.leases
+            ]
+            self.gave_way = newest if candidates else None
         if not candidates:  # (while slots are still being made the writer waits: no skip)
             self.skipped += 0 if a.filling else 1
             return None, []

@@ -119,6 +119,8 @@ class PeerStore:
             self.report(msg, self.generation)
         assert ring.alloc is not None
         index, _ = ring.begin_write(step, ring.alloc.id)
+        if ring.gave_way is not None:  # held for no commit yet: it can no longer be
+            self._rejected(rank, ring.gave_way, f"gave way to step {step}", generation)
         if index is None and wait and ring.filling():
             return FILLING
         if index is None:
