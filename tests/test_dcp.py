@@ -244,7 +244,10 @@ def test_a_tensor_inside_a_tuple_is_refused_not_pickled(tmp_path: Path) -> None:
 def _torchrun(nproc: int, script: Path, args: list[str], cwd: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+    tmp = cwd / "torchrun-tmp"  # its launcher's log folder (torchelastic_*) goes here, not /tmp
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
