@@ -228,13 +228,13 @@ class RankRing(CommitVotes):
             raise UsageError(a.error)
         live = [s.step for s in a.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
         newest = max(live, default=-1)
-        keep = {self.committed, *self.proposed, newest, self.peer_committed}
+        kept = {self.committed, *self.proposed, self.peer_committed}  # for a commit
+        keep = kept | {newest}
         free = [s for s in a.slots if s.state is SlotState.FREE and not s.leases]
         stale = [
             s for s in a.slots if s.state is SlotState.HELD and s.step not in keep and not s.leases
         ]
         candidates = free or sorted(stale, key=lambda s: s.step)
-        kept = {self.committed, *self.proposed, self.peer_committed}
         self.gave_way = None
         if not candidates and not a.filling and newest not in kept:
             candidates = [
