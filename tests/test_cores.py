@@ -513,6 +513,44 @@ def test_a_newest_step_written_over_is_reported_as_never_held() -> None:
     assert sorted(a.core.rings[0].held()) == [0, 1, 3]
 
 
+def test_a_replica_arriving_after_the_node_reported_its_holdings_leaves_them_as_reported() -> None:
+    """A fenced sender's replica that lands between a node's ``stopped`` and the next start
+    would take the room of a step the coordinator plans a restore from (a ring of 3 lets
+    its newest give way): it is refused, the holdings stay as reported, and the next
+    generation takes replicas again."""
+    a = Agent()
+    a.start(0)
+    peers = a.core.peers
+    peers.later = False  # the ring's slots made at once (the replica server is not here)
+    from tierswap.checksum import checksum_chunks
+
+    def send(step: int, gen: int) -> bool:
+        got = peers.slot(5, step, LAYOUT, generation=gen)
+        if got is None or isinstance(got, str):
+            return False
+        token, buf = got
+        buf[: LAYOUT.nbytes] = bytes([step]) * LAYOUT.nbytes
+        checksum = checksum_chunks(LAYOUT.chunks(buf))  # re-read at the stop: a real one
+        peers.written(5, token, True, step, LAYOUT, {}, checksum, generation=gen)
+        return True
+
+    assert all(send(step, 0) for step in range(3))
+    peers.committed(0)
+    assert peers.propose(1, ranks=[5])
+    a.coordinator(p.Stop(), 0)
+    a.worker(10, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
+    (stopped,) = [m for m in a.to_coordinator() if isinstance(m, p.Stopped)]
+    assert sorted(stopped.peer[5]) == [0, 1, 2]
+    reports: list[p.Message] = []
+    peers.report = lambda m, g: reports.append(m)
+    assert not send(3, 0), "step 2, reported, would have given way to it"
+    assert sorted(peers.holdings()[5]) == [0, 1, 2]
+    assert [type(m) for m in reports] == [p.ReplicaRejected]
+    assert "reported its holdings" in reports[0].why  # type: ignore[attr-defined]
+    a.start(1, restart=2)
+    assert send(3, 1), "the next generation takes replicas again"
+
+
 def test_the_agent_makes_a_rings_first_slot_at_once_and_the_others_off_its_loop() -> None:
     """A layout's first slot is made in the loop (the first snapshot needs it), the others
     by its shell (``MakeSegment``); a step that finds no free slot only because they are

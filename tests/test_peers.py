@@ -363,3 +363,25 @@ def test_a_failed_jobs_text_keeps_the_childs_traceback_above_the_launchers_summa
     short = "Traceback (most recent call last):\nValueError: bad\n"
     assert peers.failure_text(short) == short, "all of it already at the end"
     assert peers.failure_text("no traceback at all") == "no traceback at all"
+
+
+def test_a_jobs_leftovers_go_and_what_was_there_before_stays(tmp_path: Path) -> None:
+    """DLRover leaves shared memory, sockets and logs in fixed places, making its folders
+    when they are missing: what a job adds goes, folders included; what was there before
+    (another program's shared memory among it) stays."""
+    shm, sock, logs = (tmp_path / n for n in ("shm", "ckpt_sock", "dlrover"))
+    dirs = (shm, sock, logs)
+    shm.mkdir()
+    sock.mkdir()
+    (shm / "someone_elses").write_bytes(b"x")
+    (sock / "old.sock").write_bytes(b"")
+    before = peers._leftovers(dirs)
+    (shm / "x_ckpt_shm_0").write_bytes(b"s")
+    (shm / "another_programs_new").write_bytes(b"y")
+    (sock / "new.sock").write_bytes(b"")
+    (logs / "events").mkdir(parents=True)
+    (logs / "events" / "log").write_text("e")
+    peers._clean(before, None, dirs)
+    assert sorted(p.name for p in shm.iterdir()) == ["another_programs_new", "someone_elses"]
+    assert [p.name for p in sock.iterdir()] == ["old.sock"]
+    assert not logs.exists(), "a folder the job made goes with it"

@@ -515,16 +515,22 @@ LEFTOVER_DIRS = (Path("/dev/shm"), Path("/tmp/ckpt_sock"), Path("/tmp/dlrover"))
 """Where DLRover leaves its shared memory, sockets and event logs, whatever TMPDIR says."""
 
 
-def _leftovers() -> set[Path]:
-    return {p for d in LEFTOVER_DIRS if d.is_dir() for p in d.iterdir()}
+def _leftovers(dirs: tuple[Path, ...] = LEFTOVER_DIRS) -> set[Path]:
+    """What is in those folders now, and the folders themselves."""
+    return {x for d in dirs if d.is_dir() for x in (d, *d.iterdir())}
 
 
-def _clean(before: set[Path], run_dir: Path | None) -> None:
+def _clean(before: set[Path], run_dir: Path | None, dirs: tuple[Path, ...] = LEFTOVER_DIRS) -> None:
     """Remove what the job left in the shared places: DLRover's files that were not there
-    before it, and a tierswap job's shared memory (its ids from its event log)."""
-    for p in _leftovers() - before:
-        if p.parent != Path("/dev/shm") or "_ckpt_shm_" in p.name:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    before it (and its folders, when it made them), and a tierswap job's shared memory
+    (its ids from its event log). Of /dev/shm, only DLRover's own segments."""
+    for x in _leftovers(dirs) - before:
+        if x.parent == dirs[0] and "_ckpt_shm_" not in x.name:
+            continue  # another program's shared memory
+        if x.is_dir():
+            shutil.rmtree(x, ignore_errors=True)
+        else:
+            x.unlink(missing_ok=True)
     events = None if run_dir is None else run_dir / "events.jsonl"
     if events is not None and events.exists():
         for line in events.read_text().splitlines():

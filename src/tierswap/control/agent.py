@@ -337,7 +337,7 @@ class AgentCore:
         self.progress_step = msg.restart_step
         restart, (memory, replicated) = msg.restart_step, msg.committed
         self.rings.serve(self.ranks, restart, memory, replicated)
-        self.peers.generation = generation
+        self.peers.generation, self.peers.open = generation, True
         self.peers.discard_after(restart, replicated)
         self.peers.protects = list(msg.protects)
         self.peers.keep_only(self.peers.protects)
@@ -391,6 +391,7 @@ class AgentCore:
         )
         self._tell(stopped)
         self.stopped = stopped
+        self.peers.open = False  # what it reported stays so until the next start
         self.phase.move(AgentPhase.STOPPED)
 
     # ---------------------------------------------------------------- commits

@@ -63,6 +63,10 @@ class PeerStore:
         self.generation = -1
         """Replicas sent in an older generation are refused: they may be of a timeline a
         restore went back from, and would arrive after :meth:`discard_after`."""
+        self.open = True
+        """False from the moment the node reported what it holds at a generation's end
+        until the next generation starts: a late replica then is refused, since taking its
+        room could drop a step the coordinator is planning a restore from."""
 
     def _all(self) -> list[RankRing | DeltaRing]:
         return [*self.rings.values(), *self.drings.values()]
@@ -84,13 +88,19 @@ class PeerStore:
             return False
         return True
 
+    def _refusal(self, generation: int) -> str | None:
+        """Why a replica sent in ``generation`` is not taken now, or None."""
+        if generation < self.generation:
+            return f"sent in generation {generation}, now {self.generation}"
+        if not self.open:
+            return "arrived after this node reported its holdings, before the next generation"
+        return None
+
     def _stale(self, rank: int, step: int, generation: int) -> bool:
-        if generation >= self.generation:
-            return False
-        self._rejected(
-            rank, step, f"sent in generation {generation}, now {self.generation}", generation
-        )
-        return True
+        why = self._refusal(generation)
+        if why is not None:
+            self._rejected(rank, step, why, generation)
+        return why is not None
 
     def slot(
         self, rank: int, step: int, layout: Layout, generation: int = -1, wait: bool = False
@@ -146,8 +156,9 @@ class PeerStore:
         generation: int = -1,
     ) -> None:
         """A full replica arrived (``ok``: its checksum matched): hold it, or free its room."""
-        if ok and generation < self.generation:  # a generation ended while it was in flight
-            ok, why = False, f"sent in generation {generation}, now {self.generation}"
+        refused = self._refusal(generation)  # a generation ended while it was in flight
+        if ok and refused is not None:
+            ok, why = False, refused
         if self.delta:
             if ok and layout is not None:
                 self._put(rank, Entry(step, Base(step, layout, token, checksum, tree or {}),
@@ -170,7 +181,7 @@ class PeerStore:
 
     def base(self, rank: int, step: int, checksum: str, generation: int = -1) -> Base | None:
         """The base a delta of ``rank`` is made against, if held (else the sender sends it)."""
-        if generation < self.generation:
+        if self._refusal(generation) is not None:
             return None
         dring = self.drings.get(rank)
         return None if dring is None else dring.base(step, checksum)
@@ -190,8 +201,9 @@ class PeerStore:
     ) -> None:
         """A delta arrived (``ok``: its own checksum matched): hold it against ``base``,
         which tier 2 also holds under ``base_durable`` once the sender wrote it there."""
-        if ok and generation < self.generation:
-            ok, why = False, f"sent in generation {generation}, now {self.generation}"
+        refused = self._refusal(generation)
+        if ok and refused is not None:
+            ok, why = False, refused
         if not ok:
             self._rejected(rank, step, why, generation)
             return
