@@ -14,7 +14,7 @@ from tierswap.control import protocol as p
 from tierswap.control.agent import AgentCore
 from tierswap.control.commits import TierCommits
 from tierswap.control.coordinator import CoordinatorCore
-from tierswap.control.sim import LAYOUT, FakeTier2, MemorySegment
+from tierswap.control.simworld import LAYOUT, FakeTier2, MemorySegment
 from tierswap.control.states import PHASES, IllegalTransition, Machine, Phase
 from tierswap.control.workers import Spawn, Tell
 from tierswap.tiers.memory import NodeRings, SlotState

@@ -25,7 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from tierswap.config import Config
 from tierswap.control import hosts
 from tierswap.control import workers as worker_table
-from tierswap.control.sim import Chaos, Sim, Violation
+from tierswap.control.sim import Sim
+from tierswap.control.simworld import Chaos, Violation
 
 SCENARIOS = int(os.environ.get("TIERSWAP_SIM_SCENARIOS", "1000"))
 """Seeded scenarios per run of the suite (about 50 a second on this machine; raise it
@@ -291,7 +292,7 @@ def test_a_refused_slot_on_the_last_step_is_retried_and_the_job_finishes(
     which released the other node's hold of that step for good; the retry then got a
     slot, and the two nodes never held the same step again (the job timed out finishing)."""
     from tierswap.control import protocol as p
-    from tierswap.control import sim as simmod
+    from tierswap.control import simworker as simmod
     from tierswap.tiers import memory
 
     steps, state = 10, {"refused": False, "delayed": False}
