@@ -173,6 +173,11 @@ class End:
     reason: str | None = None
 
 
+class JobStopped(Exception):
+    """Raised by the coordinator core's decisions when the job cannot go on; the message
+    says why and what is kept. ``handle`` turns it into ``End(1, why)``."""
+
+
 CoordinatorCommand = (
     Send
     | Broadcast

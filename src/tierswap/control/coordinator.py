@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.config import Config
+from tierswap.control import generation, resize, takeover
 from tierswap.control import protocol as p
-from tierswap.control import resize
 from tierswap.control.commands import (
     AgentClosed,
     AgentMessage,
@@ -34,6 +34,7 @@ from tierswap.control.commands import (
     FreeSegments,
     FreezeHost,
     HostExited,
+    JobStopped,
     KillHost,
     KillProcess,
     Out,
@@ -43,30 +44,21 @@ from tierswap.control.commands import (
     TakeOver,
     Tick,
 )
-from tierswap.control.commits import TierCommits, newest_in_memory, newest_replicated
+from tierswap.control.commits import TierCommits
 from tierswap.control.hosts import Hosts, refusal
 from tierswap.control.persistence import Persistence
 from tierswap.control.ports import Tier2
 from tierswap.control.recovery import RecoveryClock
-from tierswap.control.resize import RESHARD_POLICY
-from tierswap.control.restore import Reports, lost_message, memory_lost
+from tierswap.control.restore import Reports
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
 from tierswap.control.warm import SpareMemory
-from tierswap.errors import listed
 from tierswap.faults import Chaos, FaultPlan, Injection
-from tierswap.plan import Holdings, Plan, Tier
+from tierswap.plan import Plan, Tier
 from tierswap.tiers import peer
 
 BOOT_RETRIES = 3
-OLD_HOST_GRACE_S = 0.5
-"""Taking over: how long the old leader's own host is waited for once every other host
-is back."""
 """Hosts started in place of lost ones that may exit before joining before the job stops."""
-
-
-class JobStopped(Exception):
-    """The job cannot go on; the message says why and what is kept."""
 
 
 def _fields(msg: p.Message, *names: str) -> dict[str, Any]:
@@ -223,7 +215,7 @@ class CoordinatorCore:
                 case Begin():
                     self._begin(event, now)
                 case TakeOver(record=record, old_host=old_host):
-                    self._adopt(record, old_host, now)
+                    takeover.adopt(self, record, old_host, now)
         except JobStopped as e:
             self.phase.move(Phase.FAILED)
             self.out.log("job_failed", reason=str(e))
@@ -320,7 +312,7 @@ class CoordinatorCore:
             case p.Restored() if self.phase == Phase.RUNNING:
                 self._restored(msg, now)
             case p.Initialized() if self.phase == Phase.RUNNING:
-                self._initialized(msg)
+                generation.initialized(self, msg)
             case p.Joined(rank=rank, pid=pid) if self.phase == Phase.RUNNING:
                 rebuilt = self.clock.worker_joined(rank, pid, now)
                 if rebuilt is not None:
@@ -358,7 +350,7 @@ class CoordinatorCore:
                 self.hosts.heard[host] = now
             self.deadline += gap
         if self.expected is not None and now >= self.takeover_deadline:
-            self._resume(now)
+            takeover.resume(self, now)
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
             self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
         self._chaos(min(gap, 1.0), now)
@@ -426,7 +418,7 @@ class CoordinatorCore:
         """A host connected: give it its id, the job's config and script (or say why
         it is not taken)."""
         if msg.rejoin:
-            self._rejoin(conn, msg, now)
+            takeover.rejoin(self, conn, msg, now)
             return
         why = refusal(msg, self.cfg.nodes, self.cfg.nproc_per_node, self.rdzv_id)
         if why is not None:
@@ -458,120 +450,8 @@ class CoordinatorCore:
     # ---------------------------------------------------------------- taking over (etcd)
 
     def record(self) -> dict[str, Any]:
-        """What a coordinator that takes this one's place needs (JSON-able): membership,
-        generation, each tier's commit, the settled step, spares, the hosts fenced. The
-        shell writes it to etcd before it carries out an event's commands."""
-        h = self.hosts
-        return {
-            "job_id": self.job_id,
-            "generation": self.generation,
-            "members": {str(n): host for n, host in sorted(h.members.items())},
-            "spares": list(h.spares),
-            "vacant": sorted(h.vacant),
-            "waiting": sorted(h.waiting),
-            "pids": {str(k): v for k, v in sorted(h.pids.items())},
-            "tags": {str(k): v for k, v in sorted(h.tags.items())},
-            "replica": {str(k): list(v) for k, v in sorted(h.replica_address.items())},
-            "fenced": sorted(h.fenced),
-            "next_id": h.next_id,
-            "committed": {str(t): c.committed for t, c in self.tiers.items()},
-            "settled": self.settled,
-            "durable": self.persister.committed,
-            "restarts": self.restarts,
-            "total": self.total,
-            "ever_committed": self.ever_committed,
-            "ever_protected": self.ever_protected,
-            "nodes": self.nodes,
-            "reshard": None if self.reshard is None else list(self.reshard),
-        }
-
-    def _adopt(self, rec: Mapping[str, Any], old_host: int | None, now: float) -> None:
-        """Lead the job another coordinator led: its hosts, as it last recorded them,
-        reconnect (``_rejoin``); then the generation it ran is stopped and a new one
-        started from what the hosts hold, as after any failure."""
-        h = self.hosts
-        h.members = {int(n): host for n, host in rec["members"].items()}
-        h.node_by_host = {host: n for n, host in h.members.items()}
-        h.spares = list(rec["spares"])
-        h.vacant = set(rec["vacant"])
-        h.waiting = set(rec["waiting"])
-        h.pids = {int(k): v for k, v in rec["pids"].items()}
-        h.tags = {int(k): v for k, v in rec["tags"].items()}
-        h.replica_address = {int(k): (v[0], int(v[1])) for k, v in rec["replica"].items()}
-        h.fenced = set(rec["fenced"])
-        h.next_id = int(rec["next_id"])
-        self.generation = int(rec["generation"])
-        self.door.generation = self.generation
-        for tier, step in rec["committed"].items():
-            self.tiers[int(tier)].committed = step
-        self.settled = rec["settled"]
-        self.persister.committed = self.persister.newest = rec["durable"]
-        self.persister.last_request = rec["durable"]
-        self.restarts = rec["restarts"]
-        self.total = rec["total"]
-        self.ever_committed = rec["ever_committed"]
-        self.ever_protected = rec.get("ever_protected", rec["ever_committed"])
-        if rec.get("reshard") is not None:
-            self.reshard = (int(rec["reshard"][0]), int(rec["reshard"][1]))
-        if rec.get("nodes", self.nodes) != self.nodes:  # it led the job shrunk
-            resize.set_size(self, int(rec["nodes"]))
-        # every host it had that was not fenced: members, spares, and hosts still starting
-        self.expected = {host for host in h.pids if host not in h.fenced}
-        self.old_host = old_host
-        self.takeover_deadline = now + max(2.0, 2 * self.cfg.heartbeat)
-        if self.generation >= 0:
-            self.phase.move(Phase.RUNNING)
-        self.out.log(
-            "coordinator_took_over",
-            job_id=self.job_id,
-            generation=self.generation,
-            expected=sorted(self.expected),
-            old_host=old_host,
-        )
-        self.out.say(
-            f"this host's coordinator took the job over (generation {self.generation}); "
-            f"waiting for hosts {sorted(self.expected)} to reconnect"
-        )
-
-    def _rejoin(self, conn: int, msg: p.Hello, now: float) -> None:
-        """A host of the old coordinator reconnects, with the id and pid it had."""
-        h = self.hosts
-        if self.expected is None or msg.host not in self.expected:
-            why = (
-                f"host {msg.host} was declared lost and fenced"
-                if msg.host in h.fenced
-                else f"host {msg.host} is not one this coordinator took over"
-            )
-            self._refuse(conn, msg.pid, f"{why}; start it again to join as a spare")
-            return
-        if (h.pids.get(msg.host), h.tags.get(msg.host, "")) != (msg.pid, msg.tag):
-            self._refuse(conn, msg.pid, f"host {msg.host} was another process")
-            return
-        self.expected.discard(msg.host)
-        h.conns[msg.host] = conn
-        h.by_conn[conn] = msg.host
-        h.heard[msg.host] = now
-        self._welcome(conn, msg.host)
-        self.out.log("host_rejoined", host=msg.host, pid=msg.pid)
-        if not self.expected - {self.old_host}:
-            # everyone but the old leader's own host is back: it gets a moment more (alive,
-            # its coordinator paused, say), not the whole wait (its machine may be gone)
-            self.takeover_deadline = min(self.takeover_deadline, now + OLD_HOST_GRACE_S)
-        if not self.expected:
-            self._resume(now)
-
-    def _resume(self, now: float) -> None:
-        """Every host that will reconnect has (or the wait is over): the others are lost,
-        and the old leader's generation ends like one a failure ended."""
-        assert self.expected is not None
-        missing, self.expected = sorted(self.expected), None
-        self.out.log("takeover_complete", missing=missing)
-        for host in missing:
-            self._host_lost(host, "did not reconnect to the coordinator that took over", now)
-        if self.phase == Phase.RUNNING:  # nothing failed meanwhile: the generation ends
-            self._failure("coordinator", None, [], "the coordinator that led it is gone", now)
-        elif self.phase == Phase.STARTING:
-            self._maybe_start(now)
+        """What a coordinator that takes this one's place needs (``takeover.record``)."""
+        return takeover.record(self)
 
     def _ready(self, host: int, msg: p.Ready, now: float) -> None:
         """Its agent runs and its workers are parked: a member of the first generation,
@@ -764,7 +644,7 @@ class CoordinatorCore:
         if self.phase.state not in (Phase.STARTING, Phase.RECOVERING):
             return
         if self.expected is not None:
-            return  # taking over: the hosts it had come back first (``_resume`` starts)
+            return  # taking over: the hosts it had come back first (``takeover.resume`` starts)
         if self.salvage is not None:
             return  # the newest step is being written before a shrink: ``_salvaged`` starts
         if self.hosts.waiting or self.stopping:
@@ -785,7 +665,7 @@ class CoordinatorCore:
             self._no_spare(now)
             return
         self.waiting_since = None
-        self._start_generation(now)
+        generation.start(self, now)
 
     def _no_spare(self, now: float) -> None:
         nodes = sorted(self.hosts.vacant)
@@ -807,7 +687,7 @@ class CoordinatorCore:
                 return  # the newest step goes to tier 2 first; its commit comes back here
             if resize.shrink(self, nodes):
                 self.waiting_since = None
-                self._start_generation(now)
+                generation.start(self, now)
                 return
         if self.waiting_since is None:
             self.waiting_since = now
@@ -834,147 +714,6 @@ class CoordinatorCore:
     def _bad_commit(self, step: int, why: str) -> None:
         self.out.log("corrupt_part", step=step, tier=2, where="COMMIT", why=why)
         self.persister.forget(step)
-
-    def _start_generation(self, now: float) -> None:
-        if self.resized is not None:
-            self.reports.forget()  # what the memory tiers hold is of the old ranks
-        holdings, plan, plans = self.reports.plan(
-            self.durable_steps, self.hosts.address_of, self._bad_commit
-        )
-        for step, why in plan.skipped:
-            self.out.log("restore_skipped", step=step, reason=why)
-        # with tier 1 or 2 on, a loss before either ever committed a step costs only the
-        # steps since the start: the job starts over rather than stop
-        beyond = self.cfg.persist is not None or (self.cfg.replicas > 0 and self.nodes > 1)
-        protected = self.ever_protected if beyond else self.ever_committed
-        if plan.step is None and (protected or holdings.durable):
-            if self.reshard is None or not resize.nothing_newer(self, self.reshard[0]):
-                raise JobStopped(lost_message(plan, self.cfg.persist))
-            if self.resized is None:  # nothing of this size is left: where it started
-                why = f"no step of world size {self.world_size} is left in any tier"
-                self.out.log("restore_fallback", step=self.reshard[0], tier=2, reason=why)
-                self.out.say(f"going on from tier-2 step {self.reshard[0]} again: {why}")
-        elif plan.step is None and self.ever_committed and self.reshard is None:
-            why = "no tier that outlives a node had committed a step yet"
-            self.out.log("started_over", reason=why, skipped=[s for s, _ in plan.skipped])
-            self.out.say(f"starting the job over from its first step: {why}")
-        self.resized = None
-        self.resharded_from = (
-            self.reshard[0] if plan.step is None and self.reshard is not None else None
-        )
-        self._say_fallback(holdings, plan)
-        self.plan = plan
-        self.generation += 1
-        self.door.generation = self.generation
-        self.phase.move(Phase.RUNNING)
-        self.restored.clear()
-        self.initialized.clear()
-        self.finished.clear()
-        restart = -1 if plan.step is None else plan.step
-        committed = self._reset_commits(holdings, restart)
-        self.persister.cancel(restart, holdings.durable)
-        # parts of later steps will be written anew by this timeline
-        self.reports.restarted(restart)
-        self.deadline = float("inf")
-        self.clock.generation_started(now)
-        for node, conn in sorted(self.hosts.agents().items()):
-            start = self._start_message(node, plans, restart, committed)
-            self.out.add(Send(conn, start, self.generation))
-        self.out.log(
-            "generation_started",
-            generation=self.generation,
-            step=plan.step,
-            members={str(n): h for n, h in sorted(self.hosts.members.items())},
-            spares=list(self.hosts.spares),
-            world_size=self.world_size,
-            stale_dropped=self.door.take_counts(),
-        )
-        self._inject_nodes(self.faults.at_generation(self.generation), now)
-
-    def _reset_commits(self, holdings: Holdings, restart: int) -> tuple[int, int]:
-        """A new generation restored ``restart``: later steps are gone everywhere; each
-        tier's commit is the newest step its holdings still have for every rank."""
-        ws = self.world_size
-        live = set(self.hosts.members)
-        committed = (
-            newest_in_memory(ws, holdings.memory, restart),
-            newest_replicated(ws, holdings.peer, self.targets, live, restart),
-        )
-        self.tiers[0].reset(committed[0], self.hosts.members)
-        self.tiers[1].reset(committed[1], self.protectors & live)
-        self.settled = committed[1]
-        return committed
-
-    def _start_message(
-        self, node: int, plans: dict[int, p.RankPlan], restart: int, committed: tuple[int, int]
-    ) -> p.Start:
-        ranks = self._ranks_of(node)
-        placement = {r: list(self.targets[r]) for r in ranks}
-        peers: dict[int, p.Address] = {}
-        for to in {n for t in placement.values() for n in t}:
-            if (address := self.hosts.address_of(to)) is not None:
-                peers[to] = address
-        return p.Start(
-            node=node,
-            world_size=self.world_size,
-            ranks=ranks,
-            store=self.store,
-            backend=self.cfg.backend,
-            plans={r: plans[r] for r in ranks},
-            inject=self.faults.specs(),
-            restart_step=restart,
-            committed=committed,
-            max_redo=self.cfg.max_redo if self.replicas else 0,
-            placement=placement,
-            protects=self.protects.get(node, []),
-            peers=peers,
-            init=self._init_from() if restart < 0 else None,
-        )
-
-    def _init_from(self) -> p.InitFrom | None:
-        """What a generation with no step of this world size starts from: tier 2's step of
-        another world size, else ``--init-from``, else nothing."""
-        if self.reshard is not None and self.tier2 is not None:
-            step, world_size = self.reshard
-            return p.InitFrom(path=self.tier2.url, step=step, world_size=world_size)
-        path = self.cfg.init_from
-        return None if path is None else p.InitFrom(path=path, step=self.cfg.init_step)
-
-    def _initialized(self, msg: p.Initialized) -> None:
-        """Every rank loaded ``--init-from``: one event and one line, naming what it lacked."""
-        self.initialized[msg.rank] = msg
-        if len(self.initialized) < self.world_size:
-            return
-        got = list(self.initialized.values())
-        missing = sorted({k for m in got for k in m.missing})
-        step, seconds = got[0].step, max(m.seconds for m in got)
-        init = self._init_from()
-        assert init is not None
-        ws = self.world_size
-        if init.world_size is not None:
-            self.out.log("resharded", path=init.path, step=step, world_size=ws,
-                         from_world_size=init.world_size, missing=missing, seconds=seconds,
-                         generation=self.generation, policy=RESHARD_POLICY)  # fmt: skip
-            self.out.say(
-                f"resumed step {step} of world size {init.world_size} at world size {ws} "
-                f"in {seconds:.2f} s: {RESHARD_POLICY}"
-            )
-        else:
-            self.out.log("initialized", path=init.path, step=step, missing=missing,
-                         seconds=seconds, generation=self.generation)  # fmt: skip
-            self.out.say(
-                f"started from {init.path} (step {step}; the job goes on at step "
-                f"{step + 1}) in {seconds:.2f} s"
-            )
-        if missing:
-            self.out.say(f"not in {init.path}, left as built: {listed(missing)}")
-
-    def _say_fallback(self, holdings: Holdings, plan: Plan) -> None:
-        gone = memory_lost(holdings, plan) if plan.step is not None and self.ever_committed else []
-        if gone:
-            why = "no live node holds their snapshots in memory (own node and replicas lost)"
-            self.out.log("restore_fallback", step=plan.step, ranks=gone, tier=2, reason=why)
-            self.out.say(f"ranks {gone} restored from tier 2 at step {plan.step}: {why}")
 
     def _restored(self, msg: p.Restored, now: float) -> None:
         self.restored[msg.rank] = msg

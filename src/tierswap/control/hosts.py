@@ -8,6 +8,9 @@ bookkeeping only; it sends nothing and starts nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from tierswap.control.protocol import Address, Hello
 
 
@@ -37,6 +40,34 @@ class Hosts:
         self.fenced: set[int] = set()
         """Hosts declared lost: never taken back (a coordinator that takes over refuses
         them)."""
+
+    def record(self) -> dict[str, Any]:
+        """Who serves the job, as JSON for a coordinator that takes over (connections and
+        when each host was last heard are not: its hosts reconnect to it)."""
+        return {
+            "members": {str(n): host for n, host in sorted(self.members.items())},
+            "spares": list(self.spares),
+            "vacant": sorted(self.vacant),
+            "waiting": sorted(self.waiting),
+            "pids": {str(k): v for k, v in sorted(self.pids.items())},
+            "tags": {str(k): v for k, v in sorted(self.tags.items())},
+            "replica": {str(k): list(v) for k, v in sorted(self.replica_address.items())},
+            "fenced": sorted(self.fenced),
+            "next_id": self.next_id,
+        }
+
+    def adopt(self, rec: Mapping[str, Any]) -> None:
+        """Take who serves the job from another coordinator's :meth:`record`."""
+        self.members = {int(n): host for n, host in rec["members"].items()}
+        self.node_by_host = {host: n for n, host in self.members.items()}
+        self.spares = list(rec["spares"])
+        self.vacant = set(rec["vacant"])
+        self.waiting = set(rec["waiting"])
+        self.pids = {int(k): v for k, v in rec["pids"].items()}
+        self.tags = {int(k): v for k, v in rec["tags"].items()}
+        self.replica_address = {int(k): (v[0], int(v[1])) for k, v in rec["replica"].items()}
+        self.fenced = set(rec["fenced"])
+        self.next_id = int(rec["next_id"])
 
     def agents(self) -> dict[int, int]:
         """node -> the connection of the host serving it."""
