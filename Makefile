@@ -63,9 +63,17 @@ GPU_PY ?= python3
 GPU_SITE := /tmp/tierswap-gpu-site
 GPU_WHEELS := msgspec==0.22.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 
+# (every third-party module the check and its jobs import, tried first: one that only a
+# job's worker imports, cryptography say, would otherwise fail minutes in)
+GPU_IMPORTS := msgspec, zstandard, cryptography.x509, xxhash, safetensors.torch, psutil, \
+  fsspec, rich, numpy, pytest, pytest_timeout
+
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PY) -m pip install -q --no-index --no-deps \
 	  --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	@PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c 'import $(GPU_IMPORTS); xxhash.xxh3_64' || { \
+	  echo "gpu-check: a package is missing: make gpu-wheels where pip works, carry .whl"; \
+	  exit 2; }
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)/src PYTHONUNBUFFERED=1 $(GPU_PY) -m tierswap.cli bench \
 	  gpu-check --json $${OUT:-.}/gpu-check.json
 

@@ -191,6 +191,7 @@ def test_gpu_check_fails_on_any_section_that_did_not_pass() -> None:
         {"cuda_tests": {"code": 1, "counts": {"failed": 1}}},
         {"snapshot": {"error": "OSError: no room"}},
         {"snapshot": {"skipped": 3}},
+        {"snapshot": {"skipped": 0, "copy_skipped": 1}},
         {"jobs": {"error": "RuntimeError: boom"}},
         {"jobs": {"a": {"bit_exact": False, "differing": ["rank-0: x"]}}},
         {"jobs": {"a": {"error": "exited with code 1"}}},

@@ -82,11 +82,11 @@ def _held(rig: Rig) -> tuple[Layout, memoryview, dict[str, torch.Tensor], str]:
 def test_take_copies_on_a_side_stream_into_a_page_locked_slot(rig: Rig) -> None:
     state = _cuda_state()
     snap = rig.snapshotter
-    assert snap._stream is None
+    assert not snap._streams
 
     rig.take(state)
 
-    assert snap._stream is not None
+    assert list(snap._streams) == [torch.device("cuda", 0)]  # the tensors' own device
     alloc = snap._alloc
     assert alloc is not None and alloc.pinned
     deferred = [e for e in alloc.layout.entries if e.deferred]
@@ -129,14 +129,21 @@ def test_a_step_right_after_take_waits_for_the_copy(rig: Rig) -> None:
         assert torch.equal(tensors[key], t), f"{key}: the slot holds post-step values"
 
 
-def test_nccl_communicator_aborted_and_rebuilt_in_the_same_process() -> None:
+def test_nccl_communicator_aborted_and_rebuilt_in_the_same_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A generation's end on NCCL: the communicator is aborted (not waited on), the
-    group destroyed, and the next generation's group works in the same process."""
+    group destroyed, and the next generation's group works in the same process; under
+    the watchdog setting a worker runs with (abort on an error, keep the process)."""
+    import os
+
     import torch.distributed as dist
     from torch._C._distributed_c10d import HashStore, PrefixStore
 
-    from tierswap.worker import _abort_communicator
+    from tierswap.worker import NCCL_ERRORS, _abort_communicator
 
+    monkeypatch.setenv(*NCCL_ERRORS)
+    assert os.environ[NCCL_ERRORS[0]] == "2"
     store = HashStore()
     for generation in range(2):
         dist.init_process_group(

@@ -248,3 +248,16 @@ def test_rendezvous_is_one_decision_every_rank_follows(server: tuple[StoreServer
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_worker_keeps_its_process_on_an_nccl_error_unless_the_user_chose_otherwise() -> None:
+    """NCCL's watchdog ends the process on an error by default; a worker's groups abort
+    their communicators instead, so that a survivor of a peer's death parks and stays."""
+    from tierswap.worker import nccl_defaults
+
+    env: dict[str, str] = {}
+    nccl_defaults(env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    nccl_defaults(mine)
+    assert mine == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}

@@ -168,7 +168,8 @@ class _Job:
     slot: int
     flat: Flat
     alloc: _Allocation
-    event: Any = None  # a CUDA event, when the copy went on a side stream
+    events: list[Any] = field(default_factory=list)
+    """CUDA events, one per device whose tensors were copied on its side stream."""
 
 
 CHUNK = 1 << 20
@@ -218,7 +219,8 @@ class Snapshotter:
         self._copied.set()
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}
+        """Side stream of each CUDA device the deferred copies come from."""
         self.midway: Callable[[int], None] | None = None
         """Called by the copy thread with the step when half of a snapshot's background
         copy is done (fault injection: a kill during the copy)."""
@@ -255,7 +257,7 @@ class Snapshotter:
             for entry, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
                 if not entry.deferred:
                     dst.copy_(src)
-        job = _Job(step, slot, flat, alloc, self._launch_cuda_copy(alloc, slot, flat))
+        job = _Job(step, slot, flat, alloc, self._launch_cuda_copies(alloc, slot, flat))
         sync = time.monotonic() - t0
         self.stats.record(self.stats.sync_copies, sync)
         self._end_step(sync)
@@ -361,33 +363,39 @@ class Snapshotter:
         self._alloc = _Allocation(reply.alloc, layout, list(reply.segments))
         return self._alloc
 
-    def _launch_cuda_copy(self, alloc: _Allocation, slot: int, flat: Flat) -> Any:
-        """Issue the deferred copies on a side stream when tensors are on a GPU."""
-        cuda = [
-            (src, dst)
-            for e, src, dst in zip(
-                alloc.layout.entries, flat.tensors, alloc.slot_views(slot), strict=True
-            )
-            if e.deferred and src.is_cuda
-        ]
-        if not cuda:
-            return None
+    def _launch_cuda_copies(self, alloc: _Allocation, slot: int, flat: Flat) -> list[Any]:
+        """Issue the deferred copies of GPU tensors, on a side stream of each tensor's own
+        device (a rank's tensors need not be on the current device: gloo ranks on one
+        node set none), each stream waiting for that device's current stream first; one
+        event per device, recorded after its copies."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        views = alloc.slot_views(slot)
+        for e, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
+            if e.deferred and src.is_cuda:
+                by_device.setdefault(src.device, []).append((src, dst))
+        if not by_device:
+            return []
         if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
             buf = alloc.segment(slot).buf
             ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-            err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)  # type: ignore[no-untyped-call]
+            # portable (1): page-locked for every device's context, not only the current one
+            err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 1)  # type: ignore[no-untyped-call]
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of tier-0 slot {slot} failed: error {err}")
             alloc.pinned[slot] = ptr
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for src, dst in cuda:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._stream)
-        return event
+        events = []
+        for device, pairs in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # (also makes ``device`` the current one)
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+            events.append(event)
+        return events
 
     # ---------------------------------------------------------------- copy thread
 
@@ -416,8 +424,8 @@ class Snapshotter:
         half, copied = sum(here) // 2, 0
         if not any(here) and self.midway is not None:  # nothing is copied here: at once
             self.midway(job.step)
-        if job.event is not None:
-            job.event.synchronize()
+        for event in job.events:  # the GPUs' copies into the slot are in
+            event.synchronize()
         last = max((i for i, m in enumerate(here) if m), default=-1)
         if last < 0:  # the GPU copied it all (or there was nothing to defer): state is free
             self._copied.set()

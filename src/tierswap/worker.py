@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -155,7 +155,22 @@ def _abort_communicator() -> None:
         print(f"[tierswap] aborting the communicator failed: {e}", file=sys.stderr)
 
 
+NCCL_ERRORS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+"""What NCCL's watchdog does on an error it sees first (a dead peer's connection, a
+timed-out collective): abort the communicators and let the collectives fail (2), so
+that the worker parks and stays for the next generation. torch's default (3) ends the
+process, which would turn every survivor of a node loss into a replacement to start.
+A value the user set is kept."""
+
+
+def nccl_defaults(environ: MutableMapping[str, str]) -> None:
+    """Set what a worker's NCCL groups need unless the user chose otherwise (torch reads
+    it when a group is made)."""
+    environ.setdefault(*NCCL_ERRORS)
+
+
 def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
+    nccl_defaults(os.environ)
     pinned = pin_worker()  # --worker-cpus (by default every CPU but --agent-cpus)
     secret = bytes.fromhex(env["TIERSWAP_KEY"])
     _warm_up()  # before attaching: a worker counts as parked once it is ready to run

@@ -7,8 +7,9 @@ in one script that ends within 8 minutes and prints its table last.
    rebuild in one process).
 3. ``snapshot``: a GPT of a few hundred million parameters (fp32 weights and AdamW state,
    bf16 autocast), a snapshot every step against none in interleaved A/B blocks: step
-   time, the trainer's stall per step, and the device-to-host copy's throughput against a
-   plain copy into pinned memory of the same bytes. Sized to what ``/dev/shm`` holds.
+   time, the trainer's stall per step, and the device-to-host copy's throughput (from
+   ``take`` until the state is free, the GPU otherwise idle) against a plain copy into
+   pinned memory of the same bytes. Sized to what ``/dev/shm`` holds.
 4. ``jobs``: real ``tierswap run`` jobs of the example GPT on CUDA tensors (deterministic
    kernels), two ranks sharing the GPU over gloo, through a worker kill and a node kill
    with a spare, and one NCCL rank through a worker kill (its replacement process builds
@@ -17,16 +18,19 @@ in one script that ends within 8 minutes and prints its table last.
    the same process is ``tests/test_cuda.py``'s.)
 
 The tests and the jobs run under deadlines (a job past its own is killed, every host it
-started with it); the snapshot section is bounded by its size and pairs. Each section
-records its error instead of stopping the rest, and any error, skip, failed test,
-difference or skipped snapshot makes the exit code 1. The JSON goes to ``--json``
-(default ``gpu-check.json`` in the current folder).
+started with it; the jobs get what is left of ``TOTAL_S``); the snapshot section is
+bounded by its size and pairs, and a watchdog dumps every thread's stack and exits past
+``WATCHDOG_S``. Each section records its error instead of stopping the rest, and any
+error, skip, failed test, difference or skipped snapshot makes the exit code 1. The JSON
+goes to ``--json`` (default ``gpu-check.json`` in the current folder), rewritten after
+each section, so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import shutil
@@ -44,7 +48,14 @@ from tierswap.bench.common import run_bounded
 TESTS = Path(__file__).resolve().parents[3] / "tests" / "test_cuda.py"
 """The CUDA tests, beside the package in a checkout (absent from an installed wheel)."""
 SECTION_S = {"cuda_tests": 150.0, "snapshot": 150.0, "jobs": 150.0}
-"""Each section's deadline: together under 8 minutes with the imports and starts."""
+"""Each section's expected bound (the tests' is their deadline)."""
+TOTAL_S = 420.0
+"""The run's budget from its start: the jobs get what the sections before them left."""
+WATCHDOG_S = 460.0
+"""Past this (a hang outside the deadlines), every thread's stack is dumped and the
+process exits: under the 8 minutes promised, with the JSON of the sections done."""
+COPY_ROUNDS = 5
+"""Timed snapshots of the copy alone (``take`` to the fence, the GPU otherwise idle)."""
 
 
 def _gib(n: float) -> str:
@@ -185,6 +196,24 @@ def _pinned_copy(loop: _GPTLoop) -> dict[str, Any]:
             "gbps": nbytes / sorted(times[1:])[len(times[1:]) // 2] / 1e9}  # fmt: skip
 
 
+def _copy_alone(loop: _GPTLoop, rig: Any, rounds: int) -> list[float]:
+    """Seconds from ``take`` until the state is free again (the fence: the device-to-host
+    copy done), each round with nothing else in flight: the compute stream idle, the
+    previous snapshot checksummed and reported. (The copy thread's own times also hold
+    the wait for the step's last kernels and the checksum of every byte.)"""
+    state = {"model": loop.model, "optim": loop.opt}
+    times = []
+    for _ in range(rounds):
+        rig.sync()
+        loop._sync()
+        t0 = time.monotonic()
+        rig.take(state, required=False)
+        rig.snapshotter.fence()
+        times.append(time.monotonic() - t0)
+    rig.sync()
+    return times
+
+
 def snapshot(
     shm_free: int,
     pairs: int,
@@ -193,6 +222,7 @@ def snapshot(
     want_params: int = 300_000_000,
     batch: int = 8,
 ) -> dict[str, Any]:
+    from tierswap.bench.common import stats
     from tierswap.bench.rig import NSLOTS, Rig
     from tierswap.bench.steps import step_overhead
 
@@ -207,9 +237,16 @@ def snapshot(
             out["ab"] = step_overhead(loop, rig, pairs)
             st = rig.snapshotter.stats
             copies = st.copy_times[1:] or st.copy_times
-            if copies:
-                out["copy_gbps"] = out["state_bytes"] / sorted(copies)[len(copies) // 2] / 1e9
-            out["skipped"] = st.skipped
+            if copies:  # the copy thread's: the step's tail, the copy and the checksum
+                median = sorted(copies)[len(copies) // 2]
+                out["copy_and_checksum_gbps"] = out["state_bytes"] / median / 1e9
+            out["skipped"] = st.skipped  # in the A/B blocks
+            alone = _copy_alone(loop, rig, COPY_ROUNDS)
+            if st.skipped > out["skipped"]:  # a timed take had no slot: no figure
+                out["copy_skipped"] = st.skipped - out["skipped"]
+            else:
+                out["copy_s"] = stats(alone)
+                out["copy_gbps"] = out["state_bytes"] / out["copy_s"]["median"] / 1e9
         finally:
             rig.close()
     if device == "cuda":
@@ -271,7 +308,12 @@ def jobs(deadline_s: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- the run and its table
 
 
-def _guarded(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+def _guarded(
+    results: dict[str, Any],
+    name: str,
+    fn: Callable[[], dict[str, Any]],
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
     t0 = time.monotonic()
     try:
         results[name] = fn()
@@ -279,19 +321,26 @@ def _guarded(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
         results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
     results[name]["section_s"] = time.monotonic() - t0
     print(f"[gpu-check] {name}: {time.monotonic() - t0:.1f} s", flush=True)
+    if save is not None:
+        save(results)
 
 
-def run(pairs: int = 6) -> dict[str, Any]:
+def run(pairs: int = 6, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every section in turn; ``save`` is given the results after each one."""
     import torch
 
+    start = time.monotonic()
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    _guarded(results, "env", environment)
+    _guarded(results, "env", environment, save)
     if not torch.cuda.is_available():
         return results
-    _guarded(results, "cuda_tests", lambda: cuda_tests(SECTION_S["cuda_tests"]))
+    _guarded(results, "cuda_tests", lambda: cuda_tests(SECTION_S["cuda_tests"]), save)
     shm_free = int(results["env"].get("dev_shm", {}).get("free", 0))
-    _guarded(results, "snapshot", lambda: snapshot(shm_free, pairs))
-    _guarded(results, "jobs", lambda: jobs(SECTION_S["jobs"]))
+    _guarded(results, "snapshot", lambda: snapshot(shm_free, pairs), save)
+    with contextlib.suppress(RuntimeError):  # (a CUDA error here is the section's, above)
+        torch.cuda.empty_cache()  # the GPT's memory, before the jobs' processes start
+    left = TOTAL_S - (time.monotonic() - start)
+    _guarded(results, "jobs", lambda: jobs(left), save)
     return results
 
 
@@ -343,7 +392,8 @@ def _snapshot_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("snapshots skipped", f"{s['skipped']}: the A/B figures understate the cost"))
     copy, plain = s.get("copy_gbps"), s.get("pinned_copy", {}).get("gbps")
     if copy is not None and plain:
-        ratio = f"{copy:.1f} GB/s, a plain pinned copy {plain:.1f} GB/s ({copy / plain:.2f}x)"
+        ratio = f"{copy:.1f} GB/s take to fence, a plain pinned copy {plain:.1f} GB/s"
+        ratio += f" ({copy / plain:.2f}x)"
         rows.append(("device-to-host copy", ratio))
     return rows
 
@@ -363,6 +413,8 @@ def failures(res: dict[str, Any]) -> list[str]:
             out.append(f"{name}: {j.get('error') or j.get('differing')}")
     if res.get("snapshot", {}).get("skipped"):
         out.append(f"snapshot: {res['snapshot']['skipped']} snapshots skipped (no free slot)")
+    if res.get("snapshot", {}).get("copy_skipped"):
+        out.append(f"snapshot: {res['snapshot']['copy_skipped']} timed copies had no free slot")
     return out
 
 
@@ -372,9 +424,17 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("gpu-check needs a CUDA device: torch sees none here", file=sys.stderr)
         return 2
-    res = run(pairs=max(2, args.repeats))
     path = Path(args.json or "gpu-check.json")
-    path.write_text(json.dumps(res, indent=1, default=str))
+
+    def save(res: dict[str, Any]) -> None:
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)  # a hang: its stacks, then out
+    try:
+        res = run(pairs=max(2, args.repeats), save=save)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    save(res)
     print(f"[gpu-check] figures in {path}")
     print(table(res))
     bad = failures(res)
