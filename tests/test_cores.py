@@ -551,6 +551,33 @@ def test_a_replica_arriving_after_the_node_reported_its_holdings_leaves_them_as_
     assert send(3, 1), "the next generation takes replicas again"
 
 
+def test_parked_workers_are_told_what_to_hold_ready_for_a_restore() -> None:
+    """A restore reads into memory a parked worker made ahead: the node's spare worker is
+    told the largest rank state once the node knows it, a survivor when it parks, and
+    with --no-warm-spares nobody."""
+
+    def reserves(out: list[Any]) -> list[tuple[int, int]]:
+        return [(c.conn, c.msg.nbytes) for c in out if isinstance(c, Tell)
+                and isinstance(c.msg, p.Reserve)]  # fmt: skip
+
+    a = Agent(nproc=1, spare_workers=1)
+    a.start(0)
+    assert not reserves(a.out), "no rank's size is known yet"
+    (assigned,) = [w for w in a.core.workers.procs.values() if w.rank == 0]
+    (spare,) = [w for w in a.core.workers.procs.values() if w.rank is None]
+    out = a.worker(1, p.Alloc(rank=0, layout=LAYOUT))
+    assert reserves(out) == [(spare.ctl, LAYOUT.nbytes)]
+    a.coordinator(p.Stop(), 0)
+    assert assigned.ctl is not None
+    out = a.worker(assigned.ctl, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
+    assert reserves(out) == [(assigned.ctl, LAYOUT.nbytes)]
+
+    cold = Agent(nproc=1, spare_workers=1, warm_spares=False)
+    cold.start(0)
+    cold.worker(1, p.Alloc(rank=0, layout=LAYOUT))
+    assert not reserves(cold.out)
+
+
 def test_the_agent_makes_a_rings_first_slot_at_once_and_the_others_off_its_loop() -> None:
     """A layout's first slot is made in the loop (the first snapshot needs it), the others
     by its shell (``MakeSegment``); a step that finds no free slot only because they are

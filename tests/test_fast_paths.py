@@ -4,6 +4,7 @@ must keep: the bits, the checksums, and the memory it is given back."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -238,6 +239,87 @@ def test_a_tier0_fetch_loads_the_slot_bit_for_bit_and_refuses_a_corrupt_one() ->
             fetch(p.PlanReply(step=7, source=source), 0, b"", "", {})
     finally:
         seg.unlink()
+
+
+def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit() -> None:
+    """With memory a parked worker made ahead, a tier-0 restore reads the slot into it,
+    hashing as it reads, and the state keeps that memory (adopted, no second copy): the
+    same bits, the agent's slot never aliased, a flipped byte refused, and a reserve too
+    small for the step left alone (the slot is mapped as without one)."""
+    from tierswap.checksum import checksum_chunks
+    from tierswap.control import protocol as p
+    from tierswap.errors import CorruptPartError
+    from tierswap.fetch import fetch
+    from tierswap.reserve import Reserve
+    from tierswap.shm import Segment
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    tree, layout, buf, _ = _snap({"model": model, "optim": opt})
+    name = f"{PREFIX}reservetest"
+    seg = Segment.create(name, layout.nbytes)
+    reserve = Reserve()
+    try:
+        seg.buf[:] = buf
+        source = p.FromSlot(segment=name, layout=layout, tree=tree,
+                            checksum=checksum_chunks(layout.chunks(memoryview(buf))))  # fmt: skip
+        plan = p.PlanReply(step=7, source=source)
+        reserve.want(layout.nbytes + 4096)  # the largest rank of the node: this one or more
+        timeline: dict[str, float] = {}
+        got = fetch(plan, 0, b"", "", timeline, reserve)
+        assert got.private and got.segment is None and set(timeline) == {"fetch", "verify"}
+        assert reserve.held() == 0, "taken: the state owns it now"
+        model2 = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+        load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
+             adopt=got.private)  # fmt: skip
+        got.release()
+        seg.buf[:] = bytes(layout.nbytes)  # the agent reuses the slot
+        for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        for pa, pb in zip(model.parameters(), model2.parameters(), strict=True):
+            for k, v in opt.state[pa].items():
+                assert torch.equal(v, opt2.state[pb][k]), k
+        seg.buf[:] = buf
+        seg.buf[layout.entries[1].offset] ^= 0xFF
+        reserve.want(layout.nbytes)
+        with pytest.raises(CorruptPartError, match="tier-0 memory"):
+            fetch(plan, 0, b"", "", {}, reserve)
+        reserve.want(layout.nbytes // 2)
+        deadline = time.monotonic() + 10
+        while reserve.held() != layout.nbytes // 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seg.buf[:] = buf
+        small = fetch(plan, 0, b"", "", {}, reserve)
+        assert not small.private and reserve.held() == layout.nbytes // 2, "too small: kept"
+        small.release()
+    finally:
+        reserve.close()
+        seg.unlink()
+
+
+def test_a_reserve_is_made_once_handed_out_once_and_remade_at_a_new_size() -> None:
+    from tierswap.reserve import Reserve
+
+    made: list[int] = []
+
+    def make(n: int) -> memoryview:
+        made.append(n)
+        return memoryview(bytearray(n))
+
+    r = Reserve(make)
+    r.want(1000)
+    assert r.take(1000) is not None and made == [1000]
+    assert r.take(1000) is None, "handed out once"
+    r.want(1000)
+    assert r.take(2000) is None and r.held() == 1000, "too small for this one: kept"
+    r.want(500)  # the node's ranks shrank: the held block goes, a new one is made
+    assert r.take(500) is not None and made == [1000, 1000, 500]
+    r.want(0)
+    assert r.take(1) is None and r.held() == 0
 
 
 def test_a_prefetch_hands_over_its_value_or_raises_its_error_in_the_caller() -> None:

@@ -98,7 +98,9 @@ class Config:
     warm_spares: bool = True
     """Parked spare hosts make the shared memory a node's snapshots take (its tier-0
     slots and tier-1 rings, as the members report them) while they wait, so that taking
-    over a node allocates none; off leaves that memory free until a spare takes a node."""
+    over a node allocates none; parked workers (spare workers, a spare host's, survivors
+    between generations) make the private memory a restore of a rank reads into and keeps
+    (one rank's state each, on a CPU). Off leaves that memory free until it is needed."""
     interrupt_steps: bool = True
     """A survivor's step is cut short as soon as its generation ends (``GenerationEnded``
     raised in the training loop's own code, never inside tierswap's calls), instead of

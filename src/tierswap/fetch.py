@@ -4,13 +4,16 @@ verified before the state they go into exists.
 A worker asks for its plan and fetches as soon as it has joined its generation, on a
 thread, while ``train(job)`` builds and wraps its model (the longest part of re-entering
 a generation on a CPU); ``Job.steps`` then only loads what arrived. Views handed out point
-into a tier-0 slot (mapped, not copied: the load copies from it) or into private memory,
-faulted in ahead, that a replica or a tier-2 part was read into: that memory the restore
-keeps as the state's own (``load(adopt=True)``), with no copy at all.
+into private memory, faulted in ahead, that a tier-0 slot, a replica or a tier-2 part was
+read into: that memory the restore keeps as the state's own (``load(adopt=True)``), with
+no copy at all. A parked worker makes that memory while it waits (``reserve.py``); without
+it, a tier-0 slot is mapped instead (not copied: the load copies from it), since memory
+made now costs the restore as much as a copy into the state's own.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,13 +23,17 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from tierswap.affinity import helper_cpus, pin_thread
-from tierswap.checksum import checksum_chunks
+from tierswap.checksum import checksum_chunks, hasher
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
-from tierswap.shm import Segment
+from tierswap.reserve import Reserve
+from tierswap.shm import SHM_DIR, Segment, populated
 from tierswap.state import tensor_view
 from tierswap.tiers import durable, peer
+
+CHUNK = 1 << 20
+"""Bytes of a tier-0 slot read before they are hashed, while they are in cache."""
 
 T = TypeVar("T")
 
@@ -59,19 +66,63 @@ class Fetched:
             self.segment = None
 
 
+def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
+    """Read a tier-0 slot's tensors into ``buf`` at their offsets, each chunk hashed as
+    soon as it is in (one pass over the bytes); their checksum."""
+    path = SHM_DIR / name
+    digest = hasher()
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size < layout.nbytes:
+            raise CorruptPartError(
+                str(path), f"tier-0 memory holds less than {layout.nbytes:,} bytes"
+            )
+        for e in layout.entries:
+            for start in range(e.offset, e.offset + e.nbytes, CHUNK):
+                chunk = buf[start : min(start + CHUNK, e.offset + e.nbytes)]
+                done = 0
+                while done < len(chunk):
+                    n = os.preadv(f.fileno(), [chunk[done:]], start + done)
+                    if n <= 0:
+                        raise CorruptPartError(str(path), "tier-0 memory ended early")
+                    done += n
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def fetch(
     plan: p.PlanReply,
     rank: int,
     secret: bytes,
     tls: str,
     timeline: dict[str, float],
+    reserve: Reserve | None = None,
 ) -> Fetched:
     """The bytes of ``plan``'s step for ``rank``, checked against their checksum;
-    ``timeline`` gets the seconds of ``fetch`` and ``verify``."""
+    ``timeline`` gets the seconds of ``fetch`` and ``verify`` (with memory from
+    ``reserve``, a tier-0 slot is read and hashed in one pass: all of it ``fetch``)."""
     out = Fetched(plan)
     step, source = plan.step, plan.source
     t = time.monotonic()
+
+    def room(nbytes: int) -> memoryview:
+        ready = None if reserve is None else reserve.take(nbytes)
+        return ready if ready is not None else populated(nbytes)
+
+    ready = None
+    if isinstance(source, p.FromSlot) and reserve is not None:
+        ready = reserve.take(source.layout.nbytes)
     match source:
+        case p.FromSlot() if ready is not None:
+            buf = ready
+            layout = source.layout
+            layout.check()
+            if read_slot(source.segment, layout, buf) != source.checksum:
+                raise CorruptPartError(
+                    str(SHM_DIR / source.segment), "checksum mismatch in tier-0 memory"
+                )
+            timeline.update(fetch=time.monotonic() - t, verify=0.0)
+            out.layout, out.tree, out.what = layout, source.tree, f"tier-0 step {step}"
+            out.views = [tensor_view(buf, e) for e in layout.entries]
         case p.FromSlot():
             layout = source.layout
             layout.check()
@@ -85,7 +136,9 @@ def fetch(
             out.views = [tensor_view(seg.buf, e) for e in layout.entries]
         case p.FromPeer():
             assert step is not None
-            layout, tree, buf = peer.fetch(source.address, secret, rank, step, tls, timeline)
+            layout, tree, buf = peer.fetch(
+                source.address, secret, rank, step, tls, timeline, room=room
+            )
             out.layout, out.tree = layout, tree
             out.what = f"node {source.node}'s replica of step {step}"
             out.views = [tensor_view(memoryview(buf), e) for e in layout.entries]

@@ -20,6 +20,7 @@ from tierswap.errors import GenerationEnded
 from tierswap.faults import Injection
 from tierswap.fetch import Fetched, Prefetch, fetch
 from tierswap.interrupt import in_own_call, own_call
+from tierswap.reserve import Reserve
 from tierswap.state import load
 from tierswap.wire import Channel
 
@@ -47,6 +48,7 @@ class Job:
         tier1: snapshot.Watermark | None = None,
         max_redo: int = 0,
         interrupt_steps: bool = False,
+        reserve: Reserve | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -66,6 +68,8 @@ class Job:
         self._prefetch: Prefetch[Fetched] | None = None
         self._tier1 = tier1
         self._max_redo = max_redo
+        self._reserve = reserve
+        """Memory the worker made ahead for a restore to read into (``reserve.py``)."""
         self._interrupt_steps = interrupt_steps
         """``--interrupt-steps``: a generation's end may cut the loop's step short."""
         self.interruptible = False
@@ -257,10 +261,14 @@ class Job:
         for fault in self._faults:
             if fault.during == "restore" and fault.gen == self.generation:
                 self._fire(fault)
-        if plan.step is None or plan.source is None:
-            return Fetched(plan)
-        self.plan_step, self.plan_tier = plan.step, plan.tier
-        return fetch(plan, self.rank, self._secret, self._tls, self.timeline)
+        try:
+            if plan.step is None or plan.source is None:
+                return Fetched(plan)
+            self.plan_step, self.plan_tier = plan.step, plan.tier
+            return fetch(plan, self.rank, self._secret, self._tls, self.timeline, self._reserve)
+        finally:
+            if self._reserve is not None:  # a restore that did not take it: not held on
+                self._reserve.want(0)  # while training (the agent asks again at a park)
 
     def _restore(self, state: MutableMapping[str, Any]) -> int:
         if self._chan is None:

@@ -34,6 +34,7 @@ from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
 from tierswap.interrupt import SIGNAL
 from tierswap.job import Job
+from tierswap.reserve import Reserve
 from tierswap.snapshot import Watermark
 from tierswap.store import StoreClient
 from tierswap.wire import Channel
@@ -96,6 +97,8 @@ class Control:
         self.tier1: dict[int, Watermark] = {}
         """generation -> how far tier 1 got (the optimizer step waits on it)."""
         self._lock = threading.Lock()
+        self.reserve = None if torch.cuda.is_available() else Reserve()
+        """Memory faulted in ahead for the next restore (a GPU's state is not adopted)."""
         self.chan.send(p.Attach(local=local, incarnation=incarnation, pid=os.getpid()))
         threading.Thread(target=self._read, name="tierswap-control", daemon=True).start()
         threading.Thread(
@@ -122,6 +125,8 @@ class Control:
                         self.assignments.put((env.gen, env.msg))
                     case p.Settled(step=step):
                         self.watermark(env.gen).advance(step)
+                    case p.Reserve(nbytes=nbytes) if self.reserve is not None:
+                        self.reserve.want(nbytes)
                     case p.Abort():
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
@@ -215,6 +220,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             tier1=control.watermark(generation),
             max_redo=a.max_redo,
             interrupt_steps=interrupt,
+            reserve=control.reserve,
         )
         os.environ.update(torchrun_env(a))
         t0 = time.monotonic()

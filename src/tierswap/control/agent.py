@@ -320,6 +320,7 @@ class AgentCore:
             case p.Warm(segments=sizes) if self.node is None:
                 self.warm = bool(sizes)
                 self.out.append(WarmSegments(tuple(sizes)))
+                self._reserve(tuple(sizes))
             case p.Warm():
                 pass  # a member already: it made its own
             case p.Exit(code=code):
@@ -523,6 +524,8 @@ class AgentCore:
             return  # a worker parks once per generation it was given
         leaving = w.state is WorkerState.LEAVING
         w.move(WorkerState.PARKED)
+        if self.workers.reserve_bytes:  # its state is gone: memory for the next restore
+            self.workers.tell_reserve(w)
         if not leaving and msg.generation == self.generation:
             # it left on its own: a collective failed under it, or its source is bad
             self._tell(p.Left(rank=msg.rank, reason=msg.reason, why=msg.why))
@@ -540,6 +543,15 @@ class AgentCore:
         sizes = [msg.layout.nbytes] * len(alloc.names)
         self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes(), segments=sizes))
         self._reply(conn, p.Allocated(alloc=alloc.id, segments=list(alloc.names)))
+        self._reserve()
+
+    def _reserve(self, sizes: tuple[int, ...] = ()) -> None:
+        """What parked workers hold ready for a restore: the largest state of this node's
+        ranks (or, on a spare host, of the segments a node holds, ``sizes``)."""
+        if not self.cfg.warm_spares:
+            return
+        ranks = [r.alloc.layout.nbytes for _, r in self.rings.items() if r.alloc is not None]
+        self.workers.reserve(max((*ranks, *sizes), default=0))
 
     def _slot(self, conn: int, msg: p.SlotRequest) -> None:
         if self.phase != AgentPhase.SERVING:

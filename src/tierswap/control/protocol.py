@@ -348,6 +348,15 @@ class Settled(Message, frozen=True, kw_only=True, tag="settled"):
     step: int
 
 
+class Reserve(Message, frozen=True, kw_only=True, tag="reserve"):
+    """To a parked worker: fault in ``nbytes`` of private memory ahead, the largest state
+    of a rank it may be given, so that a restore reads into memory that is ready and
+    the restored state keeps it (0: hold none)."""
+
+    scoped = False
+    nbytes: int
+
+
 class Abort(Message, frozen=True, kw_only=True, tag="abort"):
     """The generation ends: leave ``train(job)`` and park."""
 
@@ -824,7 +833,9 @@ WorkerToAgent = (
     | Parked
     | Beat
 )
-AgentToWorker = Ack | Error | Allocated | SlotGranted | PlanReply | Assign | Settled | Abort | Exit
+AgentToWorker = (
+    Ack | Error | Allocated | SlotGranted | PlanReply | Assign | Settled | Reserve | Abort | Exit
+)
 AgentToCoordinator = (
     Hello
     | Ready

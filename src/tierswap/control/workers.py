@@ -93,6 +93,8 @@ class WorkerTable:
         if that needs them."""
         self.stepped: set[int] = set()
         """Ranks that completed their first step of this generation."""
+        self.reserve_bytes = 0
+        """What a parked worker faults in ahead for a restore (``p.Reserve``)."""
 
     def take(self) -> list[WorkerCommand]:
         out, self.out = self.out, []
@@ -176,6 +178,20 @@ class WorkerTable:
         msg = p.Assign(rank=w.rank, local_rank=self.local_ranks[w.rank], **self.assignment)
         self.out.append(Tell(w.ctl, msg, self.generation))
 
+    def reserve(self, nbytes: int) -> None:
+        """Parked workers hold ``nbytes`` ready for a restore from now on: tell those
+        parked now, and each one as it parks."""
+        if nbytes == self.reserve_bytes:
+            return
+        self.reserve_bytes = nbytes
+        for w in self.procs.values():
+            self.tell_reserve(w)
+
+    def tell_reserve(self, w: Worker) -> None:
+        """A worker that is parked (and stays so) is told what to hold ready."""
+        if w.state is WorkerState.PARKED and w.ctl is not None:
+            self.out.append(Tell(w.ctl, p.Reserve(nbytes=self.reserve_bytes), self.generation))
+
     def settled(self, step: int) -> None:
         """Tier 1 is done with ``step`` (``--max-redo``): tell the assigned workers, and
         the ones assigned later through their assignment."""
@@ -200,6 +216,8 @@ class WorkerTable:
         w.ctl, w.pid, w.seen = conn, pid, now
         w.move(WorkerState.PARKED)
         self.assign(w)
+        if self.reserve_bytes:
+            self.tell_reserve(w)
         if self.all_attached or any(x.ctl is None for x in self.procs.values()):
             return False
         self.all_attached = True

@@ -296,9 +296,11 @@ def fetch(
     step: int,
     tls: str = "off",
     timeline: dict[str, float] | None = None,
+    room: Callable[[int], memoryview] = populated,
 ) -> tuple[Layout, dict[str, Any], memoryview]:
-    """A worker pulls its replica of ``step`` from a peer; the checksum is verified.
-    ``timeline`` gets the seconds of ``fetch`` and ``verify``."""
+    """A worker pulls its replica of ``step`` from a peer into memory ``room`` gives it
+    (at least the replica's bytes, faulted in); the checksum is verified. ``timeline``
+    gets the seconds of ``fetch`` and ``verify``."""
     t0 = time.monotonic()
     where = f"tier-1 replica of rank {rank} step {step} at {address}"
     try:
@@ -312,8 +314,8 @@ def fetch(
         assert isinstance(reply, p.Serving)
         layout = reply.layout
         layout.check()
-        buf = populated(layout.nbytes)
-        chan.recv_raw_into(buf)
+        buf = room(layout.nbytes)
+        chan.recv_raw_into(buf[: layout.nbytes])
     except (OSError, EOFError, TimeoutError, RuntimeError, ValueError) as e:
         raise CorruptPartError(where, f"transfer failed: {type(e).__name__}: {e}") from e
     finally:
