@@ -3,10 +3,14 @@ must keep: the bits, the checksums, and the memory it is given back."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from torch import nn
@@ -197,108 +201,120 @@ def test_an_optimizer_of_its_own_kind_still_gets_its_state_made_first(monkeypatc
     assert made, "a subclass may keep state of other shapes: the zero step made it"
 
 
-def test_a_tier0_fetch_loads_the_slot_bit_for_bit_and_refuses_a_corrupt_one() -> None:
-    """A worker restoring from its node's tier 0 maps the slot and copies from it: the same
-    bits, the agent's slot never aliased (zeroing it after the load changes nothing), and
-    a flipped byte refused before anything loads."""
-    from tierswap.checksum import checksum_chunks
-    from tierswap.control import protocol as p
-    from tierswap.errors import CorruptPartError
-    from tierswap.fetch import fetch
-    from tierswap.shm import Segment
-
-    torch.manual_seed(3)
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))  # 720 KiB with AdamW's moments
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 300)).sum().backward()
-    opt.step()
+    if seed:
+        model(torch.randn(4, 300)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def tier0_slot() -> Iterator[tuple[nn.Module, torch.optim.Optimizer, Any, bytearray, Any]]:
+    """A trained model's step in a tier-0 slot, as its agent holds it: (model, optimizer,
+    the slot's segment, the step's bytes, the plan that restores it)."""
+    from tierswap.checksum import checksum_chunks
+    from tierswap.control import protocol as p
+    from tierswap.shm import Segment
+
+    model, opt = _trained(3)
     tree, layout, buf, _ = _snap({"model": model, "optim": opt})
-    name = f"{PREFIX}fetchtest"
+    name = f"{PREFIX}fetchtest-{os.getpid()}"
     seg = Segment.create(name, layout.nbytes)
     try:
         seg.buf[:] = buf
         source = p.FromSlot(segment=name, layout=layout, tree=tree,
                             checksum=checksum_chunks(layout.chunks(memoryview(buf))))  # fmt: skip
-        timeline: dict[str, float] = {}
-        got = fetch(p.PlanReply(step=7, source=source), 0, b"", "", timeline)
-        assert got.private is False and set(timeline) == {"fetch", "verify"}
-        model2 = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-        load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
-             adopt=got.private)  # fmt: skip
-        got.release()
-        seg.buf[:] = bytes(layout.nbytes)  # the agent reuses the slot
-        for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
-            assert torch.equal(a, b)
-        for pa, pb in zip(model.parameters(), model2.parameters(), strict=True):
-            for k, v in opt.state[pa].items():
-                assert torch.equal(v, opt2.state[pb][k]), k
-        seg.buf[:] = buf
-        seg.buf[layout.entries[1].offset] ^= 0xFF
-        with pytest.raises(CorruptPartError, match="tier-0 memory"):
-            fetch(p.PlanReply(step=7, source=source), 0, b"", "", {})
+        yield model, opt, seg, buf, p.PlanReply(step=7, source=source)
     finally:
         seg.unlink()
 
 
-def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit() -> None:
+def _restored_equal(model: nn.Module, opt: torch.optim.Optimizer, got: Any) -> nn.Module:
+    """Load ``got`` into a fresh model and optimizer and check every bit against the
+    originals; the fresh model (whose tensors may be ``got``'s memory)."""
+    model2, opt2 = _trained(0)
+    load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
+         adopt=got.private)  # fmt: skip
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for pa, pb in zip(model.parameters(), model2.parameters(), strict=True):
+        for k, v in opt.state[pa].items():
+            assert torch.equal(v, opt2.state[pb][k]), k
+    return model2
+
+
+def test_a_tier0_fetch_loads_the_slot_bit_for_bit_and_refuses_a_corrupt_one(tier0_slot) -> None:
+    """A worker restoring from its node's tier 0 maps the slot and copies from it: the same
+    bits, the agent's slot never aliased (zeroing it after the load changes nothing), and
+    a flipped byte refused before anything loads."""
+    from tierswap.errors import CorruptPartError
+    from tierswap.fetch import fetch
+
+    model, opt, seg, buf, plan = tier0_slot
+    timeline: dict[str, float] = {}
+    got = fetch(plan, 0, b"", "", timeline)
+    assert got.private is False and set(timeline) == {"fetch", "verify"}
+    model2 = _restored_equal(model, opt, got)
+    got.release()
+    seg.buf[:] = bytes(len(buf))  # the agent reuses the slot
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    seg.buf[:] = buf
+    seg.buf[plan.source.layout.entries[1].offset] ^= 0xFF
+    with pytest.raises(CorruptPartError, match="tier-0 memory"):
+        fetch(plan, 0, b"", "", {})
+
+
+def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit(tier0_slot) -> None:
     """With memory a parked worker made ahead, a tier-0 restore reads the slot into it,
     hashing as it reads, and the state keeps that memory (adopted, no second copy): the
-    same bits, the agent's slot never aliased, a flipped byte refused, and a reserve too
-    small for the step left alone (the slot is mapped as without one)."""
-    from tierswap.checksum import checksum_chunks
-    from tierswap.control import protocol as p
+    same bits, the agent's slot never aliased, a flipped byte refused, a slot gone with its
+    agent named as a lost part, and a reserve too small for the step left alone (the slot
+    is mapped as without one)."""
     from tierswap.errors import CorruptPartError
     from tierswap.fetch import fetch
     from tierswap.reserve import Reserve
-    from tierswap.shm import Segment
 
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 300)).sum().backward()
-    opt.step()
-    tree, layout, buf, _ = _snap({"model": model, "optim": opt})
-    name = f"{PREFIX}reservetest"
-    seg = Segment.create(name, layout.nbytes)
+    model, opt, seg, buf, plan = tier0_slot
+    nbytes = plan.source.layout.nbytes
     reserve = Reserve()
     try:
-        seg.buf[:] = buf
-        source = p.FromSlot(segment=name, layout=layout, tree=tree,
-                            checksum=checksum_chunks(layout.chunks(memoryview(buf))))  # fmt: skip
-        plan = p.PlanReply(step=7, source=source)
-        reserve.want(layout.nbytes + 4096)  # the largest rank of the node: this one or more
+        reserve.want(nbytes + 4096)  # the largest rank of the node: this one or more
         timeline: dict[str, float] = {}
         got = fetch(plan, 0, b"", "", timeline, reserve)
         assert got.private and got.segment is None and set(timeline) == {"fetch", "verify"}
         assert reserve.held() == 0, "taken: the state owns it now"
-        model2 = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 5))
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-        load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
-             adopt=got.private)  # fmt: skip
+        model2 = _restored_equal(model, opt, got)
+        reserved = {v.data_ptr() for v in got.views}
         got.release()
-        seg.buf[:] = bytes(layout.nbytes)  # the agent reuses the slot
+        assert {q.data_ptr() for q in model2.parameters()} <= reserved, "adopted, not copied"
+        seg.buf[:] = bytes(len(buf))  # the agent reuses the slot
         for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
             assert torch.equal(a, b)
-        for pa, pb in zip(model.parameters(), model2.parameters(), strict=True):
-            for k, v in opt.state[pa].items():
-                assert torch.equal(v, opt2.state[pb][k]), k
         seg.buf[:] = buf
-        seg.buf[layout.entries[1].offset] ^= 0xFF
-        reserve.want(layout.nbytes)
+        seg.buf[plan.source.layout.entries[1].offset] ^= 0xFF
+        reserve.want(nbytes)
         with pytest.raises(CorruptPartError, match="tier-0 memory"):
             fetch(plan, 0, b"", "", {}, reserve)
-        reserve.want(layout.nbytes // 2)
+        assert reserve.held() == 0, "the read into the reserve found it"
+        gone = msgspec.structs.replace(plan.source, segment="tierswap-no-such-slot")
+        for r in (reserve, None):
+            reserve.want(nbytes)
+            with pytest.raises(CorruptPartError, match="tier-0 memory"):
+                fetch(msgspec.structs.replace(plan, source=gone), 0, b"", "", {}, r)
+        reserve.want(nbytes // 2)
         deadline = time.monotonic() + 10
-        while reserve.held() != layout.nbytes // 2 and time.monotonic() < deadline:
+        while reserve.held() != nbytes // 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         seg.buf[:] = buf
         small = fetch(plan, 0, b"", "", {}, reserve)
-        assert not small.private and reserve.held() == layout.nbytes // 2, "too small: kept"
+        assert not small.private and reserve.held() == nbytes // 2, "too small: kept"
         small.release()
     finally:
         reserve.close()
-        seg.unlink()
 
 
 def test_a_reserve_is_made_once_handed_out_once_and_remade_at_a_new_size() -> None:
@@ -320,6 +336,51 @@ def test_a_reserve_is_made_once_handed_out_once_and_remade_at_a_new_size() -> No
     assert r.take(500) is not None and made == [1000, 1000, 500]
     r.want(0)
     assert r.take(1) is None and r.held() == 0
+
+
+def test_a_reserve_taken_for_a_smaller_rank_gives_its_tail_back() -> None:
+    import mmap
+
+    from tierswap.reserve import Reserve
+    from tierswap.shm import populated
+
+    def make(n: int) -> memoryview:
+        buf = populated(n)
+        buf[:] = b"\x07" * n
+        return buf
+
+    r = Reserve(make)
+    r.want(4 * mmap.PAGESIZE)
+    buf = r.take(2 * mmap.PAGESIZE + 1)
+    assert buf is not None and len(buf) == 4 * mmap.PAGESIZE
+    assert set(buf[: 3 * mmap.PAGESIZE]) == {7}, "what the rank uses (to its page) is kept"
+    assert set(buf[3 * mmap.PAGESIZE :]) == {0}, "the rest went back to the kernel"
+
+
+def test_a_reserve_that_cannot_be_made_leaves_restores_to_make_their_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A block that would leave less than a tenth of the machine's memory is not made, a
+    make that fails is not waited on, and either way the next want tries again."""
+    from tierswap import reserve as rs
+
+    def broken(n: int) -> memoryview:
+        raise OSError("no room")
+
+    r = rs.Reserve(broken)
+    r.want(1000)
+    t = time.monotonic()
+    assert r.take(1000) is None and time.monotonic() - t < 5, "not waited on"
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 1000 kB\nMemAvailable: 150 kB\n")
+    monkeypatch.setattr(rs, "MEMINFO", meminfo)
+    assert rs.room(40 * 1024) and not rs.room(60 * 1024)
+    made: list[int] = []
+    r = rs.Reserve(lambda n: made.append(n) or memoryview(bytearray(n)))
+    r.want(60 * 1024)
+    assert r.take(60 * 1024) is None and not made, "past the tenth kept free: not made"
+    r.want(40 * 1024)
+    assert r.take(40 * 1024) is not None and made == [40 * 1024]
 
 
 def test_a_prefetch_hands_over_its_value_or_raises_its_error_in_the_caller() -> None:

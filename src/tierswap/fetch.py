@@ -4,11 +4,12 @@ verified before the state they go into exists.
 A worker asks for its plan and fetches as soon as it has joined its generation, on a
 thread, while ``train(job)`` builds and wraps its model (the longest part of re-entering
 a generation on a CPU); ``Job.steps`` then only loads what arrived. Views handed out point
-into private memory, faulted in ahead, that a tier-0 slot, a replica or a tier-2 part was
-read into: that memory the restore keeps as the state's own (``load(adopt=True)``), with
-no copy at all. A parked worker makes that memory while it waits (``reserve.py``); without
-it, a tier-0 slot is mapped instead (not copied: the load copies from it), since memory
-made now costs the restore as much as a copy into the state's own.
+into private memory, faulted in, that a tier-0 slot, a replica or a tier-2 part was read
+into: that memory the restore keeps as the state's own (``load(adopt=True)``), with no
+copy at all. For a tier-0 slot or a replica, a parked worker made that memory while it
+waited (``reserve.py``); without it, a tier-0 slot is mapped instead (not copied: the
+load copies from it), since memory made now costs the restore as much as a copy into
+the state's own, and a replica is received into memory made now.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class Fetched:
 
     @property
     def private(self) -> bool:
-        """Whether the views are this process's own memory (a replica or a tier-2 part
-        read into it), which the state may keep as its own (``load(adopt=True)``)."""
+        """Whether the views are this process's own memory (a tier-0 slot, a replica or a
+        tier-2 part read into it), which the state may keep as its own
+        (``load(adopt=True)``)."""
         return self.segment is None
 
     def release(self) -> None:
@@ -89,6 +91,13 @@ def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
     return digest.hexdigest()
 
 
+def _slot_read(name: str, layout: Layout, buf: memoryview) -> str:
+    try:
+        return read_slot(name, layout, buf)
+    except OSError as e:  # gone with its agent: the part is lost, not this worker
+        raise CorruptPartError(str(SHM_DIR / name), f"tier-0 memory: {e}") from e
+
+
 def fetch(
     plan: p.PlanReply,
     rank: int,
@@ -116,7 +125,7 @@ def fetch(
             buf = ready
             layout = source.layout
             layout.check()
-            if read_slot(source.segment, layout, buf) != source.checksum:
+            if _slot_read(source.segment, layout, buf) != source.checksum:
                 raise CorruptPartError(
                     str(SHM_DIR / source.segment), "checksum mismatch in tier-0 memory"
                 )
@@ -126,7 +135,10 @@ def fetch(
         case p.FromSlot():
             layout = source.layout
             layout.check()
-            seg = out.segment = Segment.attach(source.segment, layout.nbytes)
+            try:
+                seg = out.segment = Segment.attach(source.segment, layout.nbytes)
+            except (OSError, ValueError) as e:  # gone with its agent, or not what was said
+                raise CorruptPartError(str(SHM_DIR / source.segment), f"tier-0 memory: {e}") from e
             t1 = time.monotonic()
             if checksum_chunks(layout.chunks(seg.buf)) != source.checksum:
                 out.release()

@@ -13,14 +13,18 @@ lives on the CPU holds one (a GPU's state is copied to the device, not adopted).
 
 from __future__ import annotations
 
+import mmap
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from tierswap.affinity import helper_cpus, pin_thread
 from tierswap.shm import populated
 
 WAIT_S = 10.0
 """How long a restore waits for memory still being made before it makes its own."""
+MEMINFO = Path("/proc/meminfo")
 
 
 def _free(buf: memoryview) -> None:
@@ -29,6 +33,28 @@ def _free(buf: memoryview) -> None:
     close = getattr(owner, "close", None)
     if close is not None:
         close()
+
+
+def _trim(buf: memoryview, nbytes: int) -> None:
+    """Give the pages of ``buf`` past its first ``nbytes`` back to the kernel: a block made
+    for the node's largest rank, taken by a smaller one, holds no more than it needs."""
+    owner = buf.obj
+    start = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if isinstance(owner, mmap.mmap) and start < len(buf):
+        owner.madvise(mmap.MADV_DONTNEED, start, len(buf) - start)
+
+
+def room(nbytes: int) -> bool:
+    """Whether making ``nbytes`` more leaves a tenth of the machine's memory available
+    (several simulated hosts, or a training process, share it: a block made ahead must
+    never be what starts the out-of-memory killer). True where Linux does not say."""
+    try:
+        info = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines())
+        avail = int(info["MemAvailable"].split()[0]) * 1024
+        total = int(info["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return True
+    return avail - nbytes >= total // 10
 
 
 class Reserve:
@@ -59,27 +85,28 @@ class Reserve:
             threading.Thread(target=self._run, name="tierswap-reserve", daemon=True).start()
 
     def _run(self) -> None:
-        pin_thread(helper_cpus())  # --agent-cpus: not the trainer's work
-        while True:
-            with self._cond:
-                n = self._want
-                if n <= 0 or self._buf is not None:
-                    self._making = False
-                    self._cond.notify_all()
-                    return
-            try:
-                buf = self._make(n)
-            except (OSError, MemoryError, ValueError):  # no room: restores make their own
+        try:
+            pin_thread(helper_cpus())  # --agent-cpus: not the trainer's work
+            while True:
                 with self._cond:
-                    self._making = False
-                    self._cond.notify_all()
-                return
+                    n = self._want
+                    if n <= 0 or self._buf is not None:
+                        return
+                if not room(n):  # restores make their own, when they need it
+                    return
+                buf = self._make(n)
+                with self._cond:
+                    kept = self._want == n and self._buf is None
+                    if kept:
+                        self._buf = buf
+                if not kept:  # wanted no longer (the size changed meanwhile)
+                    _free(buf)
+        except Exception as e:  # (no room, say) a restore without it makes its own
+            print(f"[tierswap] memory for the next restore not made: {e}", file=sys.stderr)
+        finally:
             with self._cond:
-                kept = self._want == n and self._buf is None
-                if kept:
-                    self._buf = buf
-            if not kept:  # wanted no longer (the size changed meanwhile)
-                _free(buf)
+                self._making = False
+                self._cond.notify_all()
 
     def take(self, nbytes: int, timeout: float = WAIT_S) -> memoryview | None:
         """The held memory when it holds at least ``nbytes`` (waiting up to ``timeout`` for
@@ -90,7 +117,8 @@ class Reserve:
             if buf is None or len(buf) < nbytes:
                 return None
             self._buf = None
-            return buf
+        _trim(buf, nbytes)
+        return buf
 
     def held(self) -> int:
         """Bytes held ready now."""
