@@ -2,9 +2,9 @@
 
 A restore's bytes go into memory the process has never touched: the state it rebuilds
 is new. Faulting that memory in (zeroing it, a page at a time or a huge page at a time
-as the kernel grants them) cost as much as copying the bytes into it, and more when the
-kernel first has to compact memory for huge pages: 0.1 to 0.9 s for 384 MiB on this
-machine, against 0.04 s for the copy. A parked worker, told by its agent how large a
+as the kernel grants them) cost as much as copying the bytes into it, and far more when
+huge pages are slow to come: 0.1 to 1.3 s for 384 MiB on this machine, against 0.04 s
+for the copy (``bench/restore_contention.py``). A parked worker, told by its agent how large a
 rank's state on its node is (``p.Reserve``), makes that memory while it waits; the
 restore reads the step into it and the restored state keeps it as its own
 (``load(adopt=True)``), so the memory is taken once, not twice. Only a worker whose state
@@ -13,18 +13,44 @@ lives on the CPU holds one (a GPU's state is copied to the device, not adopted).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tierswap.affinity import helper_cpus, pin_thread
-from tierswap.shm import populated
+from tierswap.shm import MADV_POPULATE_WRITE, populated
 
 WAIT_S = 10.0
 """How long a restore waits for memory still being made before it makes its own."""
 MEMINFO = Path("/proc/meminfo")
+STRIDE = 32 << 20
+"""Bytes faulted in per call: between calls the thread yields. Huge pages can be slow to
+come (on this machine, on a bad day, 6 s for a GiB against 0.4 s in 4 KiB pages): in
+one call that is seconds in the kernel, taken from the trainers and agents of a 2-core
+host."""
+
+
+def made_gently(nbytes: int) -> memoryview:
+    """Private memory faulted in a stride at a time, at the lowest priority of its thread
+    (``nice`` 19: the trainers and agents run first), on transparent huge pages where the
+    kernel gives them; :func:`~tierswap.shm.populated` where the kernel cannot say."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        for start in range(0, nbytes, STRIDE):
+            m.madvise(MADV_POPULATE_WRITE, start, min(STRIDE, nbytes - start))
+            time.sleep(0)
+    except (OSError, AttributeError):
+        m.close()
+        return populated(nbytes)
+    return memoryview(m)
 
 
 def _free(buf: memoryview) -> None:
@@ -61,7 +87,7 @@ class Reserve:
     """At most one block of faulted-in private memory, made on a thread of its own and
     handed to one restore (:meth:`take`), after which the next :meth:`want` makes another."""
 
-    def __init__(self, make: Callable[[int], memoryview] = populated) -> None:
+    def __init__(self, make: Callable[[int], memoryview] = made_gently) -> None:
         self._make = make
         self._cond = threading.Condition()
         self._want = 0
