@@ -374,7 +374,7 @@ def test_a_reserve_that_cannot_be_made_leaves_restores_to_make_their_own(
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 1000 kB\nMemAvailable: 150 kB\n")
     monkeypatch.setattr(rs, "MEMINFO", meminfo)
-    assert rs.room(40 * 1024) and not rs.room(60 * 1024)
+    assert rs.leaves_room(40 * 1024) and not rs.leaves_room(60 * 1024)
     made: list[int] = []
     r = rs.Reserve(lambda n: made.append(n) or memoryview(bytearray(n)))
     r.want(60 * 1024)

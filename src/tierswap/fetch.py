@@ -70,32 +70,29 @@ class Fetched:
 
 def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
     """Read a tier-0 slot's tensors into ``buf`` at their offsets, each chunk hashed as
-    soon as it is in (one pass over the bytes); their checksum."""
+    soon as it is in (one pass over the bytes); their checksum. A slot gone with its
+    agent, or shorter than its layout, is a lost part (``CorruptPartError``)."""
     path = SHM_DIR / name
     digest = hasher()
-    with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size < layout.nbytes:
-            raise CorruptPartError(
-                str(path), f"tier-0 memory holds less than {layout.nbytes:,} bytes"
-            )
-        for e in layout.entries:
-            for start in range(e.offset, e.offset + e.nbytes, CHUNK):
-                chunk = buf[start : min(start + CHUNK, e.offset + e.nbytes)]
-                done = 0
-                while done < len(chunk):
-                    n = os.preadv(f.fileno(), [chunk[done:]], start + done)
-                    if n <= 0:
-                        raise CorruptPartError(str(path), "tier-0 memory ended early")
-                    done += n
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _slot_read(name: str, layout: Layout, buf: memoryview) -> str:
     try:
-        return read_slot(name, layout, buf)
-    except OSError as e:  # gone with its agent: the part is lost, not this worker
-        raise CorruptPartError(str(SHM_DIR / name), f"tier-0 memory: {e}") from e
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size < layout.nbytes:
+                raise CorruptPartError(
+                    str(path), f"tier-0 memory holds less than {layout.nbytes:,} bytes"
+                )
+            for e in layout.entries:
+                for start in range(e.offset, e.offset + e.nbytes, CHUNK):
+                    chunk = buf[start : min(start + CHUNK, e.offset + e.nbytes)]
+                    done = 0
+                    while done < len(chunk):
+                        n = os.preadv(f.fileno(), [chunk[done:]], start + done)
+                        if n <= 0:
+                            raise CorruptPartError(str(path), "tier-0 memory ended early")
+                        done += n
+                    digest.update(chunk)
+    except OSError as e:
+        raise CorruptPartError(str(path), f"tier-0 memory: {e}") from e
+    return digest.hexdigest()
 
 
 def fetch(
@@ -125,7 +122,7 @@ def fetch(
             buf = ready
             layout = source.layout
             layout.check()
-            if _slot_read(source.segment, layout, buf) != source.checksum:
+            if read_slot(source.segment, layout, buf) != source.checksum:
                 raise CorruptPartError(
                     str(SHM_DIR / source.segment), "checksum mismatch in tier-0 memory"
                 )

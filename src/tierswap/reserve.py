@@ -18,12 +18,11 @@ import mmap
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tierswap.affinity import helper_cpus, pin_thread
-from tierswap.shm import MADV_POPULATE_WRITE, populated
+from tierswap.shm import populated
 
 WAIT_S = 10.0
 """How long a restore waits for memory still being made before it makes its own."""
@@ -36,21 +35,11 @@ host."""
 
 
 def made_gently(nbytes: int) -> memoryview:
-    """Private memory faulted in a stride at a time, at the lowest priority of its thread
-    (``nice`` 19: the trainers and agents run first), on transparent huge pages where the
-    kernel gives them; :func:`~tierswap.shm.populated` where the kernel cannot say."""
+    """Private memory faulted in a stride at a time (:func:`~tierswap.shm.populated`) at
+    the lowest priority of its thread (``nice`` 19: the trainers and agents run first)."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-        for start in range(0, nbytes, STRIDE):
-            m.madvise(MADV_POPULATE_WRITE, start, min(STRIDE, nbytes - start))
-            time.sleep(0)
-    except (OSError, AttributeError):
-        m.close()
-        return populated(nbytes)
-    return memoryview(m)
+    return populated(nbytes, stride=STRIDE)
 
 
 def _free(buf: memoryview) -> None:
@@ -70,7 +59,7 @@ def _trim(buf: memoryview, nbytes: int) -> None:
         owner.madvise(mmap.MADV_DONTNEED, start, len(buf) - start)
 
 
-def room(nbytes: int) -> bool:
+def leaves_room(nbytes: int) -> bool:
     """Whether making ``nbytes`` more leaves a tenth of the machine's memory available
     (several simulated hosts, or a training process, share it: a block made ahead must
     never be what starts the out-of-memory killer). True where Linux does not say."""
@@ -118,7 +107,7 @@ class Reserve:
                     n = self._want
                     if n <= 0 or self._buf is not None:
                         return
-                if not room(n):  # restores make their own, when they need it
+                if not leaves_room(n):  # restores make their own, when they need it
                     return
                 buf = self._make(n)
                 with self._cond:
