@@ -78,6 +78,38 @@ def test_the_launchers_keys_follow_torchs_hash_store() -> None:
     assert k.delete_key("late") and not k.delete_key("late") and k.num_keys() == 4
 
 
+def test_closing_the_store_ends_a_get_still_waiting_and_its_thread() -> None:
+    """A worker blocked in a get held its server thread past the store's close."""
+    secret = secrets.token_bytes(32)
+    srv = StoreServer("127.0.0.1", secret)
+    client = StoreClient(srv.address, secret, timedelta(seconds=60))
+    failed: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            client.get("never")
+        except Exception as e:
+            failed.append(e)
+
+    waiter = threading.Thread(target=get)
+    try:
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not [t for t in threading.enumerate() if t.name == StoreServer.name]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)  # the get is in the server's wait
+        t0 = time.monotonic()
+        srv.close()
+        waiter.join(10)
+        assert time.monotonic() - t0 < 3 and not waiter.is_alive()
+        assert failed and isinstance(failed[0], dist.DistError), failed
+        assert not [t for t in threading.enumerate() if t.name == StoreServer.name]
+    finally:
+        client.close()
+        srv.close()
+
+
 def test_a_get_waits_for_another_workers_set(server: tuple[StoreServer, bytes]) -> None:
     srv, secret = server
     a, b = (StoreClient(srv.address, secret, WAIT) for _ in range(2))

@@ -406,7 +406,9 @@ class _Proxy:
 
     def close(self) -> None:
         self.listen.close()
-        if self.to_server is not None:
+        if self.to_server is not None:  # a shutdown wakes the pumps; a close would not
+            with contextlib.suppress(OSError):
+                self.to_server.shutdown(socket.SHUT_RDWR)
             self.to_server.close()
 
 
@@ -486,3 +488,39 @@ def test_a_client_trickling_its_handshake_is_cut_off_at_the_deadline(
         assert got == []
     finally:
         stop()
+
+
+class _Echo(wire.Server):
+    incoming = Requests
+    name = "tierswap-test-echo"
+
+    def handle(self, chan: Channel) -> None:
+        while (env := chan.recv()) is not None:
+            if isinstance(env.msg, Ping):
+                chan.send(Pong(n=env.msg.n + 1))
+
+
+def test_closing_a_server_cuts_the_connections_left_open_and_ends_their_threads() -> None:
+    """A client (or a relay) that never closes its connection held a thread of the server
+    for ever after ``close``: the CI found one left by a test, in the next test."""
+    secret = secrets.token_bytes(32)
+    srv = _Echo("127.0.0.1", secret)
+    clients = [Channel.connect(srv.address, secret, Replies) for _ in range(3)]
+    try:
+        for chan in clients:
+            assert chan.call(Ping(n=1), Pong, timeout=10) == Pong(n=2)
+        serving = [t for t in threading.enumerate() if t.name == _Echo.name]
+        assert len(serving) == 3
+        t0 = time.monotonic()
+        srv.close()
+        assert time.monotonic() - t0 < 2
+        assert not any(t.is_alive() for t in serving)
+        for chan in clients:  # each client is told: its connection is gone
+            with pytest.raises((EOFError, OSError)):
+                chan.call(Ping(n=1), Pong, timeout=5)
+        with pytest.raises(OSError):
+            Channel.connect(srv.address, secret, Replies)
+    finally:
+        for chan in clients:
+            chan.close()
+        srv.close()  # twice is harmless

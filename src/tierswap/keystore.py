@@ -30,6 +30,13 @@ class Keys:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
+        self._closed = False
+
+    def close(self) -> None:
+        """Wake every wait, which then fails: the store is going away."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def set(self, key: str, value: bytes) -> None:
         with self._changed:
@@ -74,6 +81,8 @@ class Keys:
     def _wait(self, keys: list[str], timeout: float) -> None:
         deadline = None if timeout == 0 else time.monotonic() + timeout
         while missing := [k for k in keys if k not in self._data]:
+            if self._closed:
+                raise KeyTimeout(f"the store closed while waiting for keys {missing[:4]}")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise KeyTimeout(f"waited {timeout:g} s for keys {missing[:4]}")
@@ -102,6 +111,10 @@ class StoreServer(Server):
     def __init__(self, bind: str, secret: bytes) -> None:
         self.data = Keys()
         super().__init__(bind, secret)
+
+    def close(self) -> None:
+        self.data.close()  # first: a handler blocked in a wait ends at once
+        super().close()
 
     def handle(self, chan: Channel) -> None:
         while (env := chan.recv()) is not None:

@@ -557,13 +557,20 @@ go raw, outside frames)."""
 class Server:
     """A TCP server of the job on ``(bind, port 0)``: each authenticated connection is
     served by ``handle`` on a thread of its own, and closed when it returns or the peer
-    goes (EOF, a reset, a message not of ``incoming``). ``close`` stops accepting."""
+    goes (EOF, a reset, a message not of ``incoming``). ``close`` stops accepting and
+    cuts the connections still open, so that their threads end with it."""
 
     incoming: Any
     """The union of messages its connections receive."""
     name = "tierswap-server"
+    close_wait_s = 5.0
+    """How long ``close`` waits for the threads of the connections it cut (one may be
+    between two reads, in a call of its own, as a replica waits for room)."""
 
     def __init__(self, bind: str, secret: bytes, tls: str = "off") -> None:
+        self._lock = threading.Lock()
+        self._open: dict[Channel, threading.Thread] = {}
+        self._closed = False
         self.listener = Listener((bind, 0), secret, tls=tls)
         self._stop = serve(self.listener, self._start, f"{self.name}-accept", self.incoming)
 
@@ -571,14 +578,33 @@ class Server:
     def address(self) -> tuple[str, int]:
         return self.listener.tcp_address
 
+    @property
+    def closed(self) -> bool:
+        """``close`` was called: a handler waiting in a loop of its own gives up."""
+        return self._closed
+
     def close(self) -> None:
         self._stop()
+        with self._lock:
+            self._closed = True
+            cut = dict(self._open)
+        for chan in cut:  # a client that keeps its connection open (or a relay that
+            chan.close()  # never passes on its close) would hold a thread for ever
+        deadline = time.monotonic() + self.close_wait_s
+        for thread in cut.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def handle(self, chan: Channel) -> None:
         raise NotImplementedError
 
     def _start(self, chan: Channel) -> None:
-        threading.Thread(target=self._run, args=(chan,), daemon=True, name=self.name).start()
+        thread = threading.Thread(target=self._run, args=(chan,), daemon=True, name=self.name)
+        with self._lock:
+            if self._closed:
+                chan.close()
+                return
+            self._open[chan] = thread
+        thread.start()
 
     def _run(self, chan: Channel) -> None:
         try:
@@ -587,6 +613,8 @@ class Server:
             pass
         finally:
             chan.close()
+            with self._lock:
+                self._open.pop(chan, None)
 
 
 def reader(chan: Channel, deliver: Callable[[Envelope[Any] | None], None], name: str) -> None:

@@ -107,7 +107,7 @@ class ReplicaServer(Server):
         fields = {"rank": rank, "step": step, "layout": layout, "generation": generation}
         deadline = time.monotonic() + FILL_LIMIT_S
         while (got := self.ask("replica_slot", **fields, wait=True)) == FILLING:
-            if time.monotonic() >= deadline:  # (the last ask refuses, and says so)
+            if time.monotonic() >= deadline or self.closed:  # (the last ask refuses)
                 got = self.ask("replica_slot", **fields)
                 break
             time.sleep(FILL_POLL_S)
