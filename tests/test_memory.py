@@ -471,3 +471,79 @@ def test_a_node_commits_a_step_only_when_every_rank_holds_it(two_ranks: NodeRing
     node.let_go()
     assert slot.leases == 0 and not node.restore_leases
     assert node.lease_for_restore(1, 2) is None
+
+
+# ---------------------------------------------------------------- faulting pages in
+
+
+class _Mapping:
+    """Records the madvise calls :func:`fault_in` makes; each populate takes the time the
+    test says (huge pages or 4 KiB pages, per page of the call)."""
+
+    def __init__(self, clock: list[float], huge_s: Callable[[int], float], small_s: float):
+        self.clock, self.huge_s, self.small_s = clock, huge_s, small_s
+        self.small: list[tuple[int, int]] = []
+        self.populated: list[tuple[int, int, bool]] = []
+
+    def _is_small(self, start: int) -> bool:
+        return any(a <= start < a + n for a, n in self.small)
+
+    def madvise(self, option: int, start: int = 0, length: int = 0) -> None:
+        import mmap
+
+        from tierswap import shm
+
+        if option == mmap.MADV_NOHUGEPAGE:
+            self.small.append((start, length))
+        elif option == shm.MADV_POPULATE_WRITE:
+            small = self._is_small(start)
+            self.clock[0] += self.small_s if small else self.huge_s(len(self.populated))
+            self.populated.append((start, length, not small))
+
+
+def _faulted_in(
+    monkeypatch: pytest.MonkeyPatch, huge_s: Callable[[int], float], strides: int = 8
+) -> _Mapping:
+    from tierswap import shm
+
+    clock = [0.0]
+    monkeypatch.setattr(shm.time, "perf_counter", lambda: clock[0])
+    m = _Mapping(clock, huge_s, small_s=1.0)
+    shm.fault_in(m, strides * 4096, stride=4096, huge=True)  # type: ignore[arg-type]
+    assert [(s, n) for s, n, _ in m.populated] == [(i * 4096, 4096) for i in range(strides)]
+    return m
+
+
+def test_pages_are_faulted_in_a_stride_per_call_in_huge_pages_while_they_are_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPython holds the GIL through each madvise: a GiB in one call stopped an agent's
+    heartbeat for 9 s on a day huge pages came slowly. And on such a day 4 KiB pages are
+    the faster, so the rest is made in them once a huge stride is slower than the trial."""
+    fast = _faulted_in(monkeypatch, huge_s=lambda i: 0.3)
+    assert [h for _, _, h in fast.populated] == [True, False] + [True] * 6
+
+    slow = _faulted_in(monkeypatch, huge_s=lambda i: 20.0)
+    assert [h for _, _, h in slow.populated] == [True] + [False] * 7
+
+    slowing = _faulted_in(monkeypatch, huge_s=lambda i: 0.3 if i < 4 else 20.0)
+    assert [h for _, _, h in slowing.populated] == [True, False, True, True, True] + [False] * 3
+
+
+def test_faulted_in_memory_and_segments_are_whole_and_writable() -> None:
+    from tierswap.shm import populated
+
+    n = 3 * (16 << 20) + 12345  # past the trial, with a partial last stride
+    buf = populated(n)
+    assert len(buf) == n and not any(buf[:: 1 << 20])
+    buf[-1] = 7
+    seg = Segment.create(f"test-{uuid.uuid4().hex[:12]}", n)
+    try:
+        assert len(seg.buf) == n and not any(seg.buf[:: 1 << 20])
+        seg.buf[-1] = 9
+        other = Segment.attach(seg.path.name, n)
+        assert other.buf[-1] == 9
+        other.close()
+    finally:
+        seg.unlink()
+    buf.release()

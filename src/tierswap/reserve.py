@@ -27,11 +27,6 @@ from tierswap.shm import populated
 WAIT_S = 10.0
 """How long a restore waits for memory still being made before it makes its own."""
 MEMINFO = Path("/proc/meminfo")
-STRIDE = 32 << 20
-"""Bytes faulted in per call: between calls the thread yields. Huge pages can be slow to
-come (on this machine, on a bad day, 6 s for a GiB against 0.4 s in 4 KiB pages): in
-one call that is seconds in the kernel, taken from the trainers and agents of a 2-core
-host."""
 
 
 def made_gently(nbytes: int) -> memoryview:
@@ -39,7 +34,7 @@ def made_gently(nbytes: int) -> memoryview:
     the lowest priority of its thread (``nice`` 19: the trainers and agents run first)."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
-    return populated(nbytes, stride=STRIDE)
+    return populated(nbytes)
 
 
 def _free(buf: memoryview) -> None:
