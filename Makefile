@@ -20,9 +20,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # two pytest workers, a file to each at a time (a file's jobs share its baselines); a short
-# base folder, since the agents' Unix sockets live in the tests' run folders (107 bytes)
+# base folder, since the agents' Unix sockets live in the tests' run folders (107 bytes);
+# torch's compiler cache (made by importing torch._dynamo) goes there too, not in /tmp
 test: lint etcd
 	@base=$$(mktemp -d /tmp/tsw.XXXX); \
+	TORCHINDUCTOR_CACHE_DIR=$$base/inductor \
 	$(BIN)/pytest -q -n 2 --dist loadfile --basetemp=$$base --durations=12; rc=$$?; \
 	rm -rf $$base; exit $$rc
 
