@@ -22,7 +22,16 @@ pytestmark = pytest.mark.timeout(60)
         ({"nproc_per_node": -1}, "nproc_per_node must be >= 1, got -1"),
         ({"persist_every": 0}, "persist_every must be >= 1, got 0"),
         ({"keep": 0}, "keep must be >= 1, got 0"),
-        ({"slots": 2}, r"slots must be >= 3 \(committed, in flight, being written\), got 2"),
+        ({"slots": 1}, r"slots must be >= 2 \(the committed step and one being written\), got 1"),
+        ({"nodes": 3, "peer_parity": 1}, "peer_parity must be 0 .* or a group of >= 2 nodes"),
+        (
+            {"nodes": 3, "peer_parity": 3, "replicas": 2},
+            r"--peer-parity 3 .* needs --replicas 1 \(got 2\)",
+        ),
+        (
+            {"nodes": 3, "peer_parity": 3, "memory_tiers": "delta"},
+            r"needs --replicas 1 .* and --memory-tiers full \(got 'delta'\)",
+        ),
         ({"max_restarts": -1}, "max_restarts"),
         ({"threads": -2}, "threads"),
         ({"startup_timeout": 0.0}, "startup_timeout must be > 0, got 0.0"),
@@ -133,7 +142,7 @@ def test_from_env_names_the_bad_variable() -> None:
         ValueError, match=r"TIERSWAP_STARTUP_TIMEOUT='soon' is not (a float|of type float)"
     ):
         Config.from_env({"TIERSWAP_STARTUP_TIMEOUT": "soon"})
-    with pytest.raises(ValueError, match="slots must be >= 3"):
+    with pytest.raises(ValueError, match="slots must be >= 2"):
         Config.from_env({"TIERSWAP_SLOTS": "1"})
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
+from tierswap.bench.hostmem import node_memory
 from tierswap.tiers import durable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -110,6 +111,37 @@ def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}
+
+
+def test_three_nodes_parity_at_3x_memory_hot_swaps_a_lost_node_bit_for_bit(
+    tmp_path: Path, baseline
+) -> None:
+    """``--peer-parity 3 --slots 2 --peer-slots 2``: a node holds 3x its rank's state (two
+    tier-0 slots and two parities of half a state each), and a killed node's rank is
+    rebuilt on a spare from the two others' parities and their own tier 0, bit for bit."""
+    base = baseline(nodes=3, mode="ddp-exact")
+    parity = ("--peer-parity", "3", "--slots", "2", "--peer-slots", "2", "--spares", "1")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=12,
+        mode="ddp-exact",
+        train_args=SLOW,
+        extra=(*parity, "--inject", "kill:node=1:step=6"),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}, "node 1's rank rebuilt from tier 1"
+    assert events(run_dir, "spare_assigned")[0]["node"] == 1
+    assert not events(run_dir, "replica_served"), "no node holds a whole replica"
+    per_node = node_memory(events(run_dir), slots=2)
+    assert sorted(per_node) == ["0", "1", "2"]
+    for n, mem in per_node.items():
+        assert 2.9 < mem["total_x"] <= 3.01, f"node {n} holds {mem['total_x']:.2f}x its state"
+    restored_at = events(run_dir, "restored")[-1]["time"]
+    later = [e for e in events(run_dir, "snapshot_committed") if e["time"] > restored_at]
+    assert any(e["tier"] == 1 for e in later), "the spare's node joined the parities"
 
 
 def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) -> None:

@@ -41,7 +41,9 @@ class Config:
     """Tier-0 slots per rank: the step committed in tier 0 (also the one committed in tier
     1 while replication keeps up), the newest, and one being written; a fourth keeps every
     step's snapshot while tier 1 trails tier 0 (else such a step is skipped, and counted).
-    3 is the least."""
+    2 is the least: the committed step and one being written, so a step is skipped
+    whenever the one before is not yet committed when its snapshot is taken (with tier 1
+    on, ``--max-redo 1`` makes that rare: the optimizer step waits for tier 1)."""
     peer_slots: int = 3
     """Tier-1 slots per protected rank on each of the ``--replicas`` peers holding its
     replicas: the step committed in tier 1, the newest received (held for the next
@@ -59,6 +61,16 @@ class Config:
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
     a job with fewer nodes uses what it has)."""
+    peer_parity: int = 0
+    """Tier 1 as parity instead of copies: the nodes form groups of this many (at least 2;
+    a job's last nodes join the group before), each rank's snapshot is cut into
+    ``group - 1`` stripes, and each node of a group holds the XOR of one stripe of every
+    other node's, so a node holds ``slots + peer_slots / (group - 1)`` times its ranks'
+    state (3x with ``--slots 2 --peer-slots 2 --peer-parity 3``) instead of ``slots +
+    peer_slots``. It survives one lost node per group (two in one group fall back to tier
+    2); a lost rank is rebuilt from its parity and the survivors' own tier 0, twice the
+    bytes of a copy. 0 keeps ``--replicas`` full copies. Needs ``--replicas 1`` and
+    ``--memory-tiers full``."""
     max_redo: int = 1
     """Steps of work a node failure may cost while tier 1 is on. The ``optimizer.step()``
     of step t waits until tier 1 has committed step t - max_redo (or a failure there, a
@@ -164,9 +176,9 @@ class Config:
         for name in ("nodes", "nproc_per_node", "persist_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.slots < 3:
+        if self.slots < 2:
             raise ValueError(
-                f"slots must be >= 3 (committed, in flight, being written), got {self.slots}"
+                f"slots must be >= 2 (the committed step and one being written), got {self.slots}"
             )
         if self.peer_slots < 2:
             raise ValueError(
@@ -176,6 +188,17 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.peer_parity == 1 or self.peer_parity < 0:
+            raise ValueError(
+                f"peer_parity must be 0 (full replicas) or a group of >= 2 nodes, got "
+                f"{self.peer_parity}"
+            )
+        if self.peer_parity and (self.replicas != 1 or self.memory_tiers != "full"):
+            raise ValueError(
+                f"--peer-parity {self.peer_parity} holds one parity per group in place of "
+                f"--replicas copies: it needs --replicas 1 (got {self.replicas}) and "
+                f"--memory-tiers full (got {self.memory_tiers!r})"
+            )
         for name in ("spares", "spare_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -31,7 +31,7 @@ from tierswap.layout import Layout
 from tierswap.reserve import Reserve
 from tierswap.shm import SHM_DIR, Segment, populated
 from tierswap.state import tensor_view
-from tierswap.tiers import durable, peer
+from tierswap.tiers import durable, parity, peer
 
 CHUNK = 1 << 20
 """Bytes of a tier-0 slot read before they are hashed, while they are in cache."""
@@ -150,6 +150,12 @@ def fetch(
             )
             out.layout, out.tree = layout, tree
             out.what = f"node {source.node}'s replica of step {step}"
+            out.views = [tensor_view(memoryview(buf), e) for e in layout.entries]
+        case p.FromParity():
+            assert step is not None
+            layout, tree, buf = parity.rebuild(source, secret, rank, step, tls, timeline, room=room)
+            out.layout, out.tree = layout, tree
+            out.what = f"tier-1 parity of step {step}"
             out.views = [tensor_view(memoryview(buf), e) for e in layout.entries]
         case p.FromDurable():
             assert step is not None

@@ -11,6 +11,9 @@ A pure function, so every case can be tested without processes. Rules:
   from tier 2 costs that read too (``BASE_READ_COST``; when tier 2 holds the step itself,
   its part is read instead), and each rank already given to a peer costs one transfer
   more there, so the ranks spread over the holders and are fetched in parallel.
+- With tier 1 as parity (``--peer-parity``), a rank no peer holds a copy of is rebuilt
+  from parity where every parity of its stripes is held at that step and every other
+  rank of its set holds the step in its own tier 0 (read by the rebuild); before tier 2.
 - Parts known to be corrupt are not sources; a step passed over is named with the reason.
 """
 
@@ -39,6 +42,8 @@ class Source:
     tier: Tier
     node: int | None = None
     """The node whose memory holds the part (tiers 0 and 1); None for durable storage."""
+    parity: tuple[int, ...] = ()
+    """Rebuilt from tier-1 parity: the node holding the parity of each of its stripes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,12 @@ class Holdings:
     """Steps committed in tier 2 by a job of the same world size."""
     bad: frozenset[tuple[Tier, int, int]] = frozenset()
     """(tier, step, rank) parts known to be corrupt or missing."""
+    parity_keys: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """``--peer-parity``: rank -> the parity holding each of its stripes, in order."""
+    parity_members: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """rank -> the other ranks of its parity set (a rebuild reads their tier 0)."""
+    parity_held: Mapping[int, Mapping[int, frozenset[int]]] = field(default_factory=dict)
+    """parity key -> node -> the steps that node holds that parity of, complete."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +103,30 @@ def _source(h: Holdings, step: int, rank: int, load: dict[int, float]) -> Source
         node = min(holders, key=lambda n: (load.get(n, 0.0) + cost(n), n))
         load[node] = load.get(node, 0.0) + cost(node)
         return Source(Tier.PEER, node)
+    via = _rebuild_from(h, step, rank)
+    if via is not None:
+        return Source(Tier.PEER, parity=via)
     if durable_ok:
         return Source(Tier.DURABLE)
     return None
+
+
+def _rebuild_from(h: Holdings, step: int, rank: int) -> tuple[int, ...] | None:
+    """The nodes holding the parity of each stripe of ``rank`` at ``step``, where it can be
+    rebuilt from them and its set's tier 0; else None."""
+    keys = h.parity_keys.get(rank)
+    if not keys or (Tier.PEER, step, rank) in h.bad:
+        return None
+    for q in h.parity_members.get(rank, ()):
+        if step not in h.memory.get(q, ()) or (Tier.MEMORY, step, q) in h.bad:
+            return None
+    via = []
+    for key in keys:
+        holders = sorted(n for n, steps in h.parity_held.get(key, {}).items() if step in steps)
+        if not holders:
+            return None
+        via.append(holders[0])
+    return tuple(via)
 
 
 def plan_restore(h: Holdings) -> Plan:

@@ -411,6 +411,19 @@ class Channel:
             raise ProtocolError(f"{what!r} was answered with {tag_of(env.msg)!r}")
         return env.msg
 
+    def expect(self, kind: type[R], what: str, timeout: float = 60.0) -> R:
+        """The next message, which must be a ``kind`` (the answer to ``what``): an Error
+        raises RuntimeError, another message ProtocolError, none in time TimeoutError (the
+        channel is then out of step: a late answer would be read as the next one's)."""
+        env = self.recv(timeout)
+        if env is None:
+            raise TimeoutError(f"no answer from the peer to {what}")
+        if isinstance(env.msg, Error):
+            raise RuntimeError(f"{what}: {env.msg.message}")
+        if not isinstance(env.msg, kind):
+            raise ProtocolError(f"{what}: answered with {tag_of(env.msg)!r}")
+        return env.msg
+
     def send_raw(self, data: memoryview) -> None:
         """Send bulk bytes after a message that announced their length: no framing, no
         copy, at the speed of the socket."""

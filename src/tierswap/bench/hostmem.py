@@ -30,6 +30,8 @@ from tierswap.examples import job_command
 from tierswap.shm import PREFIX, SHM_DIR
 
 _DEFAULT = Config()
+PARITY_3X = "--peer-parity 3 --slots 2 --peer-slots 2"
+"""The mode that holds 3x: tier 1 as parity over the 3 nodes, the fewest slots."""
 MODES: dict[str, list[str]] = {
     f"default: --slots {_DEFAULT.slots}, --peer-slots {_DEFAULT.peer_slots}, "
     f"--replicas {_DEFAULT.replicas}, full": [],
@@ -37,6 +39,8 @@ MODES: dict[str, list[str]] = {
     "--peer-slots 2": ["--peer-slots", "2"],
     "--replicas 2": ["--replicas", "2"],
     "--memory-tiers delta": ["--memory-tiers", "delta"],
+    "--peer-parity 3": ["--peer-parity", "3"],
+    PARITY_3X: ["--peer-parity", "3", "--slots", "2", "--peer-slots", "2"],
 }
 
 

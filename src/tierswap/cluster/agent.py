@@ -147,6 +147,7 @@ class Agent:
             cfg.world_size,
             announce=self._announce,
             tls=cfg.tls,
+            parity=cfg.peer_parity > 0,
         )
         self.server = ReplicaServer(address, secret, self._ask, tls=cfg.tls)
         self.segments = SegmentPool(job_id, lambda why: self.events.put(WarmRefused(why)))

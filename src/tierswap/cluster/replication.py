@@ -23,7 +23,7 @@ from tierswap.control.agent_events import (
     Sent,
 )
 from tierswap.layout import Layout
-from tierswap.tiers import durable
+from tierswap.tiers import durable, parity
 from tierswap.tiers.delta_sender import BaseKeeper
 from tierswap.tiers.deltas import Base
 from tierswap.tiers.memory import Slot
@@ -48,9 +48,13 @@ class Replicator:
         world_size: int = 0,
         announce: Callable[[p.Replicating, int], None] | None = None,
         tls: str = "off",
+        parity: bool = False,
     ) -> None:
         self.secret = secret
         self.tls = tls
+        self.parity = parity
+        """``--peer-parity``: each target gets one stripe of the snapshot (its index in
+        the rank's targets), folded into the parity it holds."""
         self.keeper = keeper
         """Set for ``--memory-tiers delta``: each rank's base, and when to renew it."""
         self.base_root = base_root
@@ -114,12 +118,12 @@ class Replicator:
                 for node in self.targets.get(rank, ()):
                     self.post(ReplicationFailed(rank, step, node, f"{e!r}", generation))
                 return
-            for node in self.targets.get(rank, ()):
+            for j, node in enumerate(self.targets.get(rank, ())):
                 try:
                     chan = self._channel(rank, node)
                     if self.announce and self.announce_to is not None:
                         self.announce_to(p.Replicating(rank=rank, step=step, peer=node), generation)
-                    if not send(chan):
+                    if not send(chan, j):
                         continue  # refused: the peer reports why
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
@@ -140,20 +144,34 @@ class Replicator:
         epoch: int | None,
         generation: int,
         stats: dict[str, Any],
-    ) -> tuple[Callable[[Channel], bool], Base | None]:
-        """How ``step`` of ``rank`` goes to each peer: the full snapshot, or (delta mode) a
-        delta against the rank's base, preceded by the base for a peer that lacks it. The
-        delta is encoded once, here, in the agent; ``stats`` gets its size and time."""
+    ) -> tuple[Callable[[Channel, int], bool], Base | None]:
+        """How ``step`` of ``rank`` goes to its ``j``-th peer: the full snapshot, one stripe
+        of it (parity), or (delta mode) a delta against the rank's base, preceded by the
+        base for a peer that lacks it. The delta is encoded once, here, in the agent;
+        ``stats`` gets its size and time."""
         buf, g = slot.segment.buf, generation
+        if self.parity:
+            stripes = len(self.targets.get(rank, ()))
+            unit = parity.stripe_unit(layout.nbytes, stripes)
+
+            def send_stripe(chan: Channel, j: int) -> bool:
+                start, stop = parity.stripe(layout.nbytes, stripes, j)
+                member = p.ParityMember(
+                    rank=rank, stripe=j, nbytes=stop - start, unit=unit, layout=layout,
+                    tree=slot.tree, checksum=slot.checksum,
+                )  # fmt: skip
+                return parity.push(chan, step, member, buf[start:stop], g)
+
+            return send_stripe, None
         if self.keeper is None:
             return (
-                lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
             ), None
         base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
         if new:
             stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes, encode_s=0.0)
             return (
-                lambda chan: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
+                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
             ), base
         t0 = time.perf_counter()
         data = self.keeper.encode(rank, base, buf)
@@ -161,7 +179,7 @@ class Replicator:
             full=layout.nbytes, kind="delta", nbytes=len(data), encode_s=time.perf_counter() - t0
         )
 
-        def send(chan: Channel) -> bool:
+        def send(chan: Channel, _j: int) -> bool:
             ok = push_delta(chan, rank, step, base, data, slot.tree, slot.checksum, g)
             if ok is None:  # the peer lacks the base (new, or it dropped it): base first
                 b = base

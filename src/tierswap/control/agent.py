@@ -51,7 +51,7 @@ from tierswap.errors import UsageError
 from tierswap.faults import FaultPlan
 from tierswap.shm import SHM_DIR
 from tierswap.tiers.durable_deltas import Part
-from tierswap.tiers.memory import NodeRings, RankRing
+from tierswap.tiers.memory import NodeRings, RankRing, Slot
 from tierswap.tiers.replicas import PeerStore
 
 
@@ -315,6 +315,7 @@ class AgentCore:
                 self._release(tier, step)
             case p.Settled(step=step):
                 self.workers.settled(step)
+                self.peers.settled(step)
             case p.Persist():
                 self._persist(env.msg)
             case p.Warm(segments=sizes) if self.node is None:
@@ -341,6 +342,7 @@ class AgentCore:
         self.peers.generation, self.peers.open = generation, True
         self.peers.discard_after(restart, replicated)
         self.peers.protects = list(msg.protects)
+        self.peers.set_parity(msg.parity)
         self.peers.keep_only(self.peers.protects)
         self.peers.corrupt = self.faults.corruptions()
         self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated)}
@@ -599,6 +601,12 @@ class AgentCore:
         )
         return p.PlanReply(step=plan.step, source=source)
 
+    def _tier0_lease(self, rank: int, step: int) -> Slot | None:
+        """A tier-0 snapshot read by a peer's worker rebuilding a rank of its parity set;
+        given back with ``tier0_unlease``."""
+        ring = self.rings.by_rank.get(rank)
+        return None if ring is None else ring.lease(step)
+
     def _exited(self, local: int, incarnation: int, code: int, now: float) -> None:
         w = self.workers.procs.get(local)
         if w is None or w.incarnation != incarnation:
@@ -707,6 +715,11 @@ class AgentCore:
             "replica_unlease": self.peers.unlease,
             "replica_base": self.peers.base,
             "replica_delta_written": self.peers.delta_written,
+            "parity_slot": self.peers.parity_slot,
+            "parity_added": self.peers.parity_added,
+            "parity_checked": self.peers.parity_checked,
+            "tier0_lease": self._tier0_lease,
+            "tier0_unlease": self.rings.unlease,
         }
         if event.op == "replica_served":
             self._tell(p.ReplicaServed(**event.fields))

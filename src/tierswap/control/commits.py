@@ -149,3 +149,24 @@ def newest_replicated(
         if not candidates:
             return -1
     return max(candidates or (), default=-1)
+
+
+def newest_parity(
+    held: Mapping[int, Mapping[int, Iterable[int]]],
+    holds: Mapping[int, Mapping[int, Iterable[int]]],
+    live: set[int],
+    upto: int,
+) -> int:
+    """``--peer-parity``: the newest step up to ``upto`` whose every parity is complete at
+    its holder, every holder up (tier 1's commit at a start). ``held``: key -> node ->
+    steps held; ``holds``: node -> the keys it holds."""
+    candidates: set[int] | None = None
+    for node, keys in holds.items():
+        for key in keys:
+            if node not in live:
+                return -1
+            ok = {s for s in held.get(key, {}).get(node, ()) if s <= upto}
+            candidates = ok if candidates is None else candidates & ok
+            if not candidates:
+                return -1
+    return max(candidates or (), default=-1)

@@ -55,7 +55,7 @@ from tierswap.control.traffic import Traffic
 from tierswap.control.warm import SpareMemory
 from tierswap.faults import Chaos, FaultPlan, Injection
 from tierswap.plan import Plan, Tier
-from tierswap.tiers import peer
+from tierswap.tiers import parity, peer
 
 BOOT_RETRIES = 3
 """Hosts started in place of lost ones that may exit before joining before the job stops."""
@@ -123,9 +123,13 @@ class CoordinatorCore:
         self.replicas = 0
         self.targets: dict[int, tuple[int, ...]] = {}
         self.protects: dict[int, list[int]] = {}
-        """node -> the ranks whose replicas it holds."""
+        """node -> the ranks whose replicas it holds (with ``--peer-parity``, the keys of
+        the parities it holds)."""
         self.protectors: frozenset[int] = frozenset()
         """Nodes that hold replicas of some rank: the voters of tier 1."""
+        self.parity: parity.Placement | None = None
+        """``--peer-parity``: where every rank's stripes go, which parities each node holds."""
+        self.reports = Reports(cfg.world_size, tier2)
         self._place()
         self.shrink_refused = False
         """A shrink was refused and said so (once, until one is done)."""
@@ -158,7 +162,6 @@ class CoordinatorCore:
         superseded; a generation with no newer step of its own starts from it, resharded."""
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
-        self.reports = Reports(cfg.world_size, tier2)
         self.tier2 = tier2
         self.traffic = Traffic()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
@@ -183,12 +186,21 @@ class CoordinatorCore:
     def _place(self) -> None:
         """Where each rank's replicas go, for the job's size now."""
         self.replicas = min(self.cfg.replicas, self.nodes - 1)
-        self.targets = peer.placement(self.nodes, self.cfg.nproc_per_node, self.replicas)
-        self.protects = {}
-        for rank, nodes in sorted(self.targets.items()):
-            for n in nodes:
-                self.protects.setdefault(n, []).append(rank)
+        self.parity = None
+        if self.cfg.peer_parity and self.replicas:
+            self.parity = parity.placement(
+                self.nodes, self.cfg.nproc_per_node, self.cfg.peer_parity
+            )
+            self.targets = dict(self.parity.targets)
+            self.protects = {n: sorted(held) for n, held in self.parity.holds.items()}
+        else:
+            self.targets = peer.placement(self.nodes, self.cfg.nproc_per_node, self.replicas)
+            self.protects = {}
+            for rank, nodes in sorted(self.targets.items()):
+                for n in nodes:
+                    self.protects.setdefault(n, []).append(rank)
         self.protectors = frozenset(self.protects)
+        self.reports.parity = self.parity
 
     # ---------------------------------------------------------------- the door
 
@@ -410,7 +422,14 @@ class CoordinatorCore:
             "placement",
             replicas=self.replicas,
             targets={str(r): list(t) for r, t in self.targets.items()},
+            parity=self.cfg.peer_parity if self.parity is not None else 0,
         )
+        if self.parity is not None:
+            text = parity.describe(self.parity, self.cfg.nproc_per_node)
+            groups = parity.groups(self.nodes, self.cfg.peer_parity)
+            sizes = ", ".join(str(len(g)) for g in groups)
+            self.out.say(f"tier-1 placement, parity over groups of {sizes} nodes:\n{text}")
+            return
         text = peer.describe(self.targets, self.cfg.nproc_per_node)
         self.out.say(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tierswap.control import protocol as p
 from tierswap.control import resize
 from tierswap.control.commands import JobStopped, Send
-from tierswap.control.commits import newest_in_memory, newest_replicated
+from tierswap.control.commits import newest_in_memory, newest_parity, newest_replicated
 from tierswap.control.resize import RESHARD_POLICY
 from tierswap.control.restore import lost_message, memory_lost
 from tierswap.control.states import Phase
@@ -93,10 +93,11 @@ def reset_commits(core: CoordinatorCore, holdings: Holdings, restart: int) -> tu
     tier's commit is the newest step its holdings still have for every rank."""
     ws = core.world_size
     live = set(core.hosts.members)
-    committed = (
-        newest_in_memory(ws, holdings.memory, restart),
-        newest_replicated(ws, holdings.peer, core.targets, live, restart),
-    )
+    if core.parity is not None:
+        replicated = newest_parity(holdings.parity_held, core.parity.holds, live, restart)
+    else:
+        replicated = newest_replicated(ws, holdings.peer, core.targets, live, restart)
+    committed = (newest_in_memory(ws, holdings.memory, restart), replicated)
     core.tiers[0].reset(committed[0], core.hosts.members)
     core.tiers[1].reset(committed[1], core.protectors & live)
     core.settled = committed[1]
@@ -131,6 +132,7 @@ def start_message(
         protects=core.protects.get(node, []),
         peers=peers,
         init=init_from(core) if restart < 0 else None,
+        parity={} if core.parity is None else core.parity.holds.get(node, {}),
     )
 
 

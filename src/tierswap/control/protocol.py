@@ -81,8 +81,21 @@ class FromSlot(msgspec.Struct, frozen=True, kw_only=True, tag="slot"):
     checksum: str
 
 
-Source = FromMemory | FromPeer | FromDurable
-WorkerSource = FromSlot | FromPeer | FromDurable
+class FromParity(msgspec.Struct, frozen=True, kw_only=True, tag="parity"):
+    """A rank restores by rebuilding its snapshot from tier-1 parity (``--peer-parity``):
+    each stripe from the parity a peer of its group holds, XORed with the stripes the
+    set's other ranks hold in their own tier 0."""
+
+    keys: list[int]
+    """The parity holding each of its stripes, in stripe order."""
+    holders: list[Address]
+    """Where each of those is held (the holder node's replica server)."""
+    members: dict[int, Address]
+    """The set's other ranks -> the replica server of the node whose tier 0 holds them."""
+
+
+Source = FromMemory | FromPeer | FromDurable | FromParity
+WorkerSource = FromSlot | FromPeer | FromDurable | FromParity
 
 
 class InitFrom(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,7 +124,7 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
 def _tier_of(source: object) -> int | None:
     if isinstance(source, FromMemory | FromSlot):
         return 0
-    if isinstance(source, FromPeer):
+    if isinstance(source, FromPeer | FromParity):
         return 1
     if isinstance(source, FromDurable):
         return 2
@@ -622,10 +635,14 @@ class Start(Message, frozen=True, kw_only=True, tag="start"):
     placement: dict[int, list[int]]
     """rank -> the nodes holding its replicas, for this node's ranks."""
     protects: list[int]
-    """The ranks this node holds replicas of."""
+    """The ranks this node holds replicas of (with ``--peer-parity``, the keys of the
+    parities it holds)."""
     peers: dict[int, Address]
     init: InitFrom | None = None
     """No tier holds a step: the ranks start from this checkpoint (``--init-from``)."""
+    parity: dict[int, list[int]] = {}
+    """``--peer-parity``: each parity this node holds (by key) -> the ranks whose stripes
+    it is the XOR of."""
 
 
 class Stop(Message, frozen=True, kw_only=True, tag="stop"):
@@ -725,6 +742,64 @@ class Serving(Message, frozen=True, kw_only=True, tag="serving"):
     layout: Layout
     tree: Tree
     checksum: str
+
+
+class ParityMember(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's stripe in a parity: which stripe, where it lies in the rank's snapshot
+    (stripe ``stripe`` starts at ``stripe * unit``), and what the whole snapshot is."""
+
+    rank: int
+    stripe: int
+    nbytes: int
+    """Bytes of the stripe (the last one of a snapshot may be shorter than ``unit``)."""
+    unit: int
+    layout: Layout
+    tree: Tree
+    checksum: str
+    """Of the rank's whole snapshot (its layout's chunks): a rebuilt one is checked."""
+
+
+class ParityPart(Message, frozen=True, kw_only=True, tag="parity_part"):
+    """A stripe of ``member.rank``'s snapshot of ``step`` for the parity the peer holds
+    (``member.nbytes`` raw bytes follow a Room reply), its own checksum beside it."""
+
+    member: ParityMember
+    step: int
+    stripe_checksum: str
+
+
+class FetchParity(Message, frozen=True, kw_only=True, tag="fetch_parity"):
+    """A rebuilding worker asks a peer for the parity ``key`` of ``step``."""
+
+    scoped = False
+    key: int
+    step: int
+
+
+class ParityServing(Message, frozen=True, kw_only=True, tag="parity_serving"):
+    """The parity follows as ``nbytes`` raw bytes; ``members`` are the stripes in it."""
+
+    scoped = False
+    nbytes: int
+    checksum: str
+    members: list[ParityMember]
+
+
+class FetchRange(Message, frozen=True, kw_only=True, tag="fetch_range"):
+    """A rebuilding worker asks a node for bytes of one of its ranks' tier-0 snapshots."""
+
+    scoped = False
+    rank: int
+    step: int
+    start: int
+    nbytes: int
+
+
+class Ranged(Message, frozen=True, kw_only=True, tag="ranged"):
+    """The asked bytes of a tier-0 snapshot follow, raw."""
+
+    scoped = False
+    nbytes: int
 
 
 class Missing(Message, frozen=True, kw_only=True, tag="missing"):
@@ -876,7 +951,21 @@ AgentToCoordinator = (
 CoordinatorToAgent = (
     Welcome | Refused | Start | Stop | Committed | Release | Settled | Persist | Warm | Exit
 )
-AgentToAgent = Replica | ReplicaDelta | Fetch | Room | Accepted | Serving | Missing | Error
+AgentToAgent = (
+    Replica
+    | ReplicaDelta
+    | Fetch
+    | Room
+    | Accepted
+    | Serving
+    | Missing
+    | ParityPart
+    | FetchParity
+    | ParityServing
+    | FetchRange
+    | Ranged
+    | Error
+)
 
 WorkerToStore = (
     StoreSet

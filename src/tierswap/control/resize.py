@@ -76,8 +76,8 @@ def salvage(core: CoordinatorCore) -> bool:
     if core.salvage_tried or core.tier2 is None or core.persister.gone is not None:
         return False
     core.salvage_tried = True
-    if core.cfg.memory_tiers != "full":
-        return False
+    if core.cfg.memory_tiers != "full" or core.parity is not None:
+        return False  # a lost rank's part is written from a whole replica only
     _, plan, _ = core.reports.plan(core.durable_steps, core.hosts.address_of, core._bad_commit)
     newest = newest_durable(core)
     if plan.step is None or (newest is not None and plan.step <= newest[0]):
@@ -170,8 +170,8 @@ def resize(core: CoordinatorCore, nodes: int, source: tuple[int, int]) -> None:
 
 def set_size(core: CoordinatorCore, nodes: int) -> None:
     core.nodes = nodes
-    core._place()
     core.reports = Reports(core.world_size, core.tier2)
+    core._place()
     core.clock.world_size = core.persister.world_size = core.world_size
     core.spare_memory.resized(nodes)
 

@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from tierswap.control.ports import Tier2
-from tierswap.control.protocol import Address, FromDurable, FromMemory, FromPeer, RankPlan
+from tierswap.control.protocol import (
+    Address,
+    FromDurable,
+    FromMemory,
+    FromParity,
+    FromPeer,
+    RankPlan,
+)
 from tierswap.errors import CorruptPartError
-from tierswap.plan import Holdings, Plan, Tier, plan_restore
+from tierswap.plan import Holdings, Plan, Source, Tier, plan_restore
+from tierswap.tiers import parity
 from tierswap.tiers.durable import PartInfo
 
 Reported = Mapping[int, Mapping[int, Mapping[int, str]]]
@@ -22,9 +30,10 @@ def collect(
     durable_steps: frozenset[int],
     bad: set[tuple[Tier, int, int]],
     peer_deltas: Reported | None = None,
+    placement: parity.Placement | None = None,
 ) -> Holdings:
-    """The planner's input from what agents reported (own tier 0, replicas held for
-    others, which of those are deltas) and the committed durable steps."""
+    """The planner's input from what agents reported (own tier 0, replicas or parities
+    held for others, which of those are deltas) and the committed durable steps."""
     memory: dict[int, frozenset[int]] = {}
     memory_node: dict[int, int] = {}
     for node, per_rank in memory_by_node.items():
@@ -32,9 +41,11 @@ def collect(
             memory[rank] = frozenset(steps)
             memory_node[rank] = node
     peers: dict[int, dict[int, frozenset[int]]] = {}
+    held: dict[int, dict[int, frozenset[int]]] = {}
     for node, per_rank in peer_by_node.items():
         for rank, steps in per_rank.items():
-            peers.setdefault(rank, {})[node] = frozenset(steps)
+            into = held if parity.is_key(rank) else peers
+            into.setdefault(rank, {})[node] = frozenset(steps)
     deltas: dict[int, dict[int, frozenset[int]]] = {}
     from_disk: dict[int, dict[int, frozenset[int]]] = {}
     for node, per_rank in (peer_deltas or {}).items():
@@ -44,12 +55,19 @@ def collect(
                 s for s, k in kinds.items() if k == "delta+durable"
             )
     return Holdings(
-        world_size, memory, memory_node, peers, deltas, from_disk, durable_steps, frozenset(bad)
-    )
+        world_size, memory, memory_node, peers, deltas, from_disk, durable_steps, frozenset(bad),
+        parity_keys={} if placement is None else placement.keys,
+        parity_members={} if placement is None else placement.members,
+        parity_held=held,
+    )  # fmt: skip
 
 
 def rank_plans(
-    plan: Plan, world_size: int, tier2: Tier2 | None, address_of: Callable[[int], Address | None]
+    plan: Plan,
+    world_size: int,
+    tier2: Tier2 | None,
+    address_of: Callable[[int], Address | None],
+    holdings: Holdings | None = None,
 ) -> dict[int, RankPlan]:
     """rank -> where its worker loads its part from.
 
@@ -66,6 +84,9 @@ def rank_plans(
     for r, src in plan.sources.items():
         if src.tier == Tier.MEMORY:
             out[r] = memory
+        elif src.tier == Tier.PEER and src.parity:
+            assert holdings is not None
+            out[r] = RankPlan(step=plan.step, source=_from_parity(r, src, holdings, address_of))
         elif src.tier == Tier.PEER:
             assert src.node is not None
             address = address_of(src.node)
@@ -77,6 +98,24 @@ def rank_plans(
                 raise CorruptPartError(f"{tier2.url} step {plan.step}", f"COMMIT lacks rank {r}")
             out[r] = RankPlan(step=plan.step, source=FromDurable(root=tier2.url, part=parts[r]))
     return out
+
+
+def _from_parity(
+    rank: int, src: Source, h: Holdings, address_of: Callable[[int], Address | None]
+) -> FromParity:
+    """Where a worker rebuilding ``rank`` from parity reads: each stripe's parity, and the
+    tier 0 of the set's other ranks."""
+
+    def at(node: int | None) -> Address:
+        address = None if node is None else address_of(node)
+        assert address is not None, f"node {node} holds what a rebuild reads but has no address"
+        return address
+
+    return FromParity(
+        keys=list(h.parity_keys[rank]),
+        holders=[at(n) for n in src.parity],
+        members={q: at(h.memory_node.get(q)) for q in h.parity_members.get(rank, ())},
+    )
 
 
 def memory_lost(holdings: Holdings, plan: Plan) -> list[int]:
@@ -112,6 +151,8 @@ class Reports:
         self.peer: dict[int, dict[int, dict[int, str]]] = {}
         self.peer_deltas: dict[int, dict[int, dict[int, str]]] = {}
         self.bad: set[tuple[Tier, int, int]] = set()
+        self.parity: parity.Placement | None = None
+        """``--peer-parity``: the placement the parities reported follow."""
 
     def stopped(
         self,
@@ -134,8 +175,9 @@ class Reports:
 
     def holdings(self, durable_steps: frozenset[int]) -> Holdings:
         return collect(
-            self.world_size, self.memory, self.peer, durable_steps, self.bad, self.peer_deltas
-        )
+            self.world_size, self.memory, self.peer, durable_steps, self.bad, self.peer_deltas,
+            self.parity,
+        )  # fmt: skip
 
     def plan(
         self,
@@ -149,7 +191,8 @@ class Reports:
             holdings = self.holdings(durable_steps())
             plan = plan_restore(holdings)
             try:
-                return holdings, plan, rank_plans(plan, self.world_size, self.tier2, address_of)
+                plans = rank_plans(plan, self.world_size, self.tier2, address_of, holdings)
+                return holdings, plan, plans
             except (CorruptPartError, OSError) as e:
                 assert plan.step is not None
                 self.bad |= {(Tier.DURABLE, plan.step, r) for r in range(self.world_size)}

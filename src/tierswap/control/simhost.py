@@ -13,6 +13,7 @@ from tierswap.control.agent import AgentCore
 from tierswap.control.simworker import Ask, Dead, ProcessDied, SimWorker
 from tierswap.control.simworld import TO_AGENT, Link, MemorySegment
 from tierswap.control.workers import Kill, Spawn, Tell
+from tierswap.tiers import parity
 from tierswap.tiers.memory import FILLING, NodeRings
 from tierswap.tiers.replicas import PeerStore
 
@@ -112,6 +113,8 @@ class SimHost:
             case ae.Checksum(rank=rank, step=step, slot=slot, layout=layout):
                 digest = checksum_chunks(layout.chunks(slot.segment.buf))
                 sim.after(sim.latency(), lambda: self.feed(ae.Checked(rank, step, slot, digest)))
+            case ae.Replicate() if sim.cfg.peer_parity:
+                sim.start(lambda: self.alive, self._send_stripes(cmd))
             case ae.Replicate():
                 sim.start(lambda: self.alive, self._replicate(cmd))
             case ae.ConfigureReplication(targets=targets, addresses=addresses, generation=gen):
@@ -161,18 +164,11 @@ class SimHost:
             for node in self.targets.get(job.rank, ()):
                 if job.generation != self.generation:
                     break  # queued before a restore went back
-                peer = sim.host_at(self.addresses.get(node))
-                if peer is None:
-                    self._failed(job, node, "refused")
-                    continue
                 ask = {**fields, "layout": job.layout, "wait": True}
-                while (got := (yield Ask(peer, "replica_slot", ask))) == FILLING:
-                    yield 0.005
-                if got is Dead:
-                    self._failed(job, node, "peer gone")
-                if got is Dead or got is None:
+                found = yield from self._room(job, node, "replica_slot", ask)
+                if found is None:
                     continue
-                token, room = got
+                peer, (token, room) = found
                 yield sim.latency()  # the bytes on the wire
                 if not peer.alive:
                     self._failed(job, node, "peer gone")
@@ -191,6 +187,73 @@ class SimHost:
                 cut = {**fields, "token": token, "ok": False, "why": "transfer cut off"}
                 peer.ask("replica_written", cut)
             raise
+
+    def _send_stripes(self, job: ae.Replicate) -> Generator[Any, Any, None]:
+        """The replicator with ``--peer-parity``: stripe ``j`` of the snapshot to the
+        ``j``-th target, folded into the parity it holds; the stripe that completes one
+        checksums it there."""
+        sim, buf = self.sim, bytes(job.slot.segment.buf[: job.layout.nbytes])
+        targets = self.targets.get(job.rank, ())
+        unit = parity.stripe_unit(len(buf), len(targets))
+        fields = {"rank": job.rank, "step": job.step, "generation": job.generation}
+        peer, acc = None, None
+        try:
+            yield sim.latency()
+            for j, node in enumerate(targets):
+                if job.generation != self.generation:
+                    break
+                ask = {**fields, "unit": unit, "wait": True}
+                found = yield from self._room(job, node, "parity_slot", ask)
+                if found is None:
+                    continue
+                peer, (acc, room) = found
+                yield sim.latency()  # the bytes on the wire
+                if not peer.alive:
+                    self._failed(job, node, "peer gone")
+                    continue
+                start, stop = parity.stripe(len(buf), len(targets), j)
+                if stop > start:
+                    acc.fold(room, 0, memoryview(buf[start:stop]))
+                member = p.ParityMember(
+                    rank=job.rank, stripe=j, nbytes=stop - start, unit=unit, layout=job.layout,
+                    tree=job.slot.tree, checksum=job.slot.checksum,
+                )  # fmt: skip
+                done = yield Ask(peer, "parity_added", {
+                    **fields, "acc": acc, "member": member, "ok": True,
+                })  # fmt: skip
+                if done is True and not peer.alive:  # its memory went with it
+                    done = Dead
+                if done is True:
+                    checked = {"acc": acc, "checksum": acc.finish(room)}
+                    done = yield Ask(
+                        peer, "parity_checked", {**checked, "generation": job.generation}
+                    )
+                acc = None
+                if done is Dead:
+                    self._failed(job, node, "cut off")
+            self.feed(ae.Replicated(job.rank, job.step, job.slot, job.generation))
+        except ProcessDied:  # the sender died mid-transfer: the peer sees it cut off
+            if peer is not None and acc is not None:
+                member = p.ParityMember(rank=job.rank, stripe=-1, nbytes=0, unit=unit,
+                                        layout=job.layout, tree={}, checksum="")  # fmt: skip
+                cut = {**fields, "acc": acc, "member": member, "ok": False, "why": "cut off"}
+                peer.ask("parity_added", cut)
+            raise
+
+    def _room(
+        self, job: ae.Replicate, node: int, op: str, ask: dict[str, Any]
+    ) -> Generator[Any, Any, tuple[SimHost, Any] | None]:
+        """Ask ``node``'s host for room (``op``), again while its slots are being made:
+        the host and its answer, or None (refused, or the host is gone: reported)."""
+        peer = self.sim.host_at(self.addresses.get(node))
+        if peer is None:
+            self._failed(job, node, "refused")
+            return None
+        while (got := (yield Ask(peer, op, ask))) == FILLING:
+            yield 0.005
+        if got is Dead:
+            self._failed(job, node, "peer gone")
+        return None if got is Dead or got is None else (peer, got)
 
     def _failed(self, job: ae.Replicate, node: int, error: str) -> None:
         self.feed(ae.ReplicationFailed(job.rank, job.step, node, error, job.generation))

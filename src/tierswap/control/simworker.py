@@ -246,6 +246,58 @@ class SimWorker:
         sim.left(self)
         return "finished"
 
+    def _rebuild(
+        self, source: p.FromParity, rank: int, step: int
+    ) -> Generator[Any, Any, bytes | None]:
+        """``parity.rebuild`` on the simulated network: each stripe from the parity its
+        holder leases out, XORed with the other members' stripes from their tier 0; None
+        where anything is missing or the result fails its checksum."""
+        sim, out, mine = self.sim, bytearray(LAYOUT.nbytes), None
+        for j, (key, holder) in enumerate(zip(source.keys, source.holders, strict=True)):
+            peer = sim.host_at(holder)
+            lease = (
+                None
+                if peer is None
+                else (yield Ask(peer, "replica_lease", {"rank": key, "step": step}))
+            )
+            if not isinstance(lease, Lease):
+                return None
+            assert peer is not None
+            try:
+                buf = bytes(lease.read())
+                members = {m.rank: m for m in lease.tree.get("members", [])}
+            except ValueError:  # the peer died
+                return None
+            finally:
+                peer.ask("replica_unlease", {"rank": key, "token": lease.token})
+            mine = members.get(rank)
+            if checksum_chunks(lease.layout.chunks(memoryview(buf))) != lease.checksum:
+                return None
+            if mine is None or mine.stripe != j:
+                return None
+            start = j * mine.unit
+            out[start : start + mine.nbytes] = buf[: mine.nbytes]
+            for q, m in members.items():
+                n = min(m.nbytes, mine.nbytes)
+                if q == rank or n == 0:
+                    continue
+                host = sim.host_at(source.members.get(q))
+                slot = (
+                    None
+                    if host is None
+                    else (yield Ask(host, "tier0_lease", {"rank": q, "step": step}))
+                )
+                if slot is None or slot is Dead or slot.segment.buf is None:
+                    return None
+                assert host is not None
+                theirs = bytes(slot.segment.buf[m.stripe * m.unit : m.stripe * m.unit + n])
+                host.ask("tier0_unlease", {"slot": slot})
+                for i in range(n):
+                    out[start + i] ^= theirs[i]
+        if mine is None or checksum_chunks(LAYOUT.chunks(memoryview(out))) != mine.checksum:
+            return None
+        return bytes(out[:8])
+
     def _settled(self, gen: int, target: int) -> bool:
         return self.settled.get(gen, -1) >= target or gen in self.ended
 
@@ -279,6 +331,8 @@ class SimWorker:
                         data = None
                     assert peer is not None
                     peer.ask("replica_unlease", {"rank": rank, "token": lease.token})
+            case p.FromParity():
+                data = yield from self._rebuild(source, rank, step)
             case p.FromDurable(part=part):
                 tier2 = self.sim.tier2
                 try:

@@ -243,6 +243,16 @@ class RankRing(CommitVotes):
                 if s.state is SlotState.HELD and s.step == newest and not s.leases
             ]
             self.gave_way = newest if candidates else None
+        if not candidates and not a.filling and self._tier0_gives_way(live):
+            # two slots, tier 1 behind tier 0: both commits held, every later step would be
+            # skipped, and tier 1 (fed by tier 0) could never catch up. Tier 0's own commit
+            # gives way: tier 1's, kept, was committed in tier 0 too, so a restore from tier
+            # 0 still finds a step every rank holds, and a lost node's ranks theirs in tier 1
+            candidates = [
+                s
+                for s in a.slots
+                if s.state is SlotState.HELD and s.step == self.committed and not s.leases
+            ]
         if not candidates:  # (while slots are still being made the writer waits: no skip)
             self.skipped += 0 if a.filling else 1
             return None, []
@@ -250,6 +260,12 @@ class RankRing(CommitVotes):
         dropped = [slot.step] if slot.state is SlotState.HELD else []
         slot.state, slot.step, slot.checksum, slot.tree = SlotState.WRITING, step, "", {}
         return slot.index, dropped
+
+    def _tier0_gives_way(self, live: list[int]) -> bool:
+        """A ring of two holds tier 0's commit and tier 1's older one, and nothing else
+        (``--slots 2``, the rule above)."""
+        b, c = self.peer_committed, self.committed
+        return self.nslots == 2 and 0 <= b < c and b in live and c not in self.proposed
 
     def written(self, slot_index: int, step: int, alloc_id: int, tree: dict[str, Any]) -> Slot:
         """The worker finished copying; the slot waits for its checksum (leased)."""

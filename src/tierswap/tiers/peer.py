@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from tierswap import delta
 from tierswap.checksum import checksum_chunks
@@ -20,6 +20,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
 from tierswap.shm import populated
+from tierswap.tiers import parity
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING
 from tierswap.wire import Address, Channel, Server
 
@@ -98,6 +99,12 @@ class ReplicaServer(Server):
                     self._receive_delta(chan, env.msg, env.gen)
                 case p.Fetch():
                     self._send(chan, env.msg)
+                case p.ParityPart():
+                    parity.receive(self.ask, chan, env.msg, env.gen, lambda: self.closed)
+                case p.FetchParity():
+                    parity.serve(self.ask, chan, env.msg)
+                case p.FetchRange():
+                    parity.serve_range(self.ask, chan, env.msg)
                 case _:
                     chan.send(p.Error(message=f"unexpected {p.tag_of(env.msg)!r}"))
 
@@ -234,7 +241,7 @@ def push(
     """Send one replica to a peer; True when it was stored and its checksum matched."""
     msg = p.Replica(rank=rank, step=step, layout=layout, tree=tree, checksum=checksum)
     chan.send(msg, generation)
-    room = _reply(chan, p.Room, f"replica of rank {rank} step {step}")
+    room = chan.expect(p.Room, f"replica of rank {rank} step {step}")
     if not room.ok:
         return False
     return _send_bytes(chan, buf[: layout.nbytes], f"replica of rank {rank} step {step}")
@@ -263,30 +270,16 @@ def push_delta(
         checksum=checksum,
     )
     chan.send(msg, generation)
-    room = _reply(chan, p.Room, f"delta of rank {rank} step {step}")
+    room = chan.expect(p.Room, f"delta of rank {rank} step {step}")
     if not room.ok:
         return None if room.need == "base" else False
     return _send_bytes(chan, memoryview(data), f"delta of rank {rank} step {step}")
 
 
-R = TypeVar("R", bound=p.Message)
-
-
-def _reply(chan: Channel, kind: type[R], what: str, timeout: float = 60.0) -> R:
-    env = chan.recv(timeout)
-    if env is None:  # a late reply would be read as the next one's: drop the channel
-        raise TimeoutError(f"no answer from the peer to {what}")
-    if isinstance(env.msg, p.Error):
-        raise RuntimeError(f"{what}: {env.msg.message}")
-    if not isinstance(env.msg, kind):
-        raise p.ProtocolError(f"{what}: answered with {p.tag_of(env.msg)!r}")
-    return env.msg
-
-
 def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
     """The bytes a ``Room`` reply asked for; True when the peer accepted them."""
     chan.send_raw(data)
-    return _reply(chan, p.Accepted, what, timeout=300).ok
+    return chan.expect(p.Accepted, what, timeout=300).ok
 
 
 def fetch(

@@ -21,6 +21,7 @@ from tierswap.layout import Layout
 from tierswap.shm import Segment, populated
 from tierswap.tiers.deltas import Base, DeltaRing, Entry
 from tierswap.tiers.memory import FILLING, RankRing, SegmentFactory, Slot, SlotState
+from tierswap.tiers.parity import Accumulation, parity_layout
 from tierswap.tiers.peer import Lease
 
 Report = Callable[[p.Message, int], None]
@@ -67,6 +68,14 @@ class PeerStore:
         """False from the moment the node reported what it holds at a generation's end
         until the next generation starts: a late replica then is refused, since taking its
         room could drop a step the coordinator is planning a restore from."""
+        self.parity: dict[int, list[int]] = {}
+        """``--peer-parity``: key of each parity held here -> the ranks it is the XOR of
+        (its ring is ``rings[key]``)."""
+        self.accs: dict[int, dict[int, Accumulation]] = {}
+        """key -> step -> a parity being made as its stripes arrive."""
+        self.units: dict[int, int] = {}
+        """key -> the longest stripe unit seen: the size its slots are made at (ranks of a
+        set may hold states of different sizes; the first step that shows it is lost)."""
 
     def _all(self) -> list[RankRing | DeltaRing]:
         return [*self.rings.values(), *self.drings.values()]
@@ -117,16 +126,30 @@ class PeerStore:
                 return None
             buf = populated(layout.nbytes)
             return buf, buf
-        if rank not in self.rings:
-            self.rings[rank] = RankRing(self.job_id, rank, self.nslots, self.create)
-        ring = self.rings[rank]
-        if ring.alloc is None or ring.alloc.layout != layout:
-            if not self._fits(rank, layout):
-                return None
-            ring.allocate(layout, now=1 if self.later else None)
-            sizes = [layout.nbytes] * self.nslots
-            msg = p.Memory(rank=rank, tier=1, nbytes=ring.nbytes(), segments=sizes)
-            self.report(msg, self.generation)
+        ring = self.rings.get(rank)
+        if ring is None:
+            ring = self.rings[rank] = RankRing(self.job_id, rank, self.nslots, self.create)
+        if (ring.alloc is None or ring.alloc.layout != layout) and not self._made(ring, layout):
+            return None
+        slot = self._begin(ring, rank, step, generation, wait)
+        return slot if not isinstance(slot, Slot) else (slot, slot.segment.buf)
+
+    def _made(self, ring: RankRing, layout: Layout) -> bool:
+        """``ring``'s slots made anew for ``layout`` (reported), if they fit."""
+        if not self._fits(ring.rank, layout):
+            return False
+        ring.allocate(layout, now=1 if self.later else None)
+        sizes = [layout.nbytes] * self.nslots
+        self.report(
+            p.Memory(rank=ring.rank, tier=1, nbytes=ring.nbytes(), segments=sizes), self.generation
+        )
+        return True
+
+    def _begin(
+        self, ring: RankRing, rank: int, step: int, generation: int, wait: bool
+    ) -> Slot | str | None:
+        """A slot of ``ring`` to write ``step`` (of ``rank``) into; FILLING, or None
+        (refused, and reported so)."""
         assert ring.alloc is not None
         index, _ = ring.begin_write(step, ring.alloc.id)
         if ring.gave_way is not None:  # held for no commit yet: it can no longer be
@@ -136,8 +159,7 @@ class PeerStore:
         if index is None:
             self._rejected(rank, step, "no free slot", generation)
             return None
-        slot = ring.slot(ring.alloc.id, index)
-        return slot, slot.segment.buf
+        return ring.slot(ring.alloc.id, index)
 
     def received(self, rank: int, step: int, buf: memoryview) -> None:
         """Bytes are in, checksum not yet checked: where in-flight corruption is injected."""
@@ -274,6 +296,10 @@ class PeerStore:
         """Drop the replicas of ranks this node no longer protects (the job was resized,
         its ranks placed anew): full slots go once no transfer leases them; a delta
         ring's memory once no reader holds it."""
+        for key in [k for k in self.accs if k not in ranks]:
+            for s in list(self.accs[key]):
+                self._drop_parity(key, s, None)
+            del self.accs[key]
         for r in [r for r in self.rings if r not in ranks]:
             ring = self.rings.pop(r)
             ring.retire()
@@ -352,12 +378,24 @@ class PeerStore:
     def committed(self, step: int) -> None:
         for ring in self._all():
             ring.set_committed(step)
+        self.settled(step)
+
+    def settled(self, step: int) -> None:
+        """Tier 1 is done with ``step`` (committed, or never will be): a parity of it or
+        an older step still being made never will be of use (a stripe of it was skipped,
+        refused or lost), and gives its slot back."""
+        for key, accs in self.accs.items():
+            for s in [s for s in accs if s <= step]:
+                self._drop_parity(key, s, None)
 
     def abort(self, step: int) -> None:
         for ring in self._all():
             ring.abort(step)
 
     def discard_after(self, step: int, committed: int) -> None:
+        for key in list(self.accs):  # a new generation: its stripes come anew
+            for s in list(self.accs[key]):
+                self._drop_parity(key, s, None)
         for ring in self._all():
             ring.discard_after(step)
             ring.protect(committed)
@@ -365,3 +403,136 @@ class PeerStore:
     def close(self) -> None:
         for ring in [*self._all(), *self.left]:
             ring.close()
+
+    # ------------------------------------------------------------ parity (--peer-parity)
+
+    def set_parity(self, held: dict[int, list[int]]) -> None:
+        """The parities this node holds in this generation: key -> the ranks in it."""
+        self.parity = {k: list(v) for k, v in held.items()}
+
+    def _key(self, rank: int) -> int | None:
+        """The parity held here that ``rank``'s stripes go into."""
+        for key, ranks in self.parity.items():
+            if rank in ranks:
+                return key
+        return None
+
+    def parity_slot(
+        self, rank: int, step: int, unit: int, generation: int = -1, wait: bool = False
+    ) -> tuple[Accumulation, memoryview] | str | None:
+        """Where a stripe of ``rank``'s ``step`` is folded in: the parity of that step,
+        begun here by its first stripe, and its buffer; None when it is not taken (and
+        reported so). The caller hands it back with :meth:`parity_added`."""
+        if self._stale(rank, step, generation):
+            return None
+        key = self._key(rank)
+        if key is None:
+            self._rejected(rank, step, "this node holds no parity of it", generation)
+            return None
+        accs = self.accs.setdefault(key, {})
+        need = self.units[key] = max(unit, self.units.get(key, 0))
+        acc = accs.get(step)
+        if acc is not None and len(acc.slot.segment.buf) < unit:
+            self._drop_parity(key, step, f"a stripe of {unit:,} bytes is over its slot")
+            self._rejected(
+                rank, step, "its slots are made anew, larger, from the next step", generation
+            )
+            return None
+        if acc is not None:
+            if rank in acc.members or rank in acc.sending:
+                self._rejected(rank, step, "its stripe came twice", generation)
+                return None
+            acc.sending.add(rank)
+            acc.slot.leases += 1
+            return acc, acc.slot.segment.buf
+        ring = self.rings.get(key)
+        if ring is None:
+            ring = self.rings[key] = RankRing(self.job_id, key, self.nslots, self.create)
+        if step in ring.held() or step <= ring.committed:
+            self._rejected(rank, step, "its parity is made already", generation)
+            return None
+        if ring.alloc is None or ring.alloc.layout.nbytes < need:
+            for s in list(accs):  # of the old slots
+                self._drop_parity(key, s, "its slots were made anew, larger")
+            if not self._made(ring, parity_layout(need)):
+                return None
+        slot = self._begin(ring, rank, step, generation, wait)
+        if not isinstance(slot, Slot):
+            return slot
+        acc = Accumulation(step, slot, frozenset(self.parity[key]), generation)
+        acc.sending.add(rank)
+        slot.leases += 1
+        accs[step] = acc
+        return acc, slot.segment.buf
+
+    def parity_added(
+        self,
+        rank: int,
+        step: int,
+        acc: Accumulation,
+        member: p.ParityMember,
+        ok: bool,
+        why: str = "",
+        generation: int = -1,
+    ) -> bool:
+        """``rank``'s stripe is folded into ``acc`` (``ok``: its checksum matched). True
+        when it completed the parity: the caller then checksums it (:meth:`parity_checked`)."""
+        refused = self._refusal(generation)
+        if ok and refused is not None:
+            ok, why = False, refused
+        acc.sending.discard(rank)
+        key = self._key(rank)
+        ring = None if key is None else self.rings.get(key)
+        if ring is None or key is None or acc.dropped:
+            self._unlease_parity(acc.slot, ring)
+            return False
+        if not ok:  # the parity holds part of a stripe now: it can never be right
+            self._drop_parity(key, step, why)
+            self._unlease_parity(acc.slot, ring)
+            return False
+        acc.members[rank] = member
+        acc.slot.leases -= 1
+        if set(acc.members) != acc.expected:
+            return False
+        assert ring.alloc is not None
+        members = [acc.members[r] for r in sorted(acc.members)]
+        ring.written(acc.slot.index, step, ring.alloc.id, {"members": members})
+        del self.accs[key][step]
+        return True
+
+    def parity_checked(self, acc: Accumulation, checksum: str, generation: int = -1) -> None:
+        """A complete parity's checksum: it is held, and older ones still being made can
+        no longer be of use."""
+        slot = acc.slot
+        key = next((k for k, r in self.rings.items() if r.alloc and slot in r.alloc.slots), None)
+        ring = None if key is None else self.rings[key]
+        stale = self._refusal(generation) is not None or slot.state is not SlotState.CHECKING
+        if ring is None or key is None or stale or slot.step != acc.step:
+            if ring is not None:
+                ring.abandon(slot)
+            return
+        ring.checked(slot, checksum)
+        for s in [s for s in self.accs.get(key, {}) if s < acc.step]:
+            self._drop_parity(key, s, f"step {acc.step} was complete first")
+        self._inject(key, acc.step, slot.segment.buf, "memory")
+
+    def _drop_parity(self, key: int, step: int, why: str | None) -> None:
+        """A parity being made is given up (``why`` reported, None: silently): its slot is
+        free once no stripe is arriving into it."""
+        acc = self.accs.get(key, {}).pop(step, None)
+        if acc is None:
+            return
+        acc.dropped = True
+        slot = acc.slot
+        slot.state = SlotState.ABANDONED if slot.leases else SlotState.FREE
+        if not slot.leases:
+            slot.step, slot.checksum, slot.tree = -1, "", {}
+        if why is not None:
+            rank = min(acc.expected, default=key)
+            self._rejected(rank, step, f"parity not made: {why}", acc.generation)
+
+    def _unlease_parity(self, slot: Slot, ring: RankRing | None) -> None:
+        if ring is not None:
+            ring.unlease(slot)
+        else:
+            slot.leases = max(0, slot.leases - 1)
