@@ -385,3 +385,33 @@ def test_a_jobs_leftovers_go_and_what_was_there_before_stays(tmp_path: Path) -> 
     assert sorted(p.name for p in shm.iterdir()) == ["another_programs_new", "someone_elses"]
     assert [p.name for p in sock.iterdir()] == ["old.sock"]
     assert not logs.exists(), "a folder the job made goes with it"
+
+
+def test_a_round_that_would_end_past_the_budget_is_not_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """12-04: on a slow day bench peers ran past bench all's 30 minutes and was killed with
+    all its rounds; with a budget it stops between rounds, at the pace of those done."""
+    monkeypatch.setattr(peers.time, "monotonic", lambda: 1000.0)
+    # started at 0, rounds from 100: 900 s for 2 rounds done, the next ~450 s more
+    assert peers._round_fits(1450.0, 0.0, 100.0, 2)
+    assert not peers._round_fits(1449.0, 0.0, 100.0, 2)
+    assert peers._round_fits(10.0, 0.0, 100.0, 0), "the first round always runs"
+    assert peers._round_fits(0.0, 0.0, 100.0, 5), "no budget"
+
+
+def test_bench_all_gives_bench_peers_its_deadline_less_a_margin_as_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierswap.bench import suite
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(suite, "run_bounded", lambda cmd, *a: ran.append(cmd) or 0)
+    suite.run_one(suite.Bench("peers", "peers", (), ("--repeats", "3"), 30), tmp_path, False)
+    suite.run_one(suite.Bench("dcp", "dcp", (), ("--repeats", "3"), 8), tmp_path, False)
+    peers_cmd, dcp_cmd = ran
+    budget = float(peers_cmd[peers_cmd.index("--budget-s") + 1])
+    assert budget == 30 * 60 - suite.BUDGET_MARGIN_S
+    assert "--budget-s" not in dcp_cmd
+    args = argparse.Namespace(size_mib=[8], repeats=2, peers_python=None, budget_s=budget)
+    assert peers.config_from(args).budget_s == budget

@@ -463,6 +463,13 @@ def parser() -> argparse.ArgumentParser:
         help="all: run only these benchmarks of the run (the others are not run)",
     )
     bench.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="peers: seconds the run may take; a round that would end past them is not "
+        "started (bench all gives its deadline, less a margin)",
+    )
+    bench.add_argument(
         "--peers-python",
         default=None,
         help="peers: the Python with DLRover and torchft (default .venv-peers/bin/python, "

@@ -233,6 +233,10 @@ class Config:
     """Steps of every job (the recoveries need the default: their kill is at step 8)."""
     pinned: bool = True
     """Also run the pinned twins of tierswap's plain, tier0 and tier01 jobs (``OVERHEAD``)."""
+    budget_s: float = 0.0
+    """Seconds the whole run may take (``bench all`` gives its deadline less a margin):
+    a round that would end past it, at the pace of the rounds before, is not started, and
+    the report says how many ran. 0: no budget."""
 
     def __post_init__(self) -> None:
         if self.size_mib < 1 or self.repeats < 1:
@@ -597,7 +601,16 @@ def run(cfg: Config) -> dict[str, Any]:
         own = {s: ref for ref, s in OWN_REFERENCE.items() if ref in needed and s in ckpt}
         for name in sorted(needed - set(own.values())):  # first: also warms the page cache
             bench.reference(name)
+        rounds_start = time.monotonic()
         for r in range(cfg.repeats):
+            if not _round_fits(cfg.budget_s, t_start, rounds_start, r):
+                print(f"round {r + 1} of {cfg.repeats} not run: the budget", flush=True)
+                out["config"]["rounds_run"] = r
+                out["config"]["stopped"] = (
+                    f"{r} of {cfg.repeats} rounds: another would end past the run's budget "
+                    f"of {cfg.budget_s:.0f} s at the pace of those before"
+                )
+                break
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
             for system in _order(ckpt + twins, r):
                 ref = own.get(system)
@@ -626,6 +639,15 @@ def run(cfg: Config) -> dict[str, Any]:
     out["failures"] = bench.failures
     out["config"]["seconds"] = time.monotonic() - t_start
     return out
+
+
+def _round_fits(budget_s: float, t_start: float, rounds_start: float, done: int) -> bool:
+    """Whether round ``done + 1`` ends within ``budget_s`` of ``t_start``, at the pace of
+    the rounds done (each as long as their mean); the first always runs."""
+    if not budget_s or not done:
+        return True
+    now = time.monotonic()
+    return now + (now - rounds_start) / done <= t_start + budget_s
 
 
 def overhead_plan(
@@ -816,6 +838,7 @@ def config_from(args: Any) -> Config:
         repeats=args.repeats,
         peers_python=python,
         only=None if only is None else frozenset(only),
+        budget_s=float(getattr(args, "budget_s", None) or 0.0),
     )
 
 

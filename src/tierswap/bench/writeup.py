@@ -245,9 +245,11 @@ def _peers_section(res: Res, limits: Res) -> list[str]:
     cfg = res.get("config", {})
     env = cfg.get("env", {})  # runs before 12-03 did not record it
     given = "".join(f", every job with `{k}={v}`" for k, v in env.items())
+    rounds = cfg.get("rounds_run", cfg.get("repeats", "?"))
+    stopped = f" (stopped at {cfg['stopped']})" if "stopped" in cfg else ""
     out += [
         f"The same model for every system ({cfg.get('size_mib', '?')} MiB of state per "
-        f"rank, 2 ranks), {cfg.get('repeats', '?')} interleaved rounds{given}.",
+        f"rank, 2 ranks), {rounds} interleaved rounds{stopped}{given}.",
         "",
     ]
     ck = res.get("checkpoint", {})
