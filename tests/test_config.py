@@ -29,6 +29,10 @@ pytestmark = pytest.mark.timeout(60)
             r"--peer-parity 3 .* needs --replicas 1 \(got 2\)",
         ),
         (
+            {"nodes": 3, "peer_parity": 3, "max_redo": 0},
+            r"--peer-parity 3 needs --max-redo 1 or more: a parity is of use only while",
+        ),
+        (
             {"nodes": 3, "peer_parity": 3, "memory_tiers": "delta"},
             r"needs --replicas 1 .* and --memory-tiers full \(got 'delta'\)",
         ),

@@ -76,7 +76,7 @@ def scenario(seed: int, since_12_05: bool = True) -> Sim:
     # drawn after the rest, so that a seed keeps the shape and chaos it had before these
     cfg = dataclasses.replace(
         cfg,
-        peer_parity=rng.choice([0, 0, 2, 3]) if cfg.replicas == 1 else 0,
+        peer_parity=rng.choice([0, 0, 2, 3]) if cfg.replicas == 1 and cfg.max_redo else 0,
         slots=rng.choice([3, 3, 2]),
         peer_slots=rng.choice([3, 3, 2]),
     )

@@ -524,3 +524,22 @@ def test_closing_a_server_cuts_the_connections_left_open_and_ends_their_threads(
         for chan in clients:
             chan.close()
         srv.close()  # twice is harmless
+
+
+def test_bulk_bytes_from_a_peer_that_goes_silent_give_up_after_the_idle_limit() -> None:
+    """A sender gone without a reset (a dead machine) mid-transfer: the receiver stops
+    waiting after ``idle`` seconds instead of TCP's keepalive, and the channel reads on."""
+    a, b = _pipe()
+    try:
+        buf = memoryview(bytearray(1 << 20))
+        a.send_raw(memoryview(b"x" * 1000))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"sent nothing for 0.3 s after 1000 of 1048576"):
+            b.recv_raw_into(buf, idle=0.3)
+        assert 0.25 < time.monotonic() - t0 < 5
+        a.send_raw(memoryview(b"y" * 10))  # no limit left behind on the socket
+        b.recv_raw_into(buf[:10])
+        assert bytes(buf[:10]) == b"y" * 10
+    finally:
+        a.close()
+        b.close()

@@ -42,8 +42,10 @@ class Config:
     1 while replication keeps up), the newest, and one being written; a fourth keeps every
     step's snapshot while tier 1 trails tier 0 (else such a step is skipped, and counted).
     2 is the least: the committed step and one being written, so a step is skipped
-    whenever the one before is not yet committed when its snapshot is taken (with tier 1
-    on, ``--max-redo 1`` makes that rare: the optimizer step waits for tier 1)."""
+    whenever the one before is not yet committed when its snapshot is taken; with tier 1
+    on, the step tier 1 committed is the one kept, tier 0's own newer commit giving way
+    when they differ (``--max-redo 1``, the default, makes them the same step wherever
+    replication keeps up)."""
     peer_slots: int = 3
     """Tier-1 slots per protected rank on each of the ``--replicas`` peers holding its
     replicas: the step committed in tier 1, the newest received (held for the next
@@ -68,9 +70,10 @@ class Config:
     other node's, so a node holds ``slots + peer_slots / (group - 1)`` times its ranks'
     state (3x with ``--slots 2 --peer-slots 2 --peer-parity 3``) instead of ``slots +
     peer_slots``. It survives one lost node per group (two in one group fall back to tier
-    2); a lost rank is rebuilt from its parity and the survivors' own tier 0, twice the
-    bytes of a copy. 0 keeps ``--replicas`` full copies. Needs ``--replicas 1`` and
-    ``--memory-tiers full``."""
+    2); a lost rank is rebuilt from its parities and the survivors' own tier 0, reading
+    ``group - 1`` times its state where a copy reads it once. 0 keeps ``--replicas`` full
+    copies. Needs ``--replicas 1``, ``--memory-tiers full`` and ``--max-redo`` 1 or
+    more."""
     max_redo: int = 1
     """Steps of work a node failure may cost while tier 1 is on. The ``optimizer.step()``
     of step t waits until tier 1 has committed step t - max_redo (or a failure there, a
@@ -192,6 +195,13 @@ class Config:
             raise ValueError(
                 f"peer_parity must be 0 (full replicas) or a group of >= 2 nodes, got "
                 f"{self.peer_parity}"
+            )
+        if self.peer_parity and self.max_redo < 1:
+            raise ValueError(
+                f"--peer-parity {self.peer_parity} needs --max-redo 1 or more: a parity is of "
+                "use only while the other ranks of its set still hold its step in tier 0, and "
+                "without the trainers waiting for tier 1 their tier 0 moves on before the "
+                "parities are made (a lost node then finds no step to come back to)"
             )
         if self.peer_parity and (self.replicas != 1 or self.memory_tiers != "full"):
             raise ValueError(

@@ -18,9 +18,10 @@
   generation G (it has its plan; the other ranks are restoring);
 - ``stop:rank=R:step=S``, ``stop:node=I:step=S``: freeze a worker or a whole node with
   SIGSTOP (a hang);
-- ``corrupt:rank=R:step=S:where=flight|memory|base``: flip a byte of every tier-1
+- ``corrupt:rank=R:step=S:where=flight|memory|base|parity``: flip a byte of every tier-1
   replica of rank R from step S on, as it arrives (before its checksum is checked), once
-  stored, or (``--memory-tiers delta``) in the base its deltas are made against;
+  stored, or (``--memory-tiers delta``) in the base its deltas are made against; or
+  (``--peer-parity``) of every parity the node of rank R holds for R's set, once made;
 - ``delay:node=I:seconds=F``: hold every tier-1 transfer from node I for F seconds
   before it is sent (a slow network);
 - ``fail:persist:step=S``: node agents fail their tier-2 writes of step S (a store that
@@ -62,7 +63,7 @@ FORMS = (
     "kill:rank=R:gen=G:during=restore",
     "stop:node=I:step=S",
     "stop:rank=R:step=S",
-    "corrupt:rank=R:step=S:where=flight|memory|base",
+    "corrupt:rank=R:step=S:where=flight|memory|base|parity",
     "delay:node=I:seconds=F",
     "fail:persist:step=S",
     "slow:rank=R:seconds=F",
@@ -83,7 +84,7 @@ class Injection:
     index: int
     step: int
     where: str = ""
-    """For corrupt: flight, memory or base."""
+    """For corrupt: flight, memory, base or parity."""
     gen: int = -1
     """For ``kill:node=I:gen=G``: the generation whose start fires it (step is -1)."""
     during: str = ""
@@ -116,7 +117,8 @@ class Injection:
             return Injection("kill", "node", int(m.group(1)), -1, gen=int(m.group(2)))
         if m := re.fullmatch(rf"delay:node=(\d+):seconds={_NUMBER}", text):
             return Injection("delay", "node", int(m.group(1)), -1, seconds=float(m.group(2)))
-        if m := re.fullmatch(r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base)", text):
+        corrupt = r"corrupt:rank=(\d+):step=(\d+):where=(flight|memory|base|parity)"
+        if m := re.fullmatch(corrupt, text):
             return Injection("corrupt", "rank", int(m.group(1)), int(m.group(2)), m.group(3))
         if m := re.fullmatch(r"fail:persist:step=(\d+)", text):
             return Injection("fail", "persist", -1, int(m.group(1)))

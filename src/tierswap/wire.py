@@ -41,6 +41,11 @@ from tierswap.interrupt import own_call
 
 Address = str | tuple[str, int]
 R = TypeVar("R", bound=Message)
+
+BULK_IDLE_S = 30.0
+"""A replica server takes a sender that sends nothing for this long mid-transfer for gone:
+the transfer is cut and the slot it was filling freed (the sender's side gives up after
+as long, ``SEND_LIMIT_S``)."""
 log = logging.getLogger(__name__)
 
 MAGIC = b"tierswap wire 1\n"
@@ -430,20 +435,41 @@ class Channel:
         with self._send_lock:
             self.sock.sendall(data)
 
-    def recv_raw_into(self, buf: memoryview) -> None:
+    def recv_raw_into(self, buf: memoryview, idle: float = 0.0) -> None:
         """Receive exactly ``len(buf)`` announced bulk bytes straight into ``buf``; a dead
-        peer ends the wait with EOF or a reset."""
+        peer ends the wait with EOF or a reset, and (``idle`` > 0) one that sends nothing
+        for ``idle`` seconds with an OSError: a host gone without a reset (a dead machine,
+        a cut link) would otherwise hold the wait, and the slot it fills, until TCP's
+        keepalive, hours."""
         got = 0
         # MSG_WAITALL: one call (and one wait for the GIL) per 16 MiB, not one per few
         # hundred KiB the kernel has at hand; the GIL convoy with a busy thread cost a
         # spare's restore fetch 0.3 to 0.6 s for 75 MiB while its model was being built.
-        # (A TLS socket takes no flags: it reads record by record.)
+        # (A TLS socket takes no flags: it reads record by record.) The idle limit is the
+        # kernel's (SO_RCVTIMEO): a Python timeout would make the socket non-blocking, and
+        # MSG_WAITALL then returns what is at hand.
         flags = 0 if isinstance(self.sock, ssl.SSLSocket) else socket.MSG_WAITALL
-        while got < len(buf):
-            n = self.sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24), flags)
-            if n == 0:
-                raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
-            got += n
+        if idle > 0:
+            self._rcvtimeo(idle)
+        try:
+            while got < len(buf):
+                n = self.sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24), flags)
+                if n == 0:
+                    raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
+                got += n
+        except BlockingIOError:
+            raise TimeoutError(
+                f"the peer sent nothing for {idle:g} s after {got} of {len(buf)} bytes"
+            ) from None
+        finally:
+            if idle > 0:
+                self._rcvtimeo(0.0)
+
+    def _rcvtimeo(self, seconds: float) -> None:
+        whole = int(seconds)
+        tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
     def give_up_after(self, seconds: float) -> None:
         """A send to a host that vanished (no reset, no FIN: a dead machine, a cut link)

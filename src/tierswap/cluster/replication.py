@@ -124,11 +124,15 @@ class Replicator:
                     if self.announce and self.announce_to is not None:
                         self.announce_to(p.Replicating(rank=rank, step=step, peer=node), generation)
                     if not send(chan, j):
+                        if self.parity:  # the step's parity cannot be made: no more stripes
+                            break
                         continue  # refused: the peer reports why
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
                     error = f"{type(e).__name__}: {e}"
                     self.post(ReplicationFailed(rank, step, node, error, generation))
+                    if self.parity:
+                        break
             if base is not None and base.step == step and self.base_root is not None:
                 self._persist_base(rank, base, generation)
         finally:  # always: the slot is unleased and the rank's next snapshot can go

@@ -345,7 +345,9 @@ class AgentCore:
         self.peers.set_parity(msg.parity)
         self.peers.keep_only(self.peers.protects)
         self.peers.corrupt = self.faults.corruptions()
-        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated)}
+        # the restored step and older ones are never held for tier 1 again: no node sends
+        # them anew, so a node that lost them (a new one) never holds them
+        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated, passed=restart)}
         self.persisting.clear()
         targets = {r: tuple(t) for r, t in msg.placement.items()}
         self.queue.reset(generation, targets)
@@ -405,11 +407,18 @@ class AgentCore:
         hold = self.holds[tier]
         if self.phase != AgentPhase.SERVING or hold.held is not None:
             return
-        newest = self.rings.newest_complete() if tier == 0 else self.peers.newest_complete()
+        if tier == 0:
+            newest = self.rings.newest_complete()
+        elif self.peers.parity:  # a parity is of use while the set's tier 0 holds the step
+            newest = max(self.peers.complete() & self.rings.complete(), default=-1)
+        else:
+            newest = self.peers.newest_complete()
         if newest <= max(hold.committed, hold.passed):
             return
         ok = self.rings.propose(newest) if tier == 0 else self.peers.propose(newest)
         assert ok, f"tier {tier}: step {newest} is complete but cannot be held"
+        if tier == 1 and self.peers.parity:
+            self.rings.peer_hold(newest)
         hold.held = newest
         self._tell(p.Held(tier=tier, step=newest))
 
@@ -418,9 +427,14 @@ class AgentCore:
         coordinator stops counting it, and the next complete step is held instead."""
         for tier, hold in self.holds.items():
             rings = self.rings if tier == 0 else self.peers
-            if hold.held is not None and not rings.holds_everywhere(hold.held):
+            if hold.held is None:
+                continue
+            backed = tier == 0 or not self.peers.parity or self.rings.holds_everywhere(hold.held)
+            if not (rings.holds_everywhere(hold.held) and backed):
                 self._tell(p.Unheld(tier=tier, step=hold.held))
                 hold.held = None
+                if tier == 1:
+                    self.rings.peer_hold(-1)
                 self._maybe_hold(tier)
 
     def _committed(self, tier: int, step: int) -> None:
@@ -438,7 +452,21 @@ class AgentCore:
             self.workers.settled(step)
         if hold.held is not None and hold.held <= step:
             hold.held = None
+            if tier == 1:
+                self.rings.peer_hold(-1)  # kept as tier 1's commit, or of no use
         self._maybe_hold(tier)
+
+    def _let_peer_hold_go(self, step: int) -> None:
+        """A rank's tier 0 wrote over the step this node held for tier 1 (parity): the
+        node can no longer back it, so it lets the hold go and never holds it again."""
+        hold = self.holds[1]
+        if hold.held == step:
+            self.peers.abort(step)
+            self.rings.peer_hold(-1)
+            hold.held = None
+            self._tell(p.Unheld(tier=1, step=step))
+        hold.passed = max(hold.passed, step)
+        self._maybe_hold(1)
 
     def _release(self, tier: int, step: int) -> None:
         hold = self.holds[tier]
@@ -447,6 +475,7 @@ class AgentCore:
                 self.rings.abort(step)
             else:
                 self.peers.abort(step)
+                self.rings.peer_hold(-1)
             hold.held = None
         hold.passed = max(hold.passed, step)
         self._maybe_hold(tier)
@@ -564,6 +593,8 @@ class AgentCore:
         self._reply(conn, p.SlotGranted(slot=slot, filling=filling))
         if ring.gave_way is not None:  # that step's snapshot is gone before it committed
             self._tell(p.Skipped(rank=msg.rank, step=ring.gave_way))
+        if ring.hold_gave_way is not None:
+            self._let_peer_hold_go(ring.hold_gave_way)
         if filling:
             return
         if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:
@@ -662,6 +693,8 @@ class AgentCore:
         ring.checked(event.slot, event.checksum)
         self._add(self.queue.offer(event.rank, ring))
         self._maybe_hold(0)
+        if self.peers.parity:  # a parity complete before its step was in tier 0 here
+            self._maybe_hold(1)
         self._maybe_stopped()
 
     def _persist(self, msg: p.Persist) -> None:

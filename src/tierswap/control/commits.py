@@ -156,11 +156,17 @@ def newest_parity(
     holds: Mapping[int, Mapping[int, Iterable[int]]],
     live: set[int],
     upto: int,
+    memory: Mapping[int, Iterable[int]],
+    world_size: int,
 ) -> int:
     """``--peer-parity``: the newest step up to ``upto`` whose every parity is complete at
-    its holder, every holder up (tier 1's commit at a start). ``held``: key -> node ->
-    steps held; ``holds``: node -> the keys it holds."""
+    its holder, every holder up, and which every rank's own tier 0 holds, which a rebuild
+    reads (tier 1's commit at a start). ``held``: key -> node -> steps held; ``holds``:
+    node -> the keys it holds; ``memory``: rank -> the steps its tier 0 holds."""
     candidates: set[int] | None = None
+    for rank in range(world_size):
+        steps = {s for s in memory.get(rank, ()) if s <= upto}
+        candidates = steps if candidates is None else candidates & steps
     for node, keys in holds.items():
         for key in keys:
             if node not in live:

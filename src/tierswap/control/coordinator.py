@@ -777,6 +777,16 @@ class CoordinatorCore:
         self.out.say(f"rank {rank}: {msg.where}: {msg.why}; trying an older step")
 
     def _peer_memory_exceeded(self, node: int | None, msg: p.PeerMemoryExceeded) -> None:
+        if self.parity is not None:
+            sets = sorted(
+                {r for key in msg.ranks for r in self.parity.holds[node or 0].get(key, [])}
+            )
+            raise JobStopped(
+                f"node {node} must hold {msg.need:,} bytes of parity for ranks {sets} "
+                f"({self.cfg.peer_slots} peer slots each, --peer-parity {self.cfg.peer_parity}), "
+                f"more than --max-peer-memory {msg.limit:,}. Raise --max-peer-memory, use "
+                "fewer --peer-slots, or a larger --peer-parity group (smaller parities)."
+            )
         raise JobStopped(
             f"node {node} must hold {msg.need:,} bytes of replicas for ranks {msg.ranks} "
             f"({self.cfg.peer_slots} peer slots each, --memory-tiers {self.cfg.memory_tiers}), "

@@ -94,7 +94,9 @@ def reset_commits(core: CoordinatorCore, holdings: Holdings, restart: int) -> tu
     ws = core.world_size
     live = set(core.hosts.members)
     if core.parity is not None:
-        replicated = newest_parity(holdings.parity_held, core.parity.holds, live, restart)
+        replicated = newest_parity(
+            holdings.parity_held, core.parity.holds, live, restart, holdings.memory, ws
+        )
     else:
         replicated = newest_replicated(ws, holdings.peer, core.targets, live, restart)
     committed = (newest_in_memory(ws, holdings.memory, restart), replicated)

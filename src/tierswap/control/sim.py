@@ -127,7 +127,9 @@ class Sim:
 
         def step(value: Any = None) -> None:
             try:
-                wait = coroutine.send(value) if alive() else coroutine.throw(ProcessDied())
+                # a process that died gets the answer it was waiting for with the exception,
+                # to give back what its peer set aside for it (a slot)
+                wait = coroutine.send(value) if alive() else coroutine.throw(ProcessDied(value))
             except (StopIteration, ProcessDied):
                 return
             match wait:

@@ -184,8 +184,7 @@ class SimHost:
             self.feed(ae.Replicated(job.rank, job.step, job.slot, job.generation))
         except ProcessDied:  # the sender died mid-transfer: the peer sees it cut off
             if peer is not None and token is not None:
-                cut = {**fields, "token": token, "ok": False, "why": "transfer cut off"}
-                peer.ask("replica_written", cut)
+                peer.ask("replica_written", self._cut(job, {}, token))
             raise
 
     def _send_stripes(self, job: ae.Replicate) -> Generator[Any, Any, None]:
@@ -234,10 +233,7 @@ class SimHost:
             self.feed(ae.Replicated(job.rank, job.step, job.slot, job.generation))
         except ProcessDied:  # the sender died mid-transfer: the peer sees it cut off
             if peer is not None and acc is not None:
-                member = p.ParityMember(rank=job.rank, stripe=-1, nbytes=0, unit=unit,
-                                        layout=job.layout, tree={}, checksum="")  # fmt: skip
-                cut = {**fields, "acc": acc, "member": member, "ok": False, "why": "cut off"}
-                peer.ask("parity_added", cut)
+                peer.ask("parity_added", self._cut(job, {"unit": unit}, acc))
             raise
 
     def _room(
@@ -249,11 +245,32 @@ class SimHost:
         if peer is None:
             self._failed(job, node, "refused")
             return None
-        while (got := (yield Ask(peer, op, ask))) == FILLING:
+        while True:
+            try:
+                got = yield Ask(peer, op, ask)
+            except ProcessDied as died:  # the room it was given goes back, as its
+                room = died.args[0] if died.args else None  # connection closes there
+                if isinstance(room, tuple):
+                    token = room[0]
+                    done = "replica_written" if op == "replica_slot" else "parity_added"
+                    peer.ask(done, self._cut(job, ask, token))
+                raise
+            if got != FILLING:
+                break
             yield 0.005
         if got is Dead:
             self._failed(job, node, "peer gone")
         return None if got is Dead or got is None else (peer, got)
+
+    def _cut(self, job: ae.Replicate, ask: dict[str, Any], token: Any) -> dict[str, Any]:
+        """What a peer's server tells its loop of a transfer its sender died in."""
+        fields = {"rank": job.rank, "step": job.step, "generation": job.generation}
+        cut = {**fields, "ok": False, "why": "transfer cut off"}
+        if "unit" not in ask:  # a replica's slot
+            return {**cut, "token": token}
+        member = p.ParityMember(rank=job.rank, stripe=-1, nbytes=0, unit=ask["unit"],
+                                layout=job.layout, tree={}, checksum="")  # fmt: skip
+        return {**cut, "acc": token, "member": member}
 
     def _failed(self, job: ae.Replicate, node: int, error: str) -> None:
         self.feed(ae.ReplicationFailed(job.rank, job.step, node, error, job.generation))

@@ -2,8 +2,10 @@
 
 Invariants (DESIGN.md): a slot being written, checksummed, persisted or restored from is
 leased and never handed out; the newest committed step is never overwritten before a
-newer one is committed; when no slot is free the step is skipped, never waited for
-(except while the ring's slots are still being made, for at most ``FILL_LIMIT_S``).
+newer one is committed (with one exception: in a ring of two, tier 0's own commit gives
+way to tier 1's older one, see :meth:`RankRing.begin_write`); when no slot is free the
+step is skipped, never waited for (except while the ring's slots are still being made,
+for at most ``FILL_LIMIT_S``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ class RankRing(CommitVotes):
         self.peer_committed = -1
         """The step committed in tier 1: kept here too, so that after a node loss the
         survivors still hold the step its ranks come back with from peers."""
+        self.peer_held = -1
+        """With tier 1 as parity, the step this node holds for tier 1's commit: kept here
+        too from the hold on, since a lost rank of its set is rebuilt from it."""
+        self.hold_gave_way: int | None = None
+        """The tier-1 hold (``peer_held``) the last :meth:`begin_write` wrote over: the
+        caller lets the node's hold of it go."""
         self.skipped = 0
         self.gave_way: int | None = None
         """The step the last :meth:`begin_write` wrote over although it was this rank's
@@ -214,12 +222,18 @@ class RankRing(CommitVotes):
         """A slot for ``step``, or None to skip it; also the steps whose slot it reuses.
 
         Never reused: a leased slot, the committed step (of this tier, and in tier 0 also
-        tier 1's), a step proposed for commit, and this rank's newest snapshot (so ranks
-        that run in step always share one to commit) unless every other slot is kept: then
-        the newest, proposed for no commit, gives way (once the ring's slots are all made):
-        were it kept then too, a ring of 3 whose newest step parted from the other ranks'
-        of its node (a snapshot skipped on one of them) would keep every slot and never
-        hold a step in common with them again.
+        tier 1's), a step proposed for commit, in tier 0 with parity the step held for tier
+        1's commit, and this rank's newest snapshot (so ranks that run in step always share
+        one to commit). When every slot is kept, and once the ring's slots are all made,
+        one gives way, in this order, rather than every later step be skipped:
+
+        - the newest, proposed for no commit: were it kept, a ring of 3 whose newest step
+          parted from the other ranks' of its node (a snapshot skipped on one of them)
+          would keep every slot and never hold a step in common with them again;
+        - the step held for tier 1's commit (parity, ``peer_held``), which the caller then
+          lets go (``hold_gave_way``): a hold the other nodes cannot meet kept it for ever;
+        - in a ring of two, tier 0's own commit where tier 1's older one is kept too
+          (:meth:`_tier0_gives_way`).
         """
         a = self.alloc
         if a is None or a.id != alloc_id:
@@ -228,7 +242,7 @@ class RankRing(CommitVotes):
             raise UsageError(a.error)
         live = [s.step for s in a.slots if s.state in (SlotState.HELD, SlotState.CHECKING)]
         newest = max(live, default=-1)
-        kept = {self.committed, *self.proposed, self.peer_committed}  # for a commit
+        kept = {self.committed, *self.proposed, self.peer_committed, self.peer_held}
         keep = kept | {newest}
         free = [s for s in a.slots if s.state is SlotState.FREE and not s.leases]
         stale = [
@@ -243,6 +257,18 @@ class RankRing(CommitVotes):
                 if s.state is SlotState.HELD and s.step == newest and not s.leases
             ]
             self.gave_way = newest if candidates else None
+        self.hold_gave_way = None
+        held_for_tier_1 = {self.committed, self.peer_committed, *self.proposed}
+        if not candidates and not a.filling and self.peer_held not in held_for_tier_1:
+            # every slot kept, one of them for a tier-1 hold (parity) that has not come to a
+            # commit: it gives way, and the node lets the hold go, rather than skip every
+            # later step (a hold the other nodes cannot meet would keep the slot for ever)
+            candidates = [
+                s
+                for s in a.slots
+                if s.state is SlotState.HELD and s.step == self.peer_held and not s.leases
+            ]
+            self.hold_gave_way = self.peer_held if candidates else None
         if not candidates and not a.filling and self._tier0_gives_way(live):
             # two slots, tier 1 behind tier 0: both commits held, every later step would be
             # skipped, and tier 1 (fed by tier 0) could never catch up. Tier 0's own commit
@@ -265,7 +291,8 @@ class RankRing(CommitVotes):
         """A ring of two holds tier 0's commit and tier 1's older one, and nothing else
         (``--slots 2``, the rule above)."""
         b, c = self.peer_committed, self.committed
-        return self.nslots == 2 and 0 <= b < c and b in live and c not in self.proposed
+        kept = c in self.proposed or c == self.peer_held
+        return self.nslots == 2 and 0 <= b < c and b in live and not kept
 
     def written(self, slot_index: int, step: int, alloc_id: int, tree: dict[str, Any]) -> Slot:
         """The worker finished copying; the slot waits for its checksum (leased)."""
@@ -337,6 +364,10 @@ class RankRing(CommitVotes):
             slot.state, slot.step, slot.checksum, slot.tree = SlotState.FREE, -1, "", {}
         self._drop_retired()
 
+    def held_or_made(self) -> list[Slot]:
+        """Every slot of this ring, of its allocation and of retired ones still leased."""
+        return [s for a in ([self.alloc] if self.alloc else []) + self.retired for s in a.slots]
+
     def layout(self) -> Layout:
         assert self.alloc is not None
         return self.alloc.layout
@@ -389,20 +420,29 @@ class NodeRings:
         for ring in self.by_rank.values():
             ring.discard_after(restart)
             ring.protect(committed)
-            ring.peer_committed = peer_committed
+            ring.peer_committed, ring.peer_held = peer_committed, -1
 
     def holds_everywhere(self, step: int) -> bool:
         return all(step in ring.held() for ring in self.by_rank.values())
 
     def newest_complete(self) -> int:
         """The newest step every ring holds (-1 when there is none)."""
+        return max(self.complete(), default=-1)
+
+    def complete(self) -> set[int]:
+        """The steps every ring holds."""
         common: set[int] | None = None
         for ring in self.by_rank.values():
             steps = set(ring.held())
             common = steps if common is None else common & steps
             if not common:
-                return -1
-        return max(common or (), default=-1)
+                return set()
+        return common or set()
+
+    def peer_hold(self, step: int) -> None:
+        """Keep ``step`` (-1: none) while this node holds it for tier 1's commit."""
+        for ring in self.by_rank.values():
+            ring.peer_held = step
 
     def propose(self, step: int) -> bool:
         """Every ring holds ``step`` (and keeps it); if one does not, none keeps it."""

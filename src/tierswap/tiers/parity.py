@@ -36,7 +36,7 @@ from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout, TensorEntry
 from tierswap.shm import populated
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING, Slot
-from tierswap.wire import Address, Channel
+from tierswap.wire import BULK_IDLE_S, Address, Channel
 
 ALIGN = 4096
 """A stripe starts at a multiple of this many bytes of its snapshot."""
@@ -259,7 +259,7 @@ def receive(
         digest = hasher()
         for start in range(0, m.nbytes, CHUNK):
             data = scratch(min(CHUNK, m.nbytes - start))
-            chan.recv_raw_into(data)
+            chan.recv_raw_into(data, idle=BULK_IDLE_S)
             digest.update(data)
             acc.fold(buf, start, data)
     except BaseException:
@@ -329,13 +329,18 @@ def rebuild(
         for j, (key, holder) in enumerate(zip(source.keys, source.holders, strict=True)):
             chan = _chan(chans, holder, secret, tls)
             reply = chan.call(p.FetchParity(key=key, step=step), (p.ParityServing, p.Missing))
+            what = f"the parity of its stripe {j} at {holder[0]}:{holder[1]}"
             if isinstance(reply, p.Missing):
-                raise CorruptPartError(where, f"parity {key} at {holder}: {reply.why}")
+                raise CorruptPartError(where, f"{what}: {reply.why}")
             assert isinstance(reply, p.ParityServing)
             stripes = {m.rank: m for m in reply.members}
             mine = stripes.get(rank)
-            if mine is None or mine.stripe != j:
-                raise CorruptPartError(where, f"parity {key} at {holder} holds no stripe {j} of it")
+            if (
+                mine is None
+                or mine.stripe != j
+                or (me is not None and mine.checksum != me.checksum)
+            ):
+                raise CorruptPartError(where, f"{what} holds no stripe {j} of this snapshot")
             if me is None:
                 me = mine
                 me.layout.check()

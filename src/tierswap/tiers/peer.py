@@ -22,7 +22,7 @@ from tierswap.layout import Layout
 from tierswap.shm import populated
 from tierswap.tiers import parity
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING
-from tierswap.wire import Address, Channel, Server
+from tierswap.wire import BULK_IDLE_S, Address, Channel, Server
 
 if TYPE_CHECKING:
     from tierswap.tiers.deltas import Base
@@ -125,7 +125,7 @@ class ReplicaServer(Server):
         buf = room[: layout.nbytes]
         try:  # from here on the slot is the transfer's: freed if anything goes wrong
             chan.send(p.Room(ok=True))
-            chan.recv_raw_into(buf)
+            chan.recv_raw_into(buf, idle=BULK_IDLE_S)
         except BaseException:
             self.ask(
                 "replica_written",
@@ -175,7 +175,7 @@ class ReplicaServer(Server):
             "base_durable": msg.base_durable,
         }
         try:
-            chan.recv_raw_into(memoryview(data))
+            chan.recv_raw_into(memoryview(data), idle=BULK_IDLE_S)
         except BaseException:
             self.ask(
                 "replica_delta_written",

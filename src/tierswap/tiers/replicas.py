@@ -73,6 +73,12 @@ class PeerStore:
         (its ring is ``rings[key]``)."""
         self.accs: dict[int, dict[int, Accumulation]] = {}
         """key -> step -> a parity being made as its stripes arrive."""
+        self.done = -1
+        """The newest step tier 1 is done with here (committed or settled): a stripe of it
+        or an older one is refused (``--peer-parity``)."""
+        self.dropped: set[tuple[int, int]] = set()
+        """(key, step) of parities given up in this generation: a late stripe of one would
+        begin it anew, and it could never be complete."""
         self.units: dict[int, int] = {}
         """key -> the longest stripe unit seen: the size its slots are made at (ranks of a
         set may hold states of different sizes; the first step that shows it is lost)."""
@@ -328,6 +334,10 @@ class PeerStore:
 
     def newest_complete(self) -> int:
         """The newest step held for every protected rank (-1 when there is none)."""
+        return max(self.complete(), default=-1)
+
+    def complete(self) -> set[int]:
+        """The steps held for every protected rank (or parity)."""
         held: dict[int, RankRing | DeltaRing] = {**self.rings, **self.drings}
         common: set[int] | None = None
         for rank in self.protects:
@@ -335,8 +345,8 @@ class PeerStore:
             steps = set() if ring is None else set(ring.held())
             common = steps if common is None else common & steps
             if not common:
-                return -1
-        return max(common or (), default=-1)
+                return set()
+        return common or set()
 
     def verify(self) -> list[tuple[int, int]]:
         """Check held replicas before the node reports them; a corrupt one is freed and
@@ -378,15 +388,22 @@ class PeerStore:
     def committed(self, step: int) -> None:
         for ring in self._all():
             ring.set_committed(step)
-        self.settled(step)
+        self._done(step, committed=True)
 
     def settled(self, step: int) -> None:
-        """Tier 1 is done with ``step`` (committed, or never will be): a parity of it or
-        an older step still being made never will be of use (a stripe of it was skipped,
-        refused or lost), and gives its slot back."""
+        """Tier 1 is done with ``step``: it will never be committed (a stripe of it was
+        skipped, refused or lost). A parity of it still being made gives its slot back,
+        and so does one of an older step, which this node then gives up on (reported, so
+        that no node holds it waiting for this one)."""
+        self._done(step, committed=False)
+
+    def _done(self, step: int, committed: bool) -> None:
+        self.done = max(self.done, step)
+        self.dropped = {(k, s) for k, s in self.dropped if s > self.done}
         for key, accs in self.accs.items():
             for s in [s for s in accs if s <= step]:
-                self._drop_parity(key, s, None)
+                quiet = committed or s == step
+                self._drop_parity(key, s, None if quiet else f"tier 1 settled step {step}")
 
     def abort(self, step: int) -> None:
         for ring in self._all():
@@ -396,6 +413,7 @@ class PeerStore:
         for key in list(self.accs):  # a new generation: its stripes come anew
             for s in list(self.accs[key]):
                 self._drop_parity(key, s, None)
+        self.done, self.dropped = committed, set()
         for ring in self._all():
             ring.discard_after(step)
             ring.protect(committed)
@@ -426,20 +444,25 @@ class PeerStore:
         if self._stale(rank, step, generation):
             return None
         key = self._key(rank)
-        if key is None:
-            self._rejected(rank, step, "this node holds no parity of it", generation)
+        if key is None or step <= self.done or (key, step) in self.dropped:
+            why = (
+                "this node holds no parity of it"
+                if key is None
+                else "tier 1 is done with that step"
+                if step <= self.done
+                else "its parity was given up"
+            )
+            self._rejected(rank, step, why, generation)
             return None
         accs = self.accs.setdefault(key, {})
         need = self.units[key] = max(unit, self.units.get(key, 0))
         acc = accs.get(step)
         if acc is not None and len(acc.slot.segment.buf) < unit:
-            self._drop_parity(key, step, f"a stripe of {unit:,} bytes is over its slot")
-            self._rejected(
-                rank, step, "its slots are made anew, larger, from the next step", generation
-            )
+            why = f"a stripe of {unit:,} bytes is over its slot: made larger from the next step"
+            self._drop_parity(key, step, why, rank)
             return None
         if acc is not None:
-            if rank in acc.members or rank in acc.sending:
+            if rank in acc.members or rank in acc.sending:  # the parity being made is kept
                 self._rejected(rank, step, "its stripe came twice", generation)
                 return None
             acc.sending.add(rank)
@@ -448,7 +471,7 @@ class PeerStore:
         ring = self.rings.get(key)
         if ring is None:
             ring = self.rings[key] = RankRing(self.job_id, key, self.nslots, self.create)
-        if step in ring.held() or step <= ring.committed:
+        if step in ring.held():
             self._rejected(rank, step, "its parity is made already", generation)
             return None
         if ring.alloc is None or ring.alloc.layout.nbytes < need:
@@ -483,12 +506,12 @@ class PeerStore:
         acc.sending.discard(rank)
         key = self._key(rank)
         ring = None if key is None else self.rings.get(key)
-        if ring is None or key is None or acc.dropped:
-            self._unlease_parity(acc.slot, ring)
+        if ring is None or key is None or acc.dropped or acc.slot not in ring.held_or_made():
+            self._give_back(acc.slot)
             return False
         if not ok:  # the parity holds part of a stripe now: it can never be right
-            self._drop_parity(key, step, why)
-            self._unlease_parity(acc.slot, ring)
+            self._drop_parity(key, step, why, rank)
+            self._give_back(acc.slot)
             return False
         acc.members[rank] = member
         acc.slot.leases -= 1
@@ -504,21 +527,22 @@ class PeerStore:
         """A complete parity's checksum: it is held, and older ones still being made can
         no longer be of use."""
         slot = acc.slot
-        key = next((k for k, r in self.rings.items() if r.alloc and slot in r.alloc.slots), None)
-        ring = None if key is None else self.rings[key]
+        key = next((k for k, r in self.rings.items() if slot in r.held_or_made()), None)
         stale = self._refusal(generation) is not None or slot.state is not SlotState.CHECKING
-        if ring is None or key is None or stale or slot.step != acc.step:
-            if ring is not None:
-                ring.abandon(slot)
+        if key is None or stale or slot.step != acc.step:
+            slot.state = SlotState.ABANDONED  # freed as its lease goes
+            self._give_back(slot)
             return
-        ring.checked(slot, checksum)
+        self.rings[key].checked(slot, checksum)
         for s in [s for s in self.accs.get(key, {}) if s < acc.step]:
             self._drop_parity(key, s, f"step {acc.step} was complete first")
-        self._inject(key, acc.step, slot.segment.buf, "memory")
+        self._inject(-1 - key, acc.step, slot.segment.buf, "parity")
 
-    def _drop_parity(self, key: int, step: int, why: str | None) -> None:
-        """A parity being made is given up (``why`` reported, None: silently): its slot is
-        free once no stripe is arriving into it."""
+    def _drop_parity(self, key: int, step: int, why: str | None, rank: int | None = None) -> None:
+        """A parity being made is given up (``why`` reported, for ``rank`` or a rank of it;
+        None: silently): its slot is free once no stripe is arriving into it, and a late
+        stripe of it is refused."""
+        self.dropped.add((key, step))
         acc = self.accs.get(key, {}).pop(step, None)
         if acc is None:
             return
@@ -528,11 +552,15 @@ class PeerStore:
         if not slot.leases:
             slot.step, slot.checksum, slot.tree = -1, "", {}
         if why is not None:
-            rank = min(acc.expected, default=key)
-            self._rejected(rank, step, f"parity not made: {why}", acc.generation)
+            who = min(acc.expected, default=key) if rank is None else rank
+            self._rejected(who, step, f"parity not made: {why}", acc.generation)
 
-    def _unlease_parity(self, slot: Slot, ring: RankRing | None) -> None:
-        if ring is not None:
-            ring.unlease(slot)
+    def _give_back(self, slot: Slot) -> None:
+        """A lease on a parity's slot, whichever ring (kept, or left by a resize) has it."""
+        for ring in [*self.rings.values(), *self.left]:
+            if slot in ring.held_or_made():
+                ring.unlease(slot)
+                break
         else:
             slot.leases = max(0, slot.leases - 1)
+        self.left = [ring for ring in self.left if ring.retired]
