@@ -74,9 +74,11 @@ def scenario(seed: int, since_12_05: bool = True) -> Sim:
     if not since_12_05:
         return Sim(cfg, seed=seed, steps=steps, chaos=chaos, step_time=step_time)
     # drawn after the rest, so that a seed keeps the shape and chaos it had before these
+    redo = rng.choice([cfg.max_redo, cfg.max_redo, 2]) if cfg.max_redo else 0
     cfg = dataclasses.replace(
         cfg,
-        peer_parity=rng.choice([0, 0, 2, 3]) if cfg.replicas == 1 and cfg.max_redo else 0,
+        max_redo=redo,
+        peer_parity=rng.choice([0, 0, 2, 3]) if cfg.replicas == 1 and redo else 0,
         slots=rng.choice([3, 3, 2]),
         peer_slots=rng.choice([3, 3, 2]),
     )

@@ -6,6 +6,7 @@ import contextlib
 import pickle
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -526,10 +527,31 @@ def test_closing_a_server_cuts_the_connections_left_open_and_ends_their_threads(
         srv.close()  # twice is harmless
 
 
-def test_bulk_bytes_from_a_peer_that_goes_silent_give_up_after_the_idle_limit() -> None:
+def _tls_pipe() -> tuple[Channel, Channel]:
+    """Two channels over TLS on loopback, with the contexts a job derives from its secret."""
+    from tierswap import tls
+
+    secret = secrets.token_bytes(16)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    done: list[ssl.SSLSocket] = []
+    t = threading.Thread(
+        target=lambda: done.append(tls.server_context(secret).wrap_socket(server, True))
+    )
+    t.start()
+    c = tls.client_context(secret).wrap_socket(client)
+    t.join(10)
+    keys = wire.frame_keys(secrets.token_bytes(32), b"n" * wire.NONCE, b"m" * wire.NONCE)
+    return Channel(c, Replies, keys[1]), Channel(done[0], Requests, keys[0])
+
+
+@pytest.mark.parametrize("pipe", [_pipe, _tls_pipe], ids=["plain", "tls"])
+def test_bulk_bytes_from_a_peer_that_goes_silent_give_up_after_the_idle_limit(pipe) -> None:
     """A sender gone without a reset (a dead machine) mid-transfer: the receiver stops
-    waiting after ``idle`` seconds instead of TCP's keepalive, and the channel reads on."""
-    a, b = _pipe()
+    waiting after ``idle`` seconds instead of TCP's keepalive (on TLS too, off loopback
+    the default), and the channel reads on."""
+    a, b = pipe()
     try:
         buf = memoryview(bytearray(1 << 20))
         a.send_raw(memoryview(b"x" * 1000))

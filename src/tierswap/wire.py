@@ -445,30 +445,36 @@ class Channel:
         # MSG_WAITALL: one call (and one wait for the GIL) per 16 MiB, not one per few
         # hundred KiB the kernel has at hand; the GIL convoy with a busy thread cost a
         # spare's restore fetch 0.3 to 0.6 s for 75 MiB while its model was being built.
-        # (A TLS socket takes no flags: it reads record by record.) The idle limit is the
-        # kernel's (SO_RCVTIMEO): a Python timeout would make the socket non-blocking, and
-        # MSG_WAITALL then returns what is at hand.
-        flags = 0 if isinstance(self.sock, ssl.SSLSocket) else socket.MSG_WAITALL
+        # (A TLS socket takes no flags: it reads record by record.) The idle limit on a
+        # plain socket is the kernel's (SO_RCVTIMEO): a Python timeout would make it
+        # non-blocking, and MSG_WAITALL would then return what is at hand. A TLS socket
+        # takes a Python timeout: its reads retry a kernel timeout for ever.
+        tls = isinstance(self.sock, ssl.SSLSocket)
+        flags = 0 if tls else socket.MSG_WAITALL
         if idle > 0:
-            self._rcvtimeo(idle)
+            self._idle_limit(idle, tls)
         try:
             while got < len(buf):
                 n = self.sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24), flags)
                 if n == 0:
                     raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
                 got += n
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):
             raise TimeoutError(
                 f"the peer sent nothing for {idle:g} s after {got} of {len(buf)} bytes"
             ) from None
         finally:
             if idle > 0:
-                self._rcvtimeo(0.0)
+                self._idle_limit(0.0, tls)
 
-    def _rcvtimeo(self, seconds: float) -> None:
-        whole = int(seconds)
-        tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    def _idle_limit(self, seconds: float, tls: bool) -> None:
+        """Reads give up after ``seconds`` without a byte (0: never)."""
         with contextlib.suppress(OSError):
+            if tls:
+                self.sock.settimeout(seconds or None)
+                return
+            whole = int(seconds)
+            tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
     def give_up_after(self, seconds: float) -> None:

@@ -172,6 +172,9 @@ class AgentCore:
         self.faults = FaultPlan()
         self.holds = {0: Hold(), 1: Hold()}
         self.last_skipped: dict[int, int] = {}
+        self.letting_go: int | None = None
+        """A tier-1 hold (parity) this node asked to let go (``unheld``): kept, and no
+        other held, until the coordinator answers."""
         self.progress_step = -1
         self.checks = 0
         """Checksums in flight: a stop is reported once none is."""
@@ -345,9 +348,12 @@ class AgentCore:
         self.peers.set_parity(msg.parity)
         self.peers.keep_only(self.peers.protects)
         self.peers.corrupt = self.faults.corruptions()
-        # the restored step and older ones are never held for tier 1 again: no node sends
-        # them anew, so a node that lost them (a new one) never holds them
-        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated, passed=restart)}
+        # with parity, the restored step and older ones are never held for tier 1 again: no
+        # node sends them anew, so a node that lost them (a new one) never holds them, and
+        # a hold of one would keep a tier-0 slot for nothing
+        passed = restart if self.peers.parity else -1
+        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated, passed=passed)}
+        self.letting_go = None
         self.persisting.clear()
         targets = {r: tuple(t) for r, t in msg.placement.items()}
         self.queue.reset(generation, targets)
@@ -407,6 +413,8 @@ class AgentCore:
         hold = self.holds[tier]
         if self.phase != AgentPhase.SERVING or hold.held is not None:
             return
+        if tier == 1 and self.letting_go is not None:  # tier 0 keeps that one meanwhile
+            return
         if tier == 0:
             newest = self.rings.newest_complete()
         elif self.peers.parity:  # a parity is of use while the set's tier 0 holds the step
@@ -454,22 +462,30 @@ class AgentCore:
             hold.held = None
             if tier == 1:
                 self.rings.peer_hold(-1)  # kept as tier 1's commit, or of no use
+        if tier == 1 and self.letting_go is not None and self.letting_go <= step:
+            self.letting_go = None
+            self.rings.peer_hold(-1)
         self._maybe_hold(tier)
 
-    def _let_peer_hold_go(self, step: int) -> None:
-        """A rank's tier 0 wrote over the step this node held for tier 1 (parity): the
-        node can no longer back it, so it lets the hold go and never holds it again."""
+    def _ask_to_let_go(self, step: int) -> None:
+        """A rank's tier 0 has every slot kept, one for the step this node holds for tier
+        1 (parity): the node says it holds it no more (``unheld``) and never holds it
+        again, and keeps it, parity and tier 0, until the coordinator's answer: a
+        ``release`` frees it, a ``committed`` that crossed the request keeps it as tier 1's
+        commit (freed at once, a commit could find a tier 0 without its step)."""
         hold = self.holds[1]
-        if hold.held == step:
-            self.peers.abort(step)
-            self.rings.peer_hold(-1)
-            hold.held = None
-            self._tell(p.Unheld(tier=1, step=step))
+        if hold.held != step:
+            return
+        hold.held, self.letting_go = None, step
         hold.passed = max(hold.passed, step)
-        self._maybe_hold(1)
+        self._tell(p.Unheld(tier=1, step=step))
 
     def _release(self, tier: int, step: int) -> None:
         hold = self.holds[tier]
+        if tier == 1 and self.letting_go == step:  # the answer to an unheld: it is free
+            self.letting_go = None
+            self.peers.abort(step)
+            self.rings.peer_hold(-1)
         if hold.held == step:
             if tier == 0:
                 self.rings.abort(step)
@@ -593,8 +609,8 @@ class AgentCore:
         self._reply(conn, p.SlotGranted(slot=slot, filling=filling))
         if ring.gave_way is not None:  # that step's snapshot is gone before it committed
             self._tell(p.Skipped(rank=msg.rank, step=ring.gave_way))
-        if ring.hold_gave_way is not None:
-            self._let_peer_hold_go(ring.hold_gave_way)
+        if ring.hold_in_way is not None:
+            self._ask_to_let_go(ring.hold_in_way)
         if filling:
             return
         if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:

@@ -261,6 +261,11 @@ class CoordinatorCore:
                 self._held(node, tier, step)
             case p.Unheld(tier=tier, step=step) if node is not None and tier in self.tiers:
                 self.tiers[tier].dropped(node, step)
+                if tier == 1 and self.parity is not None and step > self.tiers[1].committed:
+                    # a parity node asks to let a hold go (its tier 0 needs the slot): it
+                    # will never hold that step again, and gets its answer
+                    self._never(step, tiers=(1,))
+                    self._send_node(node, p.Release(tier=1, step=step))
             case p.Progress() if node is not None:
                 self._progress(msg, now)
             case p.Skipped(rank=rank, step=step):

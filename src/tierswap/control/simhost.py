@@ -174,11 +174,10 @@ class SimHost:
                     self._failed(job, node, "peer gone")
                     continue
                 room[: len(buf)] = buf
-                done = yield Ask(peer, "replica_written", {
-                    **fields, "token": token, "ok": True, "layout": job.layout,
-                    "tree": job.slot.tree, "checksum": job.slot.checksum,
-                })  # fmt: skip
-                token = None
+                written = {**fields, "token": token, "ok": True, "layout": job.layout,
+                           "tree": job.slot.tree, "checksum": job.slot.checksum}  # fmt: skip
+                token = None  # the bytes are in: the peer's to hold, whatever befalls this one
+                done = yield Ask(peer, "replica_written", written)
                 if done is Dead:
                     self._failed(job, node, "cut off")
             self.feed(ae.Replicated(job.rank, job.step, job.slot, job.generation))
@@ -190,12 +189,13 @@ class SimHost:
     def _send_stripes(self, job: ae.Replicate) -> Generator[Any, Any, None]:
         """The replicator with ``--peer-parity``: stripe ``j`` of the snapshot to the
         ``j``-th target, folded into the parity it holds; the stripe that completes one
-        checksums it there."""
+        checksums it there. A stripe refused or lost ends the step's sending, as the real
+        sender's does."""
         sim, buf = self.sim, bytes(job.slot.segment.buf[: job.layout.nbytes])
         targets = self.targets.get(job.rank, ())
         unit = parity.stripe_unit(len(buf), len(targets))
         fields = {"rank": job.rank, "step": job.step, "generation": job.generation}
-        peer, acc = None, None
+        peer, acc, room, stage = None, None, memoryview(b""), ""
         try:
             yield sim.latency()
             for j, node in enumerate(targets):
@@ -204,12 +204,13 @@ class SimHost:
                 ask = {**fields, "unit": unit, "wait": True}
                 found = yield from self._room(job, node, "parity_slot", ask)
                 if found is None:
-                    continue
+                    break
                 peer, (acc, room) = found
+                stage = "bytes"
                 yield sim.latency()  # the bytes on the wire
                 if not peer.alive:
                     self._failed(job, node, "peer gone")
-                    continue
+                    break
                 start, stop = parity.stripe(len(buf), len(targets), j)
                 if stop > start:
                     acc.fold(room, 0, memoryview(buf[start:stop]))
@@ -217,24 +218,35 @@ class SimHost:
                     rank=job.rank, stripe=j, nbytes=stop - start, unit=unit, layout=job.layout,
                     tree=job.slot.tree, checksum=job.slot.checksum,
                 )  # fmt: skip
+                stage = "added"  # the bytes are in: the peer's server goes on without us
                 done = yield Ask(peer, "parity_added", {
                     **fields, "acc": acc, "member": member, "ok": True,
                 })  # fmt: skip
-                if done is True and not peer.alive:  # its memory went with it
-                    done = Dead
+                stage = "checked"
                 if done is True:
-                    checked = {"acc": acc, "checksum": acc.finish(room)}
-                    done = yield Ask(
-                        peer, "parity_checked", {**checked, "generation": job.generation}
-                    )
-                acc = None
-                if done is Dead:
+                    done = yield from self._checked(peer, job, acc, room)
+                acc, stage = None, ""
+                if done is Dead:  # (False: folded in, the parity not complete yet)
                     self._failed(job, node, "cut off")
+                    break
             self.feed(ae.Replicated(job.rank, job.step, job.slot, job.generation))
-        except ProcessDied:  # the sender died mid-transfer: the peer sees it cut off
-            if peer is not None and acc is not None:
+        except ProcessDied as died:  # the sender died: what the peer's server then does
+            if peer is not None and acc is not None and stage == "bytes":
                 peer.ask("parity_added", self._cut(job, {"unit": unit}, acc))
+            answer = died.args[0] if died.args else None
+            if peer is not None and acc is not None and stage == "added" and answer is True:
+                sim.start(lambda: peer.alive, self._checked(peer, job, acc, room))
             raise
+
+    def _checked(
+        self, peer: SimHost, job: ae.Replicate, acc: Any, room: memoryview
+    ) -> Generator[Any, Any, Any]:
+        """The peer's server checksums the parity a stripe completed and hands it over."""
+        if not peer.alive:  # its memory went with it
+            return Dead
+        checked = {"acc": acc, "checksum": acc.finish(room), "generation": job.generation}
+        yield Ask(peer, "parity_checked", checked)
+        return True
 
     def _room(
         self, job: ae.Replicate, node: int, op: str, ask: dict[str, Any]

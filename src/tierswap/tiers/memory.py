@@ -131,9 +131,9 @@ class RankRing(CommitVotes):
         self.peer_held = -1
         """With tier 1 as parity, the step this node holds for tier 1's commit: kept here
         too from the hold on, since a lost rank of its set is rebuilt from it."""
-        self.hold_gave_way: int | None = None
-        """The tier-1 hold (``peer_held``) the last :meth:`begin_write` wrote over: the
-        caller lets the node's hold of it go."""
+        self.hold_in_way: int | None = None
+        """The tier-1 hold (``peer_held``) that kept the last :meth:`begin_write` from a
+        slot: the caller asks for it to be let go."""
         self.skipped = 0
         self.gave_way: int | None = None
         """The step the last :meth:`begin_write` wrote over although it was this rank's
@@ -230,10 +230,11 @@ class RankRing(CommitVotes):
         - the newest, proposed for no commit: were it kept, a ring of 3 whose newest step
           parted from the other ranks' of its node (a snapshot skipped on one of them)
           would keep every slot and never hold a step in common with them again;
-        - the step held for tier 1's commit (parity, ``peer_held``), which the caller then
-          lets go (``hold_gave_way``): a hold the other nodes cannot meet kept it for ever;
         - in a ring of two, tier 0's own commit where tier 1's older one is kept too
-          (:meth:`_tier0_gives_way`).
+          (:meth:`_tier0_gives_way`);
+        - none yet where one is kept for tier 1's commit (parity, ``peer_held``): the step
+          is skipped and the caller asks for that hold to be let go (``hold_in_way``); a
+          hold the other nodes could not meet kept a slot for ever.
         """
         a = self.alloc
         if a is None or a.id != alloc_id:
@@ -257,18 +258,6 @@ class RankRing(CommitVotes):
                 if s.state is SlotState.HELD and s.step == newest and not s.leases
             ]
             self.gave_way = newest if candidates else None
-        self.hold_gave_way = None
-        held_for_tier_1 = {self.committed, self.peer_committed, *self.proposed}
-        if not candidates and not a.filling and self.peer_held not in held_for_tier_1:
-            # every slot kept, one of them for a tier-1 hold (parity) that has not come to a
-            # commit: it gives way, and the node lets the hold go, rather than skip every
-            # later step (a hold the other nodes cannot meet would keep the slot for ever)
-            candidates = [
-                s
-                for s in a.slots
-                if s.state is SlotState.HELD and s.step == self.peer_held and not s.leases
-            ]
-            self.hold_gave_way = self.peer_held if candidates else None
         if not candidates and not a.filling and self._tier0_gives_way(live):
             # two slots, tier 1 behind tier 0: both commits held, every later step would be
             # skipped, and tier 1 (fed by tier 0) could never catch up. Tier 0's own commit
@@ -279,6 +268,14 @@ class RankRing(CommitVotes):
                 for s in a.slots
                 if s.state is SlotState.HELD and s.step == self.committed and not s.leases
             ]
+        h = self.peer_held
+        self.hold_in_way = None
+        if not candidates and not a.filling and h != self.peer_committed and h in live:
+            # every slot kept, one of them for a tier-1 hold (parity) that has not come to a
+            # commit: the caller asks the coordinator to let it go rather than skip every
+            # later step (a hold the other nodes cannot meet kept it for ever); it stays
+            # kept until the answer, since a commit of it may be on its way
+            self.hold_in_way = h
         if not candidates:  # (while slots are still being made the writer waits: no skip)
             self.skipped += 0 if a.filling else 1
             return None, []
