@@ -144,6 +144,38 @@ def test_three_nodes_parity_at_3x_memory_hot_swaps_a_lost_node_bit_for_bit(
     assert any(e["tier"] == 1 for e in later), "the spare's node joined the parities"
 
 
+def test_a_corrupt_parity_is_found_before_it_is_used_and_tier_2_serves_instead(
+    tmp_path: Path, baseline
+) -> None:
+    """``--peer-parity 3`` with node 0's parity (of ranks 1 and 2) damaged in memory: at
+    the failure the agent's re-read of what it holds finds it, the lost rank 1 (whose
+    stripe 1 is in it) cannot be rebuilt, and it comes back from tier 2, bit for bit."""
+    persist = tmp_path / "ckpt"
+    base = baseline(nodes=3, mode="ddp-exact")
+    code, run_dir, out = run_job(
+        tmp_path,
+        "kill",
+        nodes=3,
+        steps=12,
+        mode="ddp-exact",
+        train_args=SLOW,
+        extra=(
+            *("--peer-parity", "3", "--spares", "1"),
+            *("--persist", str(persist), "--persist-every", "2"),
+            *("--inject", "corrupt:rank=0:step=0:where=parity"),
+            *("--inject", "kill:node=1:step=6"),
+        ),
+    )
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    rejected = [e for e in events(run_dir, "replica_rejected") if e["node"] == 0]
+    assert any("corrupt in memory" in e["why"] for e in rejected), rejected
+    restored = events(run_dir, "restored")[-1]
+    assert _restored(run_dir)[1] == 2, "rank 1 from tier 2: its parity at node 0 is damaged"
+    durable_steps = {e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2}
+    assert restored["step"] in durable_steps
+
+
 def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
     base = baseline(nodes=3, mode="ddp-exact")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,64 +319,95 @@ def rebuild(
 ) -> tuple[Layout, dict[str, Any], memoryview]:
     """A worker rebuilds its snapshot of ``step`` from parity: each stripe is the parity
     its holder sends, XORed with the other members' stripes read from their nodes' tier
-    0. The result is checked against the rank's checksum (``CorruptPartError`` where
-    anything is missing, cut off or wrong)."""
-    where = f"rank {rank} step {step} rebuilt from tier-1 parity"
+    0, the stripes on threads of their own (each from other peers). The result is checked
+    against the rank's checksum (``CorruptPartError`` where anything is missing, cut off
+    or wrong)."""
     t0 = time.monotonic()
-    chans: dict[Address, Channel] = {}
-    out: memoryview | None = None
-    me: p.ParityMember | None = None
+    r = _Rebuild(source, secret, rank, step, tls)
+    pool: ThreadPoolExecutor | None = None
     try:
-        for j, (key, holder) in enumerate(zip(source.keys, source.holders, strict=True)):
-            chan = _chan(chans, holder, secret, tls)
-            reply = chan.call(p.FetchParity(key=key, step=step), (p.ParityServing, p.Missing))
-            what = f"the parity of its stripe {j} at {holder[0]}:{holder[1]}"
-            if isinstance(reply, p.Missing):
-                raise CorruptPartError(where, f"{what}: {reply.why}")
-            assert isinstance(reply, p.ParityServing)
-            stripes = {m.rank: m for m in reply.members}
-            mine = stripes.get(rank)
-            if (
-                mine is None
-                or mine.stripe != j
-                or (me is not None and mine.checksum != me.checksum)
-            ):
-                raise CorruptPartError(where, f"{what} holds no stripe {j} of this snapshot")
-            if me is None:
-                me = mine
-                me.layout.check()
-                out = room(me.layout.nbytes)
-            assert out is not None
-            start = j * me.unit
-            region = out[start : start + mine.nbytes]
-            _receive_parity(chan, region, reply, where)
-            for q, m in sorted(stripes.items()):
-                n = min(m.nbytes, len(region))
-                if q == rank or n == 0:
-                    continue
-                address = source.members.get(q)
-                if address is None:
-                    raise CorruptPartError(where, f"no address for rank {q} of its set")
-                _fold_range(_chan(chans, address, secret, tls), q, step, m, region[:n], where)
+        first = r.open(0)
+        r.me = first[2]
+        r.me.layout.check()
+        r.out = room(r.me.layout.nbytes)
+        later = []
+        if len(source.keys) > 1:
+            pool = ThreadPoolExecutor(len(source.keys) - 1, thread_name_prefix="tierswap-rebuild")
+            later = [pool.submit(r.stripe, j) for j in range(1, len(source.keys))]
+        r.stripe(0, first)
+        for f in later:
+            f.result()
     except (OSError, EOFError, TimeoutError, RuntimeError, ValueError) as e:
-        raise CorruptPartError(where, f"{type(e).__name__}: {e}") from e
+        raise CorruptPartError(r.where, f"{type(e).__name__}: {e}") from e
     finally:
-        for c in chans.values():
-            c.close()
-    if me is None or out is None:
-        raise CorruptPartError(where, "no stripe at all")
+        r.close()  # a stripe still waiting on a peer fails at once
+        if pool is not None:
+            pool.shutdown(wait=True)
+    me, out = r.me, r.out
     t1 = time.monotonic()
     if checksum_chunks(me.layout.chunks(out)) != me.checksum:
-        raise CorruptPartError(where, "checksum mismatch")
+        raise CorruptPartError(r.where, "checksum mismatch")
     if timeline is not None:
         timeline.update(fetch=t1 - t0, verify=time.monotonic() - t1)
     return me.layout, dict(me.tree), out
 
 
-def _chan(chans: dict[Address, Channel], address: Address, secret: bytes, tls: str) -> Channel:
-    if address not in chans:
-        chans[address] = Channel.connect(address, secret, p.AgentToAgent, tls=tls)
-    return chans[address]
+class _Rebuild:
+    """One rank's rebuild: its stripes, each fetched on connections of its own."""
+
+    def __init__(self, source: p.FromParity, secret: bytes, rank: int, step: int, tls: str):
+        self.source, self.secret, self.rank, self.step, self.tls = source, secret, rank, step, tls
+        self.where = f"rank {rank} step {step} rebuilt from tier-1 parity"
+        self.me: Any = None
+        self.out: Any = None
+        self._chans: list[Channel] = []
+        self._lock = threading.Lock()
+
+    def _connect(self, address: Address) -> Channel:
+        chan = Channel.connect(address, self.secret, p.AgentToAgent, tls=self.tls)
+        with self._lock:
+            self._chans.append(chan)
+        return chan
+
+    def open(self, j: int) -> tuple[Channel, p.ParityServing, p.ParityMember]:
+        """Ask stripe ``j``'s holder for its parity: the channel, the answer, this rank's
+        stripe in it."""
+        key, holder = self.source.keys[j], self.source.holders[j]
+        chan = self._connect(holder)
+        reply = chan.call(p.FetchParity(key=key, step=self.step), (p.ParityServing, p.Missing))
+        what = f"the parity of its stripe {j} at {holder[0]}:{holder[1]}"
+        if isinstance(reply, p.Missing):
+            raise CorruptPartError(self.where, f"{what}: {reply.why}")
+        assert isinstance(reply, p.ParityServing)
+        mine = next((m for m in reply.members if m.rank == self.rank), None)
+        other = self.me is not None and mine is not None and mine.checksum != self.me.checksum
+        if mine is None or mine.stripe != j or other:
+            raise CorruptPartError(self.where, f"{what} holds no stripe {j} of this snapshot")
+        return chan, reply, mine
+
+    def stripe(
+        self, j: int, opened: tuple[Channel, p.ParityServing, p.ParityMember] | None = None
+    ) -> None:
+        """Stripe ``j`` into its place: the parity, then each other member's stripe."""
+        chan, reply, mine = opened or self.open(j)
+        region = self.out[j * self.me.unit : j * self.me.unit + mine.nbytes]
+        _receive_parity(chan, region, reply, self.where)
+        chans: dict[Address, Channel] = {}
+        for m in sorted(reply.members, key=lambda m: m.rank):
+            n = min(m.nbytes, len(region))
+            if m.rank == self.rank or n == 0:
+                continue
+            address = self.source.members.get(m.rank)
+            if address is None:
+                raise CorruptPartError(self.where, f"no address for rank {m.rank} of its set")
+            if address not in chans:
+                chans[address] = self._connect(address)
+            _fold_range(chans[address], m.rank, self.step, m, region[:n], self.where)
+
+    def close(self) -> None:
+        with self._lock:
+            for chan in self._chans:
+                chan.close()
 
 
 def _receive_parity(chan: Channel, region: memoryview, reply: p.ParityServing, where: str) -> None:
