@@ -32,7 +32,6 @@ from tierswap.control.agent_events import (
     MakeSegment,
     PartWritten,
     Rejoined,
-    Replicate,
     Replicated,
     ReplicationFailed,
     Reply,
@@ -45,25 +44,16 @@ from tierswap.control.agent_events import (
     WorkerExited,
     WritePart,
 )
+from tierswap.control.holds import Holds
+from tierswap.control.replication_queue import ReplicationQueue
 from tierswap.control.states import AGENT_PHASES, AgentPhase, Machine, WorkerState
 from tierswap.control.workers import Kill, Worker, WorkerTable
 from tierswap.errors import UsageError
 from tierswap.faults import FaultPlan
 from tierswap.shm import SHM_DIR
 from tierswap.tiers.durable_deltas import Part
-from tierswap.tiers.memory import NodeRings, RankRing, Slot
+from tierswap.tiers.memory import NodeRings, Slot
 from tierswap.tiers.replicas import PeerStore
-
-
-@dataclass(slots=True)
-class Hold:
-    """This node's side of one tier's commits (``control/commits.py``)."""
-
-    committed: int = -1
-    held: int | None = None
-    """The step held for a commit (reported in ``Held``), until committed or released."""
-    passed: int = -1
-    """The newest step released: never held again."""
 
 
 @dataclass(slots=True)
@@ -80,46 +70,6 @@ class PendingParts:
 BOOT_RETRIES = 3
 """Replacement workers of one place that may die before they attach, in a row, before the
 agent takes the script for broken and the job stops."""
-
-
-class ReplicationQueue:
-    """One transfer in flight per rank, always of its newest snapshot."""
-
-    def __init__(self) -> None:
-        self.targets: dict[int, tuple[int, ...]] = {}
-        self.busy: set[int] = set()
-        self.pending: set[int] = set()
-        self.sent: dict[int, int] = {}
-        self.generation = -1
-
-    def offer(self, rank: int, ring: RankRing) -> Replicate | None:
-        """A new snapshot of ``rank`` is held: send the newest one when the line is free."""
-        if not self.targets.get(rank):
-            return None
-        if rank in self.busy:
-            self.pending.add(rank)
-            return None
-        step = max(ring.held(), default=-1)
-        if step <= self.sent.get(rank, -1):
-            return None
-        slot = ring.lease(step)
-        assert slot is not None
-        self.busy.add(rank)
-        return Replicate(rank, step, slot, ring.layout(), self.generation)
-
-    def done(self, rank: int, step: int, generation: int, ring: RankRing) -> Replicate | None:
-        self.busy.discard(rank)
-        if generation == self.generation:  # a step of an ended generation was not sent now
-            self.sent[rank] = max(self.sent.get(rank, -1), step)
-        if rank in self.pending:
-            self.pending.discard(rank)
-            return self.offer(rank, ring)
-        return None
-
-    def reset(self, generation: int, targets: dict[int, tuple[int, ...]]) -> None:
-        """A new generation: the same steps may be sent again (a restore went back)."""
-        self.generation, self.targets = generation, targets
-        self.sent.clear()
 
 
 class AgentCore:
@@ -170,11 +120,8 @@ class AgentCore:
         self.init: p.InitFrom | None = None
         self.ranks: list[int] = []
         self.faults = FaultPlan()
-        self.holds = {0: Hold(), 1: Hold()}
+        self.holds = Holds(rings, peers, self._tell, lambda: self.phase == AgentPhase.SERVING)
         self.last_skipped: dict[int, int] = {}
-        self.letting_go: int | None = None
-        """A tier-1 hold (parity) this node asked to let go (``unheld``): kept, and no
-        other held, until the coordinator answers."""
         self.progress_step = -1
         self.checks = 0
         """Checksums in flight: a stop is reported once none is."""
@@ -315,7 +262,7 @@ class AgentCore:
             case p.Committed(tier=tier, step=step):
                 self._committed(tier, step)
             case p.Release(tier=tier, step=step):
-                self._release(tier, step)
+                self.holds.release(tier, step)
             case p.Settled(step=step):
                 self.workers.settled(step)
                 self.peers.settled(step)
@@ -348,12 +295,7 @@ class AgentCore:
         self.peers.set_parity(msg.parity)
         self.peers.keep_only(self.peers.protects)
         self.peers.corrupt = self.faults.corruptions()
-        # with parity, the restored step and older ones are never held for tier 1 again: no
-        # node sends them anew, so a node that lost them (a new one) never holds them, and
-        # a hold of one would keep a tier-0 slot for nothing
-        passed = restart if self.peers.parity else -1
-        self.holds = {0: Hold(committed=memory), 1: Hold(committed=replicated, passed=passed)}
-        self.letting_go = None
+        self.holds.start(memory, replicated, restart)
         self.persisting.clear()
         targets = {r: tuple(t) for r, t in msg.placement.items()}
         self.queue.reset(generation, targets)
@@ -407,94 +349,18 @@ class AgentCore:
 
     # ---------------------------------------------------------------- commits
 
-    def _maybe_hold(self, tier: int) -> None:
-        """Hold the newest step complete on this node for the tier's commit, when none is
-        held (one at a time; see ``control/commits.py``)."""
-        hold = self.holds[tier]
-        if self.phase != AgentPhase.SERVING or hold.held is not None:
-            return
-        if tier == 1 and self.letting_go is not None:  # tier 0 keeps that one meanwhile
-            return
-        if tier == 0:
-            newest = self.rings.newest_complete()
-        elif self.peers.parity:  # a parity is of use while the set's tier 0 holds the step
-            newest = max(self.peers.complete() & self.rings.complete(), default=-1)
-        else:
-            newest = self.peers.newest_complete()
-        if newest <= max(hold.committed, hold.passed):
-            return
-        ok = self.rings.propose(newest) if tier == 0 else self.peers.propose(newest)
-        assert ok, f"tier {tier}: step {newest} is complete but cannot be held"
-        if tier == 1 and self.peers.parity:
-            self.rings.peer_hold(newest)
-        hold.held = newest
-        self._tell(p.Held(tier=tier, step=newest))
-
-    def _lost_holds(self) -> None:
-        """A held step no longer on every ring (slots made anew for another layout): the
-        coordinator stops counting it, and the next complete step is held instead."""
-        for tier, hold in self.holds.items():
-            rings = self.rings if tier == 0 else self.peers
-            if hold.held is None:
-                continue
-            backed = tier == 0 or not self.peers.parity or self.rings.holds_everywhere(hold.held)
-            if not (rings.holds_everywhere(hold.held) and backed):
-                self._tell(p.Unheld(tier=tier, step=hold.held))
-                hold.held = None
-                if tier == 1:
-                    self.rings.peer_hold(-1)
-                self._maybe_hold(tier)
-
     def _committed(self, tier: int, step: int) -> None:
         if self.warm and tier == (1 if self.cfg.replicas else 0):
             # a spare that took a node holds its rings by now: the rest is not needed
             self.warm = False
             self.out.append(WarmSegments(()))
-        hold = self.holds[tier]
-        hold.committed = max(hold.committed, step)
         if tier == 0:
             self.rings.commit(step)
         else:
             self.peers.committed(step)
             self.rings.peer_committed(step)
             self.workers.settled(step)
-        if hold.held is not None and hold.held <= step:
-            hold.held = None
-            if tier == 1:
-                self.rings.peer_hold(-1)  # kept as tier 1's commit, or of no use
-        if tier == 1 and self.letting_go is not None and self.letting_go <= step:
-            self.letting_go = None
-            self.rings.peer_hold(-1)
-        self._maybe_hold(tier)
-
-    def _ask_to_let_go(self, step: int) -> None:
-        """A rank's tier 0 has every slot kept, one for the step this node holds for tier
-        1 (parity): the node says it holds it no more (``unheld``) and never holds it
-        again, and keeps it, parity and tier 0, until the coordinator's answer: a
-        ``release`` frees it, a ``committed`` that crossed the request keeps it as tier 1's
-        commit (freed at once, a commit could find a tier 0 without its step)."""
-        hold = self.holds[1]
-        if hold.held != step:
-            return
-        hold.held, self.letting_go = None, step
-        hold.passed = max(hold.passed, step)
-        self._tell(p.Unheld(tier=1, step=step))
-
-    def _release(self, tier: int, step: int) -> None:
-        hold = self.holds[tier]
-        if tier == 1 and self.letting_go == step:  # the answer to an unheld: it is free
-            self.letting_go = None
-            self.peers.abort(step)
-            self.rings.peer_hold(-1)
-        if hold.held == step:
-            if tier == 0:
-                self.rings.abort(step)
-            else:
-                self.peers.abort(step)
-                self.rings.peer_hold(-1)
-            hold.held = None
-        hold.passed = max(hold.passed, step)
-        self._maybe_hold(tier)
+        self.holds.committed(tier, step)
 
     # ---------------------------------------------------------------- workers
 
@@ -586,7 +452,7 @@ class AgentCore:
         except OSError as e:
             why = f"{e} (slots of {msg.layout.nbytes:,} bytes)"
             raise UsageError(self._no_room(0, msg.rank, why)) from e
-        self._lost_holds()  # the layout changed: steps of the old slots are gone
+        self.holds.lost()  # the layout changed: steps of the old slots are gone
         sizes = [msg.layout.nbytes] * len(alloc.names)
         self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes(), segments=sizes))
         self._reply(conn, p.Allocated(alloc=alloc.id, segments=list(alloc.names)))
@@ -610,7 +476,7 @@ class AgentCore:
         if ring.gave_way is not None:  # that step's snapshot is gone before it committed
             self._tell(p.Skipped(rank=msg.rank, step=ring.gave_way))
         if ring.hold_in_way is not None:
-            self._ask_to_let_go(ring.hold_in_way)
+            self.holds.ask_to_let_go(ring.hold_in_way)
         if filling:
             return
         if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:
@@ -708,9 +574,9 @@ class AgentCore:
             return
         ring.checked(event.slot, event.checksum)
         self._add(self.queue.offer(event.rank, ring))
-        self._maybe_hold(0)
+        self.holds.maybe(0)
         if self.peers.parity:  # a parity complete before its step was in tier 0 here
-            self._maybe_hold(1)
+            self.holds.maybe(1)
         self._maybe_stopped()
 
     def _persist(self, msg: p.Persist) -> None:
@@ -780,5 +646,5 @@ class AgentCore:
             self.out.append(AnswerAsk(event.answer, None, e))
             return
         self.out.append(AnswerAsk(event.answer, value))
-        self._lost_holds()
-        self._maybe_hold(1)
+        self.holds.lost()
+        self.holds.maybe(1)

@@ -783,9 +783,8 @@ class CoordinatorCore:
 
     def _peer_memory_exceeded(self, node: int | None, msg: p.PeerMemoryExceeded) -> None:
         if self.parity is not None:
-            sets = sorted(
-                {r for key in msg.ranks for r in self.parity.holds[node or 0].get(key, [])}
-            )
+            held = self.parity.holds.get(-1 if node is None else node, {})
+            sets = sorted({r for key in msg.ranks for r in held.get(key, [])})
             raise JobStopped(
                 f"node {node} must hold {msg.need:,} bytes of parity for ranks {sets} "
                 f"({self.cfg.peer_slots} peer slots each, --peer-parity {self.cfg.peer_parity}), "
