@@ -406,27 +406,21 @@ class Channel:
         ProtocolError."""
         with own_call(), self._call_lock:  # a reply left unread would answer the next call
             self.send(msg)
-            env = self.recv(timeout)
-        what = tag_of(msg)
-        if env is None:
-            raise TimeoutError(f"no reply to {what!r} within {timeout} s")
-        if isinstance(env.msg, Error):
-            raise RuntimeError(f"{what!r} failed: {env.msg.message}")
-        if not isinstance(env.msg, reply):
-            raise ProtocolError(f"{what!r} was answered with {tag_of(env.msg)!r}")
-        return env.msg
+            return self.expect(reply, repr(tag_of(msg)), timeout)
 
-    def expect(self, kind: type[R], what: str, timeout: float = 60.0) -> R:
+    def expect(
+        self, kind: type[R] | tuple[type[R], ...], what: str, timeout: float | None = 60.0
+    ) -> R:
         """The next message, which must be a ``kind`` (the answer to ``what``): an Error
         raises RuntimeError, another message ProtocolError, none in time TimeoutError (the
         channel is then out of step: a late answer would be read as the next one's)."""
         env = self.recv(timeout)
         if env is None:
-            raise TimeoutError(f"no answer from the peer to {what}")
+            raise TimeoutError(f"no reply to {what} within {timeout} s")
         if isinstance(env.msg, Error):
-            raise RuntimeError(f"{what}: {env.msg.message}")
+            raise RuntimeError(f"{what} failed: {env.msg.message}")
         if not isinstance(env.msg, kind):
-            raise ProtocolError(f"{what}: answered with {tag_of(env.msg)!r}")
+            raise ProtocolError(f"{what} was answered with {tag_of(env.msg)!r}")
         return env.msg
 
     def send_raw(self, data: memoryview) -> None:

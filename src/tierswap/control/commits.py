@@ -116,13 +116,18 @@ class TierCommits:
 def newest_in_memory(world_size: int, memory: Mapping[int, Iterable[int]], upto: int) -> int:
     """The newest step up to ``upto`` every rank's own node holds: tier 0's commit at a
     start."""
+    return max(in_memory(world_size, memory, upto), default=-1)
+
+
+def in_memory(world_size: int, memory: Mapping[int, Iterable[int]], upto: int) -> set[int]:
+    """The steps up to ``upto`` every rank's own node holds."""
     common: set[int] | None = None
     for rank in range(world_size):
         steps = {s for s in memory.get(rank, ()) if s <= upto}
         common = steps if common is None else common & steps
         if not common:
-            return -1
-    return max(common or (), default=-1)
+            return set()
+    return common or set()
 
 
 def newest_replicated(
@@ -163,16 +168,10 @@ def newest_parity(
     its holder, every holder up, and which every rank's own tier 0 holds, which a rebuild
     reads (tier 1's commit at a start). ``held``: key -> node -> steps held; ``holds``:
     node -> the keys it holds; ``memory``: rank -> the steps its tier 0 holds."""
-    candidates: set[int] | None = None
-    for rank in range(world_size):
-        steps = {s for s in memory.get(rank, ()) if s <= upto}
-        candidates = steps if candidates is None else candidates & steps
+    candidates = in_memory(world_size, memory, upto)
     for node, keys in holds.items():
+        if node not in live:
+            return -1
         for key in keys:
-            if node not in live:
-                return -1
-            ok = {s for s in held.get(key, {}).get(node, ()) if s <= upto}
-            candidates = ok if candidates is None else candidates & ok
-            if not candidates:
-                return -1
-    return max(candidates or (), default=-1)
+            candidates &= set(held.get(key, {}).get(node, ()))
+    return max(candidates, default=-1)

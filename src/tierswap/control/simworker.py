@@ -20,6 +20,7 @@ from tierswap.control.simworld import (
     advance,
 )
 from tierswap.errors import CorruptPartError
+from tierswap.tiers.parity import xor_into
 from tierswap.tiers.peer import Lease
 
 if TYPE_CHECKING:
@@ -292,8 +293,7 @@ class SimWorker:
                 assert host is not None
                 theirs = bytes(slot.segment.buf[m.stripe * m.unit : m.stripe * m.unit + n])
                 host.ask("tier0_unlease", {"slot": slot})
-                for i in range(n):
-                    out[start + i] ^= theirs[i]
+                xor_into(memoryview(out)[start : start + n], memoryview(theirs))
         if mine is None or checksum_chunks(LAYOUT.chunks(memoryview(out))) != mine.checksum:
             return None
         return bytes(out[:8])
