@@ -71,6 +71,29 @@ def test_defaults_are_valid_and_world_size_multiplies() -> None:
     assert Config(nodes=3, nproc_per_node=4).world_size == 12
 
 
+def test_unset_peer_parity_is_groups_of_3_where_they_apply_and_never_an_error() -> None:
+    """The defaults hold 3x a node's state from 3 nodes on (2 + 2 slots, parity over groups
+    of 3); elsewhere unset keeps full copies instead of refusing the job."""
+    assert (Config().tier0_slots, Config().peer_slots, Config().peer_parity) == (2, 2, None)
+    assert Config(persist="/t").tier0_slots == 3, "a tier-2 write holds its step's slot"
+    assert Config(persist="/t", slots=2).tier0_slots == 2
+    assert [Config(nodes=n).parity_group for n in (1, 2, 3, 4, 7)] == [0, 0, 3, 3, 3]
+    for other in ({"replicas": 2}, {"replicas": 0}, {"memory_tiers": "delta"},
+                  {"max_redo": 0}, {"on_no_spare": "shrink", "persist": "/t"}):  # fmt: skip
+        assert Config(nodes=4, **other).parity_group == 0, other  # type: ignore[arg-type]
+    assert Config(nodes=4, peer_parity=0).parity_group == 0
+    assert Config(nodes=2, peer_parity=2).parity_group == 2
+    with pytest.raises(ValueError, match="--peer-parity 3 needs --max-redo 1"):
+        Config(nodes=4, peer_parity=3, max_redo=0)
+    unset = Config(nodes=3)
+    assert unset.to_env()["TIERSWAP_PEER_PARITY"] == "", "unset travels as unset"
+    assert Config.from_env(unset.to_env()).parity_group == 3
+    # a host's own environment never overrides what the job was given (workers read both)
+    host = {"TIERSWAP_PEER_PARITY": "3", "TIERSWAP_SLOTS": "5"}
+    cfg = Config(nodes=3, max_redo=0)
+    assert Config.from_env({**host, **cfg.to_env()}) == cfg
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> Config:
     nodes = draw(st.integers(min_value=1, max_value=6))
@@ -91,8 +114,9 @@ def configs(draw: st.DrawFn) -> Config:
         persist_every=draw(st.integers(min_value=1, max_value=1000)),
         keep=draw(st.integers(min_value=1, max_value=9)),
         run_dir=draw(st.none() | text),
-        slots=draw(st.integers(min_value=3, max_value=8)),
+        slots=draw(st.none() | st.integers(min_value=2, max_value=8)),
         peer_slots=draw(st.integers(min_value=2, max_value=8)),
+        peer_parity=draw(st.sampled_from([None, 0, 2, 3, 5])),
         inject=tuple(inject),
         max_restarts=draw(st.integers(min_value=0, max_value=50)),
         startup_timeout=draw(

@@ -79,6 +79,18 @@ def test_nodes_holding_different_steps_release_the_older_one() -> None:
     assert commit == p.Committed(tier=1, step=5)
 
 
+def test_a_job_of_3_nodes_keeps_tier_1_as_parity_by_default_and_of_2_as_copies() -> None:
+    """Unset ``--peer-parity`` is parity over groups of 3 from 3 nodes on: every node is
+    told the parities it holds and none holds a rank's copy; on 2 nodes, copies."""
+    three = Coordinator(nodes=3)
+    starts = three.sent(p.Start)
+    assert starts and all(s.parity and all(k < 0 for k in s.parity) for s in starts), starts
+    assert all(set(s.protects) == set(s.parity) for s in starts)
+    two = Coordinator(nodes=2)
+    assert [s.parity for s in two.sent(p.Start)] == [{}, {}]
+    assert sorted(r for s in two.sent(p.Start) for r in s.protects) == [0, 1]
+
+
 def test_a_skipped_snapshot_releases_holds_of_that_step_only() -> None:
     c = Coordinator(nodes=3)
     c.say(0, p.Held(tier=0, step=3))
@@ -392,7 +404,7 @@ class Agent:
         cfg = Config(nodes=2, nproc_per_node=nproc, console=False, **kw)
         segs: dict[str, MemorySegment] = {}
         self.segs = segs
-        rings = NodeRings("t", cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
+        rings = NodeRings("t", cfg.tier0_slots, create=lambda n, s: MemorySegment(n, s, segs))
         peers = PeerStore("t", cfg.peer_slots, 0, lambda m, g: None,
                           create=lambda n, s: MemorySegment(n, s, segs))  # fmt: skip
         self.core = AgentCore(0, cfg, rings=rings, peers=peers, replica_address=("h", 9),
@@ -489,12 +501,12 @@ def test_a_newest_step_written_over_is_reported_as_never_held() -> None:
     """A ring of 3 whose every other slot is kept lets its newest step give way to the
     next; the node will then never hold that step, and says so (``skipped``), or another
     node holding it for a commit would wait on this one for the rest of the generation."""
-    a = Agent()
+    a = Agent(slots=3, peer_slots=3)  # a ring of 3 (the defaults before 12-05)
     a.start(0)
     (alloc,) = [
         c.msg for c in a.worker(1, p.Alloc(rank=0, layout=LAYOUT)) if isinstance(c, ae.Reply)
     ]
-    assert isinstance(alloc, p.Allocated) and a.core.cfg.slots == 3
+    assert isinstance(alloc, p.Allocated) and a.core.cfg.tier0_slots == 3
     told: list[p.Message] = []
     for step in range(4):
         out = a.worker(1, p.SlotRequest(rank=0, step=step, alloc=alloc.alloc))
@@ -518,7 +530,7 @@ def test_a_replica_arriving_after_the_node_reported_its_holdings_leaves_them_as_
     would take the room of a step the coordinator plans a restore from (a ring of 3 lets
     its newest give way): it is refused, the holdings stay as reported, and the next
     generation takes replicas again."""
-    a = Agent()
+    a = Agent(slots=3, peer_slots=3)  # a ring of 3 (the defaults before 12-05)
     a.start(0)
     peers = a.core.peers
     peers.later = False  # the ring's slots made at once (the replica server is not here)
@@ -583,13 +595,13 @@ def test_the_agent_makes_a_rings_first_slot_at_once_and_the_others_off_its_loop(
     by its shell (``MakeSegment``); a step that finds no free slot only because they are
     being made is told to wait (``filling``), not skipped; a slot that cannot be made
     fails the rank's next snapshot with what to do about it."""
-    a = Agent()
+    a = Agent(slots=3, peer_slots=3)  # a ring of 3 (the defaults before 12-05)
     a.start(0)
     out = a.core.handle(ae.FromWorker(1, p.Envelope(0, p.Alloc(rank=0, layout=LAYOUT)), 0.0), 0.0)
     (alloc,) = [c.msg for c in out if isinstance(c, ae.Reply)]
-    assert isinstance(alloc, p.Allocated) and len(alloc.segments) == a.core.cfg.slots
+    assert isinstance(alloc, p.Allocated) and len(alloc.segments) == a.core.cfg.tier0_slots
     makes = [c for c in out if isinstance(c, ae.MakeSegment)]
-    assert [c.index for c in makes] == list(range(1, a.core.cfg.slots))
+    assert [c.index for c in makes] == list(range(1, a.core.cfg.tier0_slots))
     assert {c.name for c in makes} == set(alloc.segments[1:])
 
     def ask(step: int) -> tuple[p.SlotGranted, list[Any]]:

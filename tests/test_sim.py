@@ -60,6 +60,9 @@ def scenario(seed: int, since_12_05: bool = True) -> Sim:
         replicas=rng.choice([1, 1, min(2, nodes - 1)]),
         max_restarts=40,
         console=False,
+        slots=3,  # the defaults these seeds were drawn with (before 12-05)
+        peer_slots=3,
+        peer_parity=0,
     )
     chaos = Chaos(
         host_kills=rng.choice([0.0, 0.2, 0.5]),
@@ -78,9 +81,9 @@ def scenario(seed: int, since_12_05: bool = True) -> Sim:
     cfg = dataclasses.replace(
         cfg,
         max_redo=redo,
-        peer_parity=rng.choice([0, 0, 2, 3]) if cfg.replicas == 1 and redo else 0,
-        slots=rng.choice([3, 3, 2]),
-        peer_slots=rng.choice([3, 3, 2]),
+        peer_parity=rng.choice([None, 0, 2, 3]) if cfg.replicas == 1 and redo else None,
+        slots=rng.choice([None, 3, 2]),  # unset: 2, or 3 with --persist
+        peer_slots=rng.choice([2, 2, 3]),
     )
     return Sim(cfg, seed=seed, steps=steps, chaos=chaos, step_time=step_time)
 
@@ -116,7 +119,8 @@ def test_seeded_scenarios_keep_every_invariant(request: pytest.FixtureRequest) -
 
 
 def _cfg(**kw: object) -> Config:
-    return Config(**{"nodes": 2, "console": False, "max_restarts": 10, **kw})  # type: ignore[arg-type]
+    old = {"slots": 3, "peer_slots": 3, "peer_parity": 0}  # the defaults the bugs were found with
+    return Config(**{"nodes": 2, "console": False, "max_restarts": 10, **old, **kw})  # type: ignore[arg-type]
 
 
 def test_a_replacement_worker_attaching_during_a_stop_waits_for_the_next_generation() -> None:
@@ -153,6 +157,30 @@ def test_a_rank_failing_after_another_finished_gets_that_rank_a_new_worker() -> 
         sim = Sim(_cfg(), seed=seed, steps=6)
         sim.kill_after("rank", 1, 5)  # after its last step, before it says finished
         assert sim.run() == "finished"
+
+
+def test_a_job_restored_at_its_last_step_on_a_new_node_finishes() -> None:
+    """Node 0 killed as tier 0 commits the last step, while tier 2 writes it: the spare
+    restores that step from node 1's replica, so its tier 0 lacks it, and no step comes
+    after it to commit. The spare's worker snapshots it once more and node 1 offers the
+    step it holds at the start; before, finishing waited for a commit that never came
+    (seed 1247 of the scenarios, found when they drew 12-05's defaults)."""
+    reached = 0
+    for seed in range(15):
+        cfg = _cfg(spares=1, max_redo=0, persist="sim://tier2", persist_every=5, slots=None,
+                   peer_slots=2, peer_parity=None)  # fmt: skip
+        sim = Sim(cfg, seed, steps=8, step_time=0.005)
+        while sim.ended is None and not any(
+            e == "snapshot_committed" and f["tier"] == 0 and f["step"] == 7 for _, e, f in sim.log
+        ):
+            sim.run_for(0.0005)
+        (host,) = [h for h in sim.hosts.values() if h.alive and h.core and h.core.node == 0]
+        host.die()
+        outcome = sim.run()
+        assert outcome == "finished", f"seed {seed}: {outcome}\n{_replay(sim)}"
+        restored = [f for _, e, f in sim.log if e == "restored"]
+        reached += any(f["step"] == 7 and 1 in f["tiers"].values() for f in restored)
+    assert reached, "no run restored its last step from a peer: the case is not reached"
 
 
 def test_every_node_killed_once_in_turn_with_spares() -> None:

@@ -98,6 +98,7 @@ def test_two_nodes_fsdp2_node_lost_restores_from_full_replica(tmp_path: Path, ba
 def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
     tmp_path: Path, baseline
 ) -> None:
+    """Full copies (``--peer-parity 0``; on 3 nodes the default is parity)."""
     base = baseline(nodes=3, mode="ddp-exact")
     code, run_dir, out = run_job(
         tmp_path,
@@ -106,21 +107,22 @@ def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
         steps=12,
         mode="ddp-exact",
         train_args=SLOW,
-        extra=("--inject", "kill:node=1:step=6"),
+        extra=("--peer-parity", "0", "--inject", "kill:node=1:step=6"),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}
 
 
-def test_three_nodes_parity_at_3x_memory_hot_swaps_a_lost_node_bit_for_bit(
+def test_three_nodes_with_the_defaults_hold_3x_memory_and_hot_swap_a_lost_node_bit_for_bit(
     tmp_path: Path, baseline
 ) -> None:
-    """``--peer-parity 3 --slots 2 --peer-slots 2``: a node holds 3x its rank's state (two
-    tier-0 slots and two parities of half a state each), and a killed node's rank is
-    rebuilt on a spare from the two others' parities and their own tier 0, bit for bit."""
+    """No tier option at all: on 3 nodes tier 1 is parity over the group of 3 and a node
+    holds 3x its rank's state (two tier-0 slots and two parities of half a state each),
+    and a killed node's rank is rebuilt on a spare from the two others' parities and their
+    own tier 0, bit for bit."""
     base = baseline(nodes=3, mode="ddp-exact")
-    parity = ("--peer-parity", "3", "--slots", "2", "--peer-slots", "2", "--spares", "1")
+    parity = ("--spares", "1")
     code, run_dir, out = run_job(
         tmp_path,
         "kill",
@@ -135,6 +137,8 @@ def test_three_nodes_parity_at_3x_memory_hot_swaps_a_lost_node_bit_for_bit(
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}, "node 1's rank rebuilt from tier 1"
     assert events(run_dir, "spare_assigned")[0]["node"] == 1
     assert not events(run_dir, "replica_served"), "no node holds a whole replica"
+    (placement,) = events(run_dir, "placement")
+    assert placement["parity"] == 3, placement
     per_node = node_memory(events(run_dir), slots=2)
     assert sorted(per_node) == ["0", "1", "2"]
     for n, mem in per_node.items():
@@ -187,6 +191,7 @@ def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) 
         mode="ddp-exact",
         train_args=SLOW,
         extra=(
+            *("--peer-parity", "0"),  # full copies: with parity, any two of 3 lose both
             "--persist",
             str(persist),
             "--persist-every",
@@ -214,7 +219,10 @@ def test_two_adjacent_nodes_lost_without_durable_stop_naming_the_ranks(tmp_path:
         nodes=3,
         steps=40,
         mode="ddp-exact",
-        extra=("--inject", "kill:node=1:step=5", "--inject", "kill:node=2:step=5"),
+        extra=(
+            *("--peer-parity", "0"),
+            *("--inject", "kill:node=1:step=5", "--inject", "kill:node=2:step=5"),
+        ),
     )
     assert code == 1
     assert "no step can be restored" in out and "no tier holds a good part of ranks 1" in out
@@ -283,7 +291,7 @@ def test_two_workers_per_node_spread_over_peers_and_restore(tmp_path: Path, base
         steps=12,
         mode="ddp-exact",
         train_args=SLOW,
-        extra=("--inject", "kill:node=1:step=7"),
+        extra=("--peer-parity", "0", "--inject", "kill:node=1:step=7"),
     )
     assert code == 0, out
     assert_same_bits(base, final_state(tmp_path, "kill"))

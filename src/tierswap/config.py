@@ -12,6 +12,9 @@ from tierswap.affinity import parse_cpus
 from tierswap.faults import Chaos, Injection
 
 ENV_PREFIX = "TIERSWAP_"
+AUTO_PARITY = 3
+"""The parity group an unset ``--peer-parity`` picks where the job has that many nodes:
+3x a node's state in all with the default slots, the least group that saves memory."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,22 +40,28 @@ class Config:
     gone for good, say). Two jobs writing one root lose each other's steps."""
     run_dir: str | None = None
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
-    slots: int = 3
-    """Tier-0 slots per rank: the step committed in tier 0 (also the one committed in tier
-    1 while replication keeps up), the newest, and one being written; a fourth keeps every
-    step's snapshot while tier 1 trails tier 0 (else such a step is skipped, and counted).
-    2 is the least: the committed step and one being written, so a step is skipped
-    whenever the one before is not yet committed when its snapshot is taken; with tier 1
-    on, the step tier 1 committed is the one kept, tier 0's own newer commit giving way
-    when they differ (``--max-redo 1``, the default, makes them the same step wherever
-    replication keeps up)."""
-    peer_slots: int = 3
+    slots: int | None = None
+    """Tier-0 slots per rank: the step committed in tier 0 and one being written. Unset
+    (the default): 2, or 3 with ``--persist``, whose write of a step to tier 2 holds that
+    step's slot until it is written (with two, every snapshot taken meanwhile finds no
+    slot and is skipped). In a ring of 2 a step is skipped (and counted) whenever the one
+    before is not yet committed when its snapshot is taken; with tier 1 on, the step tier
+    1 committed is the one kept, tier 0's own newer commit giving way when they differ.
+    ``--max-redo 1``, the default, makes them the same step wherever replication keeps
+    up, so nothing is skipped there. A third slot keeps the newest step apart from the
+    committed one, a fourth every step while tier 1 trails tier 0, each at one more
+    snapshot of memory per rank. With ``--max-redo 0`` give both rings a third
+    (``--slots 3 --peer-slots 3``): in the simulation 2 + 2 then skipped 2.5x the
+    snapshots of 3 + 3 and committed 13 % fewer tier-1 steps (with ``--max-redo 1``, 0.2 %
+    fewer)."""
+    peer_slots: int = 2
     """Tier-1 slots per protected rank on each of the ``--replicas`` peers holding its
-    replicas: the step committed in tier 1, the newest received (held for the next
-    commit), and one being received. A node holds ``slots + peer_slots * replicas`` times
-    its ranks' state. 2 is the least: a replica that arrives while the newest waits for
-    its commit is then refused, so tier 1 commits fewer steps where the network is slow
-    against the step."""
+    replicas (or per parity, with ``--peer-parity``): the step committed in tier 1 and
+    one being received. A node holds ``slots + peer_slots * replicas`` times its ranks'
+    state with full copies. A replica that arrives while the newest one waits for its
+    commit is refused, so where the network is slow against the step (``--max-redo 0``)
+    tier 1 commits fewer steps; a third slot holds the newest received apart from the
+    committed one."""
     inject: tuple[Injection, ...] = ()
     """Faults to inject, for tests and the demo (``tierswap.faults`` lists the forms)."""
     chaos: str | None = None
@@ -63,17 +72,19 @@ class Config:
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;
     a job with fewer nodes uses what it has)."""
-    peer_parity: int = 0
+    peer_parity: int | None = None
     """Tier 1 as parity instead of copies: the nodes form groups of this many (at least 2;
     a job's last nodes join the group before), each rank's snapshot is cut into
     ``group - 1`` stripes, and each node of a group holds the XOR of one stripe of every
     other node's, so a node holds ``slots + peer_slots / (group - 1)`` times its ranks'
-    state (3x with ``--slots 2 --peer-slots 2 --peer-parity 3``) instead of ``slots +
-    peer_slots``. It survives one lost node per group (two in one group fall back to tier
-    2); a lost rank is rebuilt from its parities and the survivors' own tier 0, reading
+    state (3x with the default slots and groups of 3) instead of ``slots + peer_slots``
+    (4x). It survives one lost node per group (two in one group fall back to tier 2); a
+    lost rank is rebuilt from its parities and the survivors' own tier 0, reading
     ``group - 1`` times its state where a copy reads it once. 0 keeps ``--replicas`` full
-    copies. Needs ``--replicas 1``, ``--memory-tiers full`` and ``--max-redo`` 1 or
-    more."""
+    copies. Needs ``--replicas 1``, ``--memory-tiers full`` and ``--max-redo`` 1 or more.
+    Unset (the default): groups of 3 where the job has 3 nodes or more and those hold,
+    and ``--on-no-spare`` is not shrink (a shrink writes a lost rank from a whole
+    replica); else full copies."""
     max_redo: int = 1
     """Steps of work a node failure may cost while tier 1 is on. The ``optimizer.step()``
     of step t waits until tier 1 has committed step t - max_redo (or a failure there, a
@@ -179,7 +190,7 @@ class Config:
         for name in ("nodes", "nproc_per_node", "persist_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.slots < 2:
+        if self.slots is not None and self.slots < 2:
             raise ValueError(
                 f"slots must be >= 2 (the committed step and one being written), got {self.slots}"
             )
@@ -191,12 +202,12 @@ class Config:
         for name in ("max_restarts", "threads", "replicas", "max_peer_memory", "max_redo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.peer_parity == 1 or self.peer_parity < 0:
+        if self.peer_parity is not None and (self.peer_parity == 1 or self.peer_parity < 0):
             raise ValueError(
                 f"peer_parity must be 0 (full replicas) or a group of >= 2 nodes, got "
                 f"{self.peer_parity}"
             )
-        if self.peer_parity and self.max_redo < 1:
+        if self.peer_parity and self.max_redo < 1:  # an explicit group; unset never errs
             raise ValueError(
                 f"--peer-parity {self.peer_parity} needs --max-redo 1 or more: a parity is of "
                 "use only while the other ranks of its set still hold its step in tier 0, and "
@@ -263,11 +274,32 @@ class Config:
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
 
+    @property
+    def tier0_slots(self) -> int:
+        """The slots of each rank's tier-0 ring: ``--slots``, or what unset picks."""
+        if self.slots is not None:
+            return self.slots
+        return 3 if self.persist else 2
+
+    @property
+    def parity_group(self) -> int:
+        """The parity group tier 1 is kept in (``--peer-parity``, or what unset picks); 0
+        for full copies."""
+        if self.peer_parity is not None:
+            return self.peer_parity
+        fits = self.replicas == 1 and self.memory_tiers == "full" and self.max_redo >= 1
+        if fits and self.nodes >= AUTO_PARITY and self.on_no_spare != "shrink":
+            return AUTO_PARITY
+        return 0
+
     def to_env(self) -> dict[str, str]:
         """TIERSWAP_* variables that ``from_env`` reads back to an equal Config."""
         env = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if v is None and _unset_int(f):  # unset has a meaning: kept over a host's own
+                env[ENV_PREFIX + f.name.upper()] = ""
+                continue
             if v is None:
                 continue
             text = ",".join(str(i) for i in v) if f.name == "inject" else str(v)
@@ -287,8 +319,15 @@ class Config:
         return cls(**values)
 
 
+def _unset_int(f: dataclasses.Field[Any]) -> bool:
+    """An ``int | None`` field, whose None (unset) picks a value from the others."""
+    return f.default is None and str(f.type).startswith("int")
+
+
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
     default = f.default
+    if raw == "" and _unset_int(f):
+        return None
     if f.name == "inject":
         return tuple(Injection.parse(s) for s in raw.split(",") if s)
     try:

@@ -116,6 +116,10 @@ class Job:
             self._snap = snapshot.Snapshotter(self._chan, self.rank, self._tier1, self._max_redo)
             if any(f.during == "snapshot" for f in self._faults):
                 self._snap.midway = self._in_copy
+        if self._snap is not None and 0 < start == total and self.plan_tier not in (None, 0):
+            # restored at the last step from a peer or tier 2 (its node is new): this node's
+            # tier 0 lacks the step, and the job finishes only once memory commits it
+            self._snap.take(total - 1, state, wait=60.0)
         for step in range(start, total):
             self._check()
             t = time.monotonic()

@@ -100,6 +100,7 @@ class Cluster:
             console=False,
             revive=False,
             max_restarts=100,
+            peer_parity=0,  # its agents report whole replicas by rank
         )
         self.codec = p.Codec(p.AgentToCoordinator)
         self.wires = Wires()

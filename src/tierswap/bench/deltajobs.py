@@ -94,7 +94,7 @@ def _run(work: Path, name: str, workload: str, mode: str) -> dict[str, Any]:
     commits = [e for e in evs if e["event"] == "snapshot_committed" and e["tier"] == 1]
     out["tier1_per_step"] = len(commits) / STEPS
     snap = [e["bytes"] for e in evs if e["event"] == "memory" and e["tier"] == 0]
-    out["snapshot_bytes"] = snap[0] // Config().slots if snap else 0  # a ring of --slots
+    out["snapshot_bytes"] = snap[0] // Config().tier0_slots if snap else 0  # no --persist
     traffic = [e for e in evs if e["event"] == "replica_traffic"]
     if traffic:
         t = traffic[-1]

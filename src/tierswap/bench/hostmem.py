@@ -25,23 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.common import run_bounded
-from tierswap.config import Config
+from tierswap.config import AUTO_PARITY, Config
 from tierswap.examples import job_command
 from tierswap.shm import PREFIX, SHM_DIR
 
 _DEFAULT = Config()
 PARITY_3X = "--peer-parity 3 --slots 2 --peer-slots 2"
-"""The mode that holds 3x: tier 1 as parity over the 3 nodes, the fewest slots."""
+"""The mode that held 3x before it was the default (12-05); read in older results."""
+OLD = "--slots 3 --peer-slots 3 --peer-parity 0"
 MODES: dict[str, list[str]] = {
-    f"default: --slots {_DEFAULT.slots}, --peer-slots {_DEFAULT.peer_slots}, "
-    f"--replicas {_DEFAULT.replicas}, full": [],
-    "--slots 4 --peer-slots 4 (the defaults before 12-03)": ["--slots", "4", "--peer-slots", "4"],
-    "--peer-slots 2": ["--peer-slots", "2"],
-    "--replicas 2": ["--replicas", "2"],
+    f"default: --slots {_DEFAULT.tier0_slots}, --peer-slots {_DEFAULT.peer_slots}, tier 1 as "
+    f"parity over groups of {AUTO_PARITY} (3 nodes)": [],
+    "--peer-parity 0 (full copies)": ["--peer-parity", "0"],
+    f"{OLD} (the defaults before 12-05)": OLD.split(),
+    "--slots 4 --peer-slots 4 --peer-parity 0 (the defaults before 12-03)": [
+        "--slots", "4", "--peer-slots", "4", "--peer-parity", "0"
+    ],
+    "--replicas 2 (full copies)": ["--replicas", "2"],
     "--memory-tiers delta": ["--memory-tiers", "delta"],
-    "--peer-parity 3": ["--peer-parity", "3"],
-    PARITY_3X: ["--peer-parity", "3", "--slots", "2", "--peer-slots", "2"],
-}
+    "--peer-parity 3 --slots 3 --peer-slots 3": ["--peer-parity", "3", "--slots", "3",
+                                                 "--peer-slots", "3"],
+}  # fmt: skip
 
 
 def node_memory(evs: list[dict[str, Any]], slots: int) -> dict[str, Any]:
@@ -113,7 +117,7 @@ def measure_mode(tmp: Path, name: str, extra: list[str], nodes: int, steps: int)
         tail = (tmp / f"{name}.log").read_text()[-1500:]
         raise RuntimeError(f"{name}: exit code {code}: {tail}")
     evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else _DEFAULT.slots
+    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else _DEFAULT.tier0_slots
     per_node = node_memory(evs, slots)
     state = sum(n["state"] for n in per_node.values())
     return {"args": extra, "nodes": per_node, "shm_peak": peak[0],
@@ -137,7 +141,7 @@ def report(res: dict[str, Any]) -> str:
         worst = max(r["nodes"].values(), key=lambda n: n["total_x"])
         shm = "-" if r["shm_x"] is None else f"{r['shm_x']:.1f}x the job's state"
         lines.append(f"| {label} | {worst['tier0_x']:.1f}x | {worst['tier1_x']:.1f}x | "
-                     f"**{worst['total_x']:.1f}x** its ranks' state | {shm} |")  # fmt: skip
+                     f"**{worst['total_x']:.2f}x** its ranks' state | {shm} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -449,7 +449,7 @@ class Bench:
         kill_t = None if own else fired
         if system in ACCOUNTED:  # its own events, whatever its times file says
             try:
-                acc = recovery.account(folder / "run", TierswapConfig().slots)
+                acc = recovery.account(folder / "run", TierswapConfig().tier0_slots)
                 self.accounts.setdefault(ACCOUNTED[system], []).append(acc)
             except (KeyError, ValueError, IndexError, TypeError, OSError) as e:
                 self.failures.append(f"{system} (its account of the way back): {e!r}")
@@ -731,9 +731,12 @@ def summarize_recovery(runs: dict[str, list[dict[str, Any] | None]]) -> dict[str
     return out
 
 
+_D = TierswapConfig()
 SETTINGS = {
-    "tierswap": "tierswap run --nodes 2 --threads 1 (defaults: 3 slots, 3 peer slots, 1 "
-    "replica); tier0: --replicas 0; tier012: --persist <local dir> --persist-every 1",
+    "tierswap": f"tierswap run --nodes 2 --threads 1 (defaults: {_D.tier0_slots} slots, "
+    f"{TierswapConfig(persist='x').tier0_slots} with --persist, {_D.peer_slots} peer slots, 1 full "
+    "replica: parity needs 3 nodes); tier0: --replicas 0; tier012: --persist <local dir> "
+    "--persist-every 1",
     "dlrover": "dlrover-run --standalone --nproc_per_node 2 --max_restarts 1 (its local master "
     "started by bench/peers/dlrover_standalone.py); DdpCheckpointer.save_checkpoint(step, "
     "{model, optim, step}, storage_type=MEMORY) every step; the loaded state cloned",

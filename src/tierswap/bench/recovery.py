@@ -62,7 +62,7 @@ def tierswap_once(work: Path, name: str, nodes: int, width: int) -> dict[str, An
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
     (resumed,) = _events(run_dir, "resumed")
-    slots = Config().slots  # the job runs with the default
+    slots = Config().tier0_slots  # the job runs with the default (no --persist)
     ring = max(e["bytes"] for e in _events(run_dir, "memory") if e["rank"] == 1)
     return {
         "seconds": resumed["seconds"],
@@ -153,7 +153,7 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
     code, out = _run(cmd, work, work / f"{name}.log", 900)
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
-    return account(run_dir, 3 if extra else Config().slots)
+    return account(run_dir, 3 if extra else Config().tier0_slots)
 
 
 def account(run_dir: Path, slots: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from tierswap.wire import Channel
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=p.Message)
 
-NSLOTS = 3  # tier-0 slots of the rank: Config.slots' default
+NSLOTS = 3  # tier-0 slots of the rank: a job's with --persist (Config.tier0_slots)
 SECRET_ENV = "TIERSWAP_BENCH_SECRET"
 
 

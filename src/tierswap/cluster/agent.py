@@ -147,7 +147,7 @@ class Agent:
             cfg.world_size,
             announce=self._announce,
             tls=cfg.tls,
-            parity=cfg.peer_parity > 0,
+            parity=cfg.parity_group > 0,
         )
         self.server = ReplicaServer(address, secret, self._ask, tls=cfg.tls)
         self.segments = SegmentPool(job_id, lambda why: self.events.put(WarmRefused(why)))
@@ -164,7 +164,7 @@ class Agent:
         self.core = AgentCore(
             host,
             cfg,
-            rings=NodeRings(job_id, cfg.slots, create=self.segments.create),
+            rings=NodeRings(job_id, cfg.tier0_slots, create=self.segments.create),
             peers=peers,
             replica_address=self.server.address,
             coord_host=coord_host,

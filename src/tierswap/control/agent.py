@@ -216,7 +216,7 @@ class AgentCore:
 
     def _no_room(self, tier: int, rank: int, error: str) -> str:
         n, what, flag = (
-            (self.cfg.slots, "tier-0 slots", "--slots")
+            (self.cfg.tier0_slots, "tier-0 slots", "--slots")
             if tier == 0
             else (self.cfg.peer_slots, "tier-1 replica slots", "--peer-slots")
         )
@@ -327,6 +327,10 @@ class AgentCore:
             "settled": replicated,
         }
         self.phase.move(AgentPhase.SERVING)
+        # a step tier 0 holds here above the generation's commit (the restored one, where a
+        # new node lacks it) is offered at once: at a job's last step no snapshot comes
+        # after it to offer it, and a node holding another step releases it (commits.py)
+        self.holds.maybe(0)
         self.workers.start(generation, self.ranks, assignment, now, local)
 
     def _maybe_stopped(self) -> None:

@@ -187,9 +187,9 @@ class CoordinatorCore:
         """Where each rank's replicas go, for the job's size now."""
         self.replicas = min(self.cfg.replicas, self.nodes - 1)
         self.parity = None
-        if self.cfg.peer_parity and self.replicas:
+        if self.cfg.parity_group and self.replicas:
             self.parity = parity.placement(
-                self.nodes, self.cfg.nproc_per_node, self.cfg.peer_parity
+                self.nodes, self.cfg.nproc_per_node, self.cfg.parity_group
             )
             self.targets = dict(self.parity.targets)
             self.protects = {n: sorted(held) for n, held in self.parity.holds.items()}
@@ -427,11 +427,11 @@ class CoordinatorCore:
             "placement",
             replicas=self.replicas,
             targets={str(r): list(t) for r, t in self.targets.items()},
-            parity=self.cfg.peer_parity if self.parity is not None else 0,
+            parity=self.cfg.parity_group if self.parity is not None else 0,
         )
         if self.parity is not None:
             text = parity.describe(self.parity, self.cfg.nproc_per_node)
-            groups = parity.groups(self.nodes, self.cfg.peer_parity)
+            groups = parity.groups(self.nodes, self.cfg.parity_group)
             sizes = ", ".join(str(len(g)) for g in groups)
             self.out.say(f"tier-1 placement, parity over groups of {sizes} nodes:\n{text}")
             return
@@ -787,7 +787,7 @@ class CoordinatorCore:
             sets = sorted({r for key in msg.ranks for r in held.get(key, [])})
             raise JobStopped(
                 f"node {node} must hold {msg.need:,} bytes of parity for ranks {sets} "
-                f"({self.cfg.peer_slots} peer slots each, --peer-parity {self.cfg.peer_parity}), "
+                f"({self.cfg.peer_slots} peer slots each, --peer-parity {self.cfg.parity_group}), "
                 f"more than --max-peer-memory {msg.limit:,}. Raise --max-peer-memory, use "
                 "fewer --peer-slots, or a larger --peer-parity group (smaller parities)."
             )

@@ -14,7 +14,7 @@ from tierswap.control.simworker import Ask, Dead, ProcessDied, SimWorker
 from tierswap.control.simworld import TO_AGENT, Link, MemorySegment
 from tierswap.control.workers import Kill, Spawn, Tell
 from tierswap.tiers import parity
-from tierswap.tiers.memory import FILLING, NodeRings
+from tierswap.tiers.memory import FILL_LIMIT_S, FILLING, NodeRings
 from tierswap.tiers.replicas import PeerStore
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class SimHost:
             w.job_id, cfg.peer_slots, cfg.max_peer_memory, lambda m, g: None,
             create=lambda n, s: MemorySegment(n, s, segs),
         )  # fmt: skip
-        rings = NodeRings(w.job_id, cfg.slots, create=lambda n, s: MemorySegment(n, s, segs))
+        rings = NodeRings(w.job_id, cfg.tier0_slots, create=lambda n, s: MemorySegment(n, s, segs))
         self.core = AgentCore(
             w.host, cfg, rings=rings, peers=peers, replica_address=self.address, coord_host="sim"
         )
@@ -113,7 +113,7 @@ class SimHost:
             case ae.Checksum(rank=rank, step=step, slot=slot, layout=layout):
                 digest = checksum_chunks(layout.chunks(slot.segment.buf))
                 sim.after(sim.latency(), lambda: self.feed(ae.Checked(rank, step, slot, digest)))
-            case ae.Replicate() if sim.cfg.peer_parity:
+            case ae.Replicate() if sim.cfg.parity_group:
                 sim.start(lambda: self.alive, self._send_stripes(cmd))
             case ae.Replicate():
                 sim.start(lambda: self.alive, self._replicate(cmd))
@@ -257,7 +257,10 @@ class SimHost:
         if peer is None:
             self._failed(job, node, "refused")
             return None
+        waited = 0.0
         while True:
+            if waited >= FILL_LIMIT_S:  # as the real server: the last ask refuses
+                ask = {**ask, "wait": False}
             try:
                 got = yield Ask(peer, op, ask)
             except ProcessDied as died:  # the room it was given goes back, as its
@@ -270,6 +273,7 @@ class SimHost:
             if got != FILLING:
                 break
             yield 0.005
+            waited += 0.005
         if got is Dead:
             self._failed(job, node, "peer gone")
         return None if got is Dead or got is None else (peer, got)

@@ -177,7 +177,7 @@ class SimWorker:
         if isinstance(reply, p.Error):
             return (yield from self._leave(gen, rank, "collective", reply.message))
         assert isinstance(reply, p.PlanReply), reply
-        start = 0
+        start, tier = 0, None
         self.value = rank + 1
         if reply.step is not None:
             loaded = yield from self._load(reply, rank)
@@ -196,6 +196,10 @@ class SimWorker:
         self.send(p.Report(rank=rank, step=start - 1, total=sim.steps), gen)
         alloc: p.Allocated | None = None
         last = -1
+        if 0 < start == sim.steps and tier != 0:  # as Job.steps: the last step, restored
+            alloc, _ = yield from self._snapshot(gen, rank, start - 1, alloc)  # from elsewhere
+            if alloc is None:
+                return (yield from self._leave(gen, rank, "collective", "no slots"))
         for step in range(start, sim.steps):
             if gen in self.ended:
                 return (yield from self._leave(gen, rank, "ended", "generation ended"))
@@ -211,30 +215,10 @@ class SimWorker:
                 return (yield from self._leave(gen, rank, "collective", "a peer is gone"))
             assert self.value is not None
             self.value = advance(self.value, step, total)
+            alloc, took = yield from self._snapshot(gen, rank, step, alloc)
             if alloc is None:
-                got = yield from self._call(p.Alloc(rank=rank, layout=LAYOUT), gen)
-                if not isinstance(got, p.Allocated):
-                    return (yield from self._leave(gen, rank, "collective", str(got)))
-                alloc = got
-            deadline = sim.now + (60.0 if step == sim.steps - 1 else 0.0)  # as Job.steps
-            while True:  # the last step waits for a slot; a refusal then is no skip yet
-                retry = sim.now < deadline
-                request = p.SlotRequest(rank=rank, step=step, alloc=alloc.alloc, retry=retry)
-                granted = yield from self._call(request, gen)
-                if not isinstance(granted, p.SlotGranted) or granted.slot is not None:
-                    break
-                if not (retry or granted.filling) or gen in self.ended:
-                    break
-                yield 0.005
-            if isinstance(granted, p.SlotGranted) and granted.slot is not None:
-                seg = sim.segments.get(alloc.segments[granted.slot])
-                if seg is not None and seg.buf is not None:
-                    seg.buf[:8] = self.value.to_bytes(8, "little")
-                yield sim.latency()
-                written = p.Written(rank=rank, step=step, slot=granted.slot, alloc=alloc.alloc,
-                                    tree={"step": step}, stall=0.0)  # fmt: skip
-                self.send(written, gen)
-                last = step
+                return (yield from self._leave(gen, rank, "collective", "no slots"))
+            last = step if took else last
             if step == start:
                 self.send(p.Stepped(rank=rank, step=step), gen)
             yield sim.latency()
@@ -246,6 +230,39 @@ class SimWorker:
             return (yield from self._leave(gen, rank, "ended", "finished too late"))
         sim.left(self)
         return "finished"
+
+    def _snapshot(
+        self, gen: int, rank: int, step: int, alloc: p.Allocated | None
+    ) -> Generator[Any, Any, tuple[p.Allocated | None, bool]]:
+        """Snapshot the value as ``step`` (its slots allocated if not yet): the allocation
+        (None if refused) and whether a slot was granted."""
+        sim = self.sim
+        if alloc is None:
+            got = yield from self._call(p.Alloc(rank=rank, layout=LAYOUT), gen)
+            if not isinstance(got, p.Allocated):
+                return None, False
+            alloc = got
+        deadline = sim.now + (60.0 if step == sim.steps - 1 else 0.0)  # as Job.steps
+        while True:  # the last step waits for a slot; a refusal then is no skip yet
+            retry = sim.now < deadline
+            request = p.SlotRequest(rank=rank, step=step, alloc=alloc.alloc, retry=retry)
+            granted = yield from self._call(request, gen)
+            if not isinstance(granted, p.SlotGranted) or granted.slot is not None:
+                break
+            if not (retry or granted.filling) or gen in self.ended:
+                break
+            yield 0.005
+        if not (isinstance(granted, p.SlotGranted) and granted.slot is not None):
+            return alloc, False
+        seg = sim.segments.get(alloc.segments[granted.slot])
+        assert self.value is not None
+        if seg is not None and seg.buf is not None:
+            seg.buf[:8] = self.value.to_bytes(8, "little")
+        yield sim.latency()
+        written = p.Written(rank=rank, step=step, slot=granted.slot, alloc=alloc.alloc,
+                            tree={"step": step}, stall=0.0)  # fmt: skip
+        self.send(written, gen)
+        return alloc, True
 
     def _rebuild(
         self, source: p.FromParity, rank: int, step: int

@@ -123,7 +123,8 @@ class PeerStore:
         """Where to receive a full replica of ``step`` of ``rank``: (token, buffer), or None
         (no room, or sent in an ended generation: skipped). The token goes back to
         :meth:`written`. With ``wait``, :data:`FILLING` when no slot is free only because
-        the ring's slots are still being made: the server asks again."""
+        the ring's slots are still being made or one is held for a commit: the server asks
+        again (for at most ``FILL_LIMIT_S``)."""
         if self._stale(rank, step, generation):
             return None
         if self.delta:
@@ -160,7 +161,10 @@ class PeerStore:
         index, _ = ring.begin_write(step, ring.alloc.id)
         if ring.gave_way is not None:  # held for no commit yet: it can no longer be
             self._rejected(rank, ring.gave_way, f"gave way to step {step}", generation)
-        if index is None and wait and ring.filling():
+        if index is None and wait and (ring.filling() or ring.proposed):
+            # slots still being made, or one held for a commit whose answer is on its way:
+            # the committed step's slot is free once it comes (a ring of 2 met a replica
+            # that came before its peer heard of the commit, and refused it)
             return FILLING
         if index is None:
             self._rejected(rank, step, "no free slot", generation)
