@@ -101,6 +101,31 @@ def test_committed_and_proposed_steps_are_never_reused(make_ring: Callable[..., 
     assert ring.committed == 2 and ring.proposed == set()
 
 
+def test_a_ring_of_two_holding_both_tiers_commits_lets_tier_0s_own_go_either_way(
+    make_ring: Callable[..., RankRing],
+) -> None:
+    """Two slots, one tier 0's commit and one tier 1's, another step: tier 0's own gives way
+    to the next step, whichever is older. Tier 0 behind came from a restart that brought a
+    rank back from tier 1 (the generation's tier-0 commit older than its tier-1 one): kept
+    both, every later snapshot was skipped and a job hung finishing (review, 12-05)."""
+    for tier0, tier1 in ((5, 3), (3, 5)):
+        ring = make_ring(2)
+        ring.allocate(_layout())
+        for s in sorted((tier0, tier1)):
+            _write(ring, s)
+        ring.set_committed(tier0)
+        ring.peer_committed = tier1
+        assert _write(ring, 6)[1] == [tier0], (tier0, tier1)
+        assert sorted(ring.held()) == [tier1, 6] and ring.skipped == 0
+    ring = make_ring(2)  # the same steps, but tier 0's commit proposed anew: kept
+    ring.allocate(_layout())
+    _write(ring, 3), _write(ring, 5)
+    ring.set_committed(3)
+    ring.peer_committed = 5
+    ring.peer_held = 3
+    assert _write(ring, 6) == (None, []) and ring.skipped == 1
+
+
 def test_newest_held_step_is_reused_only_when_every_other_slot_is_kept(
     make_ring: Callable[..., RankRing],
 ) -> None:

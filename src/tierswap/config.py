@@ -279,7 +279,7 @@ class Config:
         """The slots of each rank's tier-0 ring: ``--slots``, or what unset picks."""
         if self.slots is not None:
             return self.slots
-        return 3 if self.persist else 2
+        return 3 if self.persist is not None else 2
 
     @property
     def parity_group(self) -> int:

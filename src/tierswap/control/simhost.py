@@ -257,9 +257,9 @@ class SimHost:
         if peer is None:
             self._failed(job, node, "refused")
             return None
-        waited = 0.0
+        since = self.sim.now
         while True:
-            if waited >= FILL_LIMIT_S:  # as the real server: the last ask refuses
+            if self.sim.now - since >= FILL_LIMIT_S:  # as the real server: the last refuses
                 ask = {**ask, "wait": False}
             try:
                 got = yield Ask(peer, op, ask)
@@ -273,7 +273,6 @@ class SimHost:
             if got != FILLING:
                 break
             yield 0.005
-            waited += 0.005
         if got is Dead:
             self._failed(job, node, "peer gone")
         return None if got is Dead or got is None else (peer, got)

@@ -259,10 +259,13 @@ class RankRing(CommitVotes):
             ]
             self.gave_way = newest if candidates else None
         if not candidates and not a.filling and self._tier0_gives_way(live):
-            # two slots, tier 1 behind tier 0: both commits held, every later step would be
-            # skipped, and tier 1 (fed by tier 0) could never catch up. Tier 0's own commit
-            # gives way: tier 1's, kept, was committed in tier 0 too, so a restore from tier
-            # 0 still finds a step every rank holds, and a lost node's ranks theirs in tier 1
+            # two slots holding the two tiers' commits, and nothing else: every later step
+            # would be skipped, and the commits could never move. Tier 0's own commit gives
+            # way. Tier 1 behind: tier 1's step, kept, was committed in tier 0 too, so a
+            # restore from tier 0 still finds a step every rank holds, and a lost node's
+            # ranks theirs in tier 1. Tier 0 behind (a restart that brought a rank back from
+            # tier 1, so tier 0's commit of the generation is older): every rank reaches
+            # tier 1's newer step, which the planner takes first
             candidates = [
                 s
                 for s in a.slots
@@ -285,11 +288,11 @@ class RankRing(CommitVotes):
         return slot.index, dropped
 
     def _tier0_gives_way(self, live: list[int]) -> bool:
-        """A ring of two holds tier 0's commit and tier 1's older one, and nothing else
+        """A ring of two holds tier 0's commit and tier 1's, another step, and nothing else
         (``--slots 2``, the rule above)."""
         b, c = self.peer_committed, self.committed
         kept = c in self.proposed or c == self.peer_held
-        return self.nslots == 2 and 0 <= b < c and b in live and not kept
+        return self.nslots == 2 and 0 <= b != c and b in live and not kept
 
     def written(self, slot_index: int, step: int, alloc_id: int, tree: dict[str, Any]) -> Slot:
         """The worker finished copying; the slot waits for its checksum (leased)."""
