@@ -52,7 +52,7 @@ class Config:
     committed one, a fourth every step while tier 1 trails tier 0, each at one more
     snapshot of memory per rank. With ``--max-redo 0`` give both rings a third
     (``--slots 3 --peer-slots 3``): in the simulation 2 + 2 then skipped 2.5x the
-    snapshots of 3 + 3 and committed 13 % fewer tier-1 steps (with ``--max-redo 1``, 0.2 %
+    snapshots of 3 + 3 and committed 13 % fewer tier-1 steps (with ``--max-redo 1``, 0.3 %
     fewer)."""
     peer_slots: int = 2
     """Tier-1 slots per protected rank on each of the ``--replicas`` peers holding its
