@@ -27,6 +27,19 @@ def _restored(run_dir: Path) -> dict[int, int]:
     return {int(r): t for r, t in events(run_dir, "restored")[-1]["tiers"].items()}
 
 
+def _kill_exact(tmp_path: Path, baseline, *extra: str, nproc: int = 1) -> Path:
+    """A 3-node exact-DDP job of 12 slowed steps run with ``extra`` (its kills among them):
+    it ends well and bit for bit as the same job without failures; its run folder."""
+    base = baseline(nodes=3, nproc=nproc, mode="ddp-exact")
+    code, run_dir, out = run_job(
+        tmp_path, "kill", nodes=3, nproc=nproc, steps=12, mode="ddp-exact", train_args=SLOW,
+        extra=extra,
+    )  # fmt: skip
+    assert code == 0, out
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    return run_dir
+
+
 DELTA = ("--memory-tiers", "delta", "--base-every", "100", "--delta-threshold", "1.0")
 """Tier 1 as one base and deltas: every replica after a rank's first (in a generation, to
 a peer) is a delta, however large."""
@@ -99,18 +112,9 @@ def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
     tmp_path: Path, baseline
 ) -> None:
     """Full copies (``--peer-parity 0``; on 3 nodes the default is parity)."""
-    base = baseline(nodes=3, mode="ddp-exact")
-    code, run_dir, out = run_job(
-        tmp_path,
-        "kill",
-        nodes=3,
-        steps=12,
-        mode="ddp-exact",
-        train_args=SLOW,
-        extra=("--peer-parity", "0", "--inject", "kill:node=1:step=6"),
+    run_dir = _kill_exact(
+        tmp_path, baseline, "--peer-parity", "0", "--inject", "kill:node=1:step=6"
     )
-    assert code == 0, out
-    assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}
 
 
@@ -121,19 +125,7 @@ def test_three_nodes_with_the_defaults_hold_3x_memory_and_hot_swap_a_lost_node_b
     holds 3x its rank's state (two tier-0 slots and two parities of half a state each),
     and a killed node's rank is rebuilt on a spare from the two others' parities and their
     own tier 0, bit for bit."""
-    base = baseline(nodes=3, mode="ddp-exact")
-    parity = ("--spares", "1")
-    code, run_dir, out = run_job(
-        tmp_path,
-        "kill",
-        nodes=3,
-        steps=12,
-        mode="ddp-exact",
-        train_args=SLOW,
-        extra=(*parity, "--inject", "kill:node=1:step=6"),
-    )
-    assert code == 0, out
-    assert_same_bits(base, final_state(tmp_path, "kill"))
+    run_dir = _kill_exact(tmp_path, baseline, "--spares", "1", "--inject", "kill:node=1:step=6")
     assert _restored(run_dir) == {0: 0, 1: 1, 2: 0}, "node 1's rank rebuilt from tier 1"
     assert events(run_dir, "spare_assigned")[0]["node"] == 1
     assert not events(run_dir, "replica_served"), "no node holds a whole replica"
@@ -155,23 +147,14 @@ def test_a_corrupt_parity_is_found_before_it_is_used_and_tier_2_serves_instead(
     the failure the agent's re-read of what it holds finds it, the lost rank 1 (whose
     stripe 1 is in it) cannot be rebuilt, and it comes back from tier 2, bit for bit."""
     persist = tmp_path / "ckpt"
-    base = baseline(nodes=3, mode="ddp-exact")
-    code, run_dir, out = run_job(
+    run_dir = _kill_exact(
         tmp_path,
-        "kill",
-        nodes=3,
-        steps=12,
-        mode="ddp-exact",
-        train_args=SLOW,
-        extra=(
-            *("--peer-parity", "3", "--spares", "1"),
-            *("--persist", str(persist), "--persist-every", "2"),
-            *("--inject", "corrupt:rank=0:step=0:where=parity"),
-            *("--inject", "kill:node=1:step=6"),
-        ),
+        baseline,
+        *("--peer-parity", "3", "--spares", "1"),
+        *("--persist", str(persist), "--persist-every", "2"),
+        *("--inject", "corrupt:rank=0:step=0:where=parity"),
+        *("--inject", "kill:node=1:step=6"),
     )
-    assert code == 0, out
-    assert_same_bits(base, final_state(tmp_path, "kill"))
     rejected = [e for e in events(run_dir, "replica_rejected") if e["node"] == 0]
     assert any("corrupt in memory" in e["why"] for e in rejected), rejected
     restored = events(run_dir, "restored")[-1]
@@ -182,28 +165,19 @@ def test_a_corrupt_parity_is_found_before_it_is_used_and_tier_2_serves_instead(
 
 def test_two_adjacent_nodes_lost_fall_back_to_durable(tmp_path: Path, baseline) -> None:
     persist = tmp_path / "ckpt"
-    base = baseline(nodes=3, mode="ddp-exact")
-    code, run_dir, out = run_job(
+    run_dir = _kill_exact(
         tmp_path,
-        "kill",
-        nodes=3,
-        steps=12,
-        mode="ddp-exact",
-        train_args=SLOW,
-        extra=(
-            *("--peer-parity", "0"),  # full copies: with parity, any two of 3 lose both
-            "--persist",
-            str(persist),
-            "--persist-every",
-            "3",
-            "--inject",
-            "kill:node=1:step=7",
-            "--inject",
-            "kill:node=2:step=7",
-        ),
+        baseline,
+        *("--peer-parity", "0"),  # full copies: with parity, any two of 3 lose both
+        "--persist",
+        str(persist),
+        "--persist-every",
+        "3",
+        "--inject",
+        "kill:node=1:step=7",
+        "--inject",
+        "kill:node=2:step=7",
     )
-    assert code == 0, out
-    assert_same_bits(base, final_state(tmp_path, "kill"))
     restored = _restored(run_dir)
     # placement 0->1, 1->2, 2->0: rank 1 lost both its copies; the others take whatever
     # fastest tier still holds the step every rank can reach
@@ -282,19 +256,9 @@ def test_placement_that_cannot_fit_peer_memory_is_refused(tmp_path: Path) -> Non
 
 
 def test_two_workers_per_node_spread_over_peers_and_restore(tmp_path: Path, baseline) -> None:
-    base = baseline(nodes=3, nproc=2, mode="ddp-exact")
-    code, run_dir, out = run_job(
-        tmp_path,
-        "kill",
-        nodes=3,
-        nproc=2,
-        steps=12,
-        mode="ddp-exact",
-        train_args=SLOW,
-        extra=("--peer-parity", "0", "--inject", "kill:node=1:step=7"),
+    run_dir = _kill_exact(
+        tmp_path, baseline, "--peer-parity", "0", "--inject", "kill:node=1:step=7", nproc=2
     )
-    assert code == 0, out
-    assert_same_bits(base, final_state(tmp_path, "kill"))
     (placement,) = events(run_dir, "placement")
     assert placement["targets"]["2"] != placement["targets"]["3"], "node 1's ranks spread out"
     assert _restored(run_dir) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0}
