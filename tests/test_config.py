@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
 import pytest
@@ -254,6 +255,8 @@ def test_advertised_address_must_be_one_others_can_reach() -> None:
     assert worker_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"})["GLOO_SOCKET_IFNAME"] == "eth9"
     assert worker_env("127.0.0.1", {})["THP_MEM_ALLOC_ENABLE"] == "1"
     assert worker_env("127.0.0.1", {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
+    if platform.machine().lower() in ("x86_64", "amd64"):  # copies of a chunk and more: NT
+        assert "x86_non_temporal_threshold" in worker_env("127.0.0.1", {})["GLIBC_TUNABLES"]
     with pytest.raises(UsageError, match="wildcard"):
         check_advertised("0.0.0.0", "--bind")
     with pytest.raises(

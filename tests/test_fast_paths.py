@@ -3,6 +3,7 @@ must keep: the bits, the checksums, and the memory it is given back."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -17,9 +18,10 @@ from torch import nn
 
 from tierswap.checksum import checksum_bytes, hasher
 from tierswap.fetch import Prefetch
+from tierswap.memcopy import CHUNK, copy_bytes_hashing, copy_hashing, memcpy, plain
 from tierswap.shm import PREFIX, SHM_DIR, SegmentPool
-from tierswap.snapshot import CHUNK, _copy_hashing
 from tierswap.state import flatten, load, make_layout, tensor_view
+from tierswap.tunables import nt_tunables
 
 # ---------------------------------------------------------------- segments made ahead
 
@@ -113,20 +115,84 @@ def test_a_pool_leaves_a_tenth_of_shared_memory_to_the_members(monkeypatch) -> N
     "src",
     [
         torch.arange(3 * CHUNK // 4 + 5, dtype=torch.float32),  # chunks and a tail
+        torch.arange(2 * CHUNK, dtype=torch.uint8),  # whole chunks, no tail
+        torch.nn.Parameter(torch.randn(CHUNK // 2 + 3, dtype=torch.bfloat16)),
+        torch.arange(CHUNK, dtype=torch.float32)[CHUNK // 2 :],  # an offset into a storage
         torch.randn(257, 513).t(),  # not contiguous: one copy, then one hash
+        torch.randn(300, dtype=torch.complex64).conj(),  # lazy conjugate: torch resolves it
         torch.tensor([True, False, True]),
         torch.tensor(7, dtype=torch.int64),
+        torch.zeros(0, 5),
     ],
-    ids=["chunks", "strided", "bool", "scalar"],
+    ids=[
+        "chunks",
+        "whole-chunks",
+        "bf16-param",
+        "offset",
+        "strided",
+        "conj",
+        "bool",
+        "scalar",
+        "empty",
+    ],
 )
 def test_the_copy_hashes_what_it_wrote_as_a_second_read_would(src: torch.Tensor) -> None:
     nbytes = src.numel() * src.element_size()
     buf = bytearray(nbytes)
     dst = torch.frombuffer(buf, dtype=src.dtype).reshape(src.shape) if nbytes else src.clone()
     digest = hasher()
-    _copy_hashing(dst, src, memoryview(buf), digest)
-    assert torch.equal(dst, src)
+    copy_hashing(dst, src, memoryview(buf), digest)
+    assert torch.equal(dst, src.resolve_conj())
     assert digest.hexdigest() == checksum_bytes(bytes(buf))
+
+
+def test_a_read_only_mapping_is_copied_and_hashed_as_a_second_read_would(tmp_path: Path) -> None:
+    data = bytes(range(256)) * ((2 * CHUNK + 777) // 256)
+    path = tmp_path / "slot"
+    path.write_bytes(data)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), len(data), prot=mmap.PROT_READ) as mm:
+        src = memoryview(mm)
+        out = bytearray(len(data))
+        digest = hasher()
+        copy_bytes_hashing(memoryview(out), src, digest)
+        with pytest.raises(ValueError, match="read-only"):
+            copy_bytes_hashing(src, memoryview(out), hasher())
+        with pytest.raises(ValueError, match="into"):
+            copy_bytes_hashing(memoryview(out)[1:], src, hasher())
+        src.release()
+    assert bytes(out) == data and digest.hexdigest() == checksum_bytes(data)
+
+
+def test_only_plain_tensors_of_one_dtype_and_shape_are_copied_as_bytes() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert plain(a, b) and plain(nn.Parameter(a), b)
+    assert not plain(torch.zeros(3, 2), b)  # the same size, another shape
+    assert not plain(a.to(torch.int32), b)  # another dtype
+    assert not plain(torch.zeros(3, 2).t(), b)  # not contiguous
+    assert not plain(TwoTensor(a, a.clone()), b)  # a wrapper: its data_ptr is not its bytes
+    assert not plain(a, TwoTensor(b, b.clone()))
+    z = torch.zeros(6, dtype=torch.complex64)
+    assert not plain(z.conj(), z) and not plain(z, z.conj()) and not plain(z._neg_view(), z)
+    assert not plain(a.to_sparse(), b) and not plain(a, b.to_sparse())
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        memcpy(torch.zeros(3, 2).t(), b)
+
+
+def test_workers_get_the_non_temporal_threshold_unless_the_user_set_one() -> None:
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert nt_tunables({}) == {}
+        return
+    mine = f"glibc.cpu.x86_non_temporal_threshold={CHUNK:#x}"
+    assert nt_tunables({})["GLIBC_TUNABLES"] == mine
+    assert nt_tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == (
+        "glibc.malloc.arena_max=2:" + mine
+    )
+    own = {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x800000"}
+    assert nt_tunables(own) == own
 
 
 # ---------------------------------------------------------------- loading

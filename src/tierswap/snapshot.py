@@ -31,6 +31,7 @@ from tierswap.checksum import hasher
 from tierswap.control import protocol as p
 from tierswap.errors import UsageError
 from tierswap.interrupt import own_call
+from tierswap.memcopy import copy_hashing
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S
@@ -170,28 +171,6 @@ class _Job:
     alloc: _Allocation
     events: list[Any] = field(default_factory=list)
     """CUDA events, one per device whose tensors were copied on its side stream."""
-
-
-CHUNK = 1 << 20
-"""Bytes the copy writes before it hashes them: small enough to be read back from a core's
-L2 cache, large enough that the per-chunk calls cost little (384 MiB copied and hashed
-alone, one core: 1.54x a plain copy in 256 KiB chunks, 1.22x in 1 MiB ones)."""
-
-
-def _copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest: Any) -> None:
-    """``dst.copy_(src)`` in chunks, each hashed into ``digest`` from ``raw`` (``dst``'s
-    bytes) as soon as it is written."""
-    if not src.is_contiguous() or src.numel() * src.element_size() <= CHUNK:
-        dst.copy_(src)
-        digest.update(raw)
-        return
-    flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
-    size = src.element_size()
-    per = max(1, CHUNK // size)
-    for start in range(0, flat_src.numel(), per):
-        end = min(start + per, flat_src.numel())
-        flat_dst[start:end].copy_(flat_src[start:end])
-        digest.update(raw[start * size : end * size])
 
 
 class Snapshotter:
@@ -412,7 +391,8 @@ class Snapshotter:
 
     def _copy(self, job: _Job) -> None:
         """Copy the deferred tensors into the slot, checksumming the slot's bytes in the
-        same pass: each chunk is hashed right after it is written, while it is in cache.
+        same pass: each chunk is hashed right after it is copied, while it is in cache
+        (:func:`tierswap.memcopy.copy_hashing`).
         Bytes a GPU copied (by DMA, on the side stream) are hashed once they are in."""
         t0, cpu0 = time.monotonic(), time.thread_time()
         views = job.alloc.slot_views(job.slot)
@@ -441,7 +421,7 @@ class Snapshotter:
                 if copied == half and self.midway is not None:
                     self.midway(job.step)
                 copied += 1
-                _copy_hashing(dst, src, raw, digest)
+                copy_hashing(dst, src, raw, digest)
                 if i == last:  # the rest only reads the slot: the optimizer may go on
                     self._copied.set()
         self.stats.record(self.stats.copy_times, time.monotonic() - t0)

@@ -54,6 +54,7 @@ from tierswap.cluster.address import HUGE_PAGES_ENV
 from tierswap.config import Config as TierswapConfig
 from tierswap.examples import FOLDER, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
+from tierswap.tunables import TUNABLES_ENV, nt_tunables
 
 MLP = FOLDER / "train_mlp.py"
 STEPS, KILL, VICTIM = 14, 8, 1
@@ -492,11 +493,14 @@ def failure_text(log: str, chars: int = 1500) -> str:
 
 
 def same_env() -> dict[str, str]:
-    """Given to every system's jobs: torch's CPU allocator on transparent huge pages, which
-    tierswap's agent gives its workers by default (``worker_env``), so that no system's
-    step or restore pays 4 KiB page faults that another's does not; a value already set
-    (``THP_MEM_ALLOC_ENABLE=0``, to compare without) is kept, for every system alike."""
-    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
+    """Given to every system's jobs: what tierswap's agent gives its workers by default
+    (``worker_env``), so that no system's step or restore runs under other settings than
+    another's: torch's CPU allocator on transparent huge pages (no 4 KiB page faults) and
+    glibc's non-temporal threshold at 1 MiB (large copies around the cache). A value
+    already set (``THP_MEM_ALLOC_ENABLE=0``, to compare without) is kept, for every system
+    alike."""
+    tunables = {k: os.environ[k] for k in (TUNABLES_ENV,) if k in os.environ}
+    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1"), **nt_tunables(tunables)}
 
 
 def _bounded(cmd: list[str], folder: Path, timeout: float, tmp: Path, run_dir: Path | None) -> int:

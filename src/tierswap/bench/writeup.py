@@ -161,7 +161,8 @@ def _mode(mode: str) -> str:
 def _limits_section(index: Res) -> list[str]:
     lim = index.get("limits", {})
     names = {
-        "memcpy": "memcpy (one core)",
+        "memcpy": "memcpy (one core, libc's)",
+        "torch_copy": "torch's copy_ of the same bytes (one core; not a limit)",
         "xxh3": "xxh3 checksum (one core)",
         "tcp": "one loopback TCP stream",
         "write_fsync": "sequential write + fsync",

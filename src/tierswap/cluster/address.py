@@ -16,6 +16,7 @@ import sys
 import psutil
 
 from tierswap.errors import UsageError
+from tierswap.tunables import nt_tunables
 from tierswap.wire import Channel
 
 
@@ -89,8 +90,11 @@ def worker_env(address: str, env: dict[str, str]) -> dict[str, str]:
     - torch's CPU allocator asks for transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``,
       unless the user set it): a restoring rank's fresh tensors then fault in 2 MiB at a
       time instead of 4 KiB, and loading 384 MiB into them takes 0.08 s instead of 0.21
-      s here. Where the kernel gives no huge pages the setting changes nothing."""
-    out = dict(env)
+      s here. Where the kernel gives no huge pages the setting changes nothing.
+    - glibc copies 1 MiB and more around the cache (``GLIBC_TUNABLES``, unless the user
+      set that tunable; :func:`tierswap.tunables.nt_tunables`): the snapshot copies in
+      chunks of that size, and then does not read in the slot's lines it overwrites."""
+    out = nt_tunables(env)
     out.setdefault(HUGE_PAGES_ENV, "1")
     name = interface_of(address)
     if name is not None and "GLOO_SOCKET_IFNAME" not in env:

@@ -1,0 +1,116 @@
+"""Copying a rank's state into a slot at the speed of a plain memcpy, checksummed on the way.
+
+The snapshot's copy is one pass per byte: a CPU tensor is copied by libc's ``memmove`` in
+chunks, and each chunk is hashed from the *source*, which the copy has just read into
+the core's cache, so the checksum costs no second trip to memory. Two things make that
+pass close to a memcpy of the whole tensor:
+
+- libc's memmove, not torch's ``copy_``: one core here moves 384 MiB in 29-31 ms with
+  the former and in 55 ms with the latter (torch's loop writes through the cache).
+- Non-temporal stores for each chunk. glibc writes copies of at least
+  ``x86_non_temporal_threshold`` bytes around the cache, so the destination's lines are
+  not first read in to be overwritten; below it, every line written is read first (a
+  third of the traffic more). The threshold's default is derived from the last-level
+  cache, and how depends on glibc's version (a per-thread share of it up to 2.37, a
+  quarter of all of it since 2.38): from about a MiB to tens of MiB on a GPU host, and
+  over 100 MiB on this 2-core VM with its 300 MiB L3. :func:`tierswap.tunables.
+  nt_tunables` sets it to :data:`CHUNK` in the environment a worker starts with (libc
+  reads it only then); unset, the copy is correct and about a third slower.
+
+Measured here, one core, 384 MiB: a whole memmove 29-31 ms; chunks of 1 MiB hashed
+from the source 40-42 ms with the threshold at 1 MiB and 58-64 ms without it; torch's
+chunked ``copy_`` hashed from the destination (the copy before 12-05) 72 ms.
+
+The checksum is of the bytes the copy read. A deferred tensor is one only
+``optimizer.step()`` changes, and that step waits for the copy (``fence``); a loop that
+writes one anyway while it is copied (an in-place change of a parameter outside the
+optimizer) leaves a slot whose bytes may not match its checksum, and every reader of it
+(a peer's replica, a restore) rejects it as corrupt instead of restoring a torn state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierswap.tunables import COPY_CHUNK
+
+CHUNK = COPY_CHUNK
+"""Bytes copied before they are hashed: small enough that they are still in the core's
+L2 cache when the hash reads them, large enough that the two calls per chunk cost little
+(the hash then reads at 60+ GiB/s instead of memory's 12)."""
+
+SMALL = 64 << 10
+"""Below this many bytes a tensor is copied by torch and hashed from the slot: the ctypes
+calls of the byte path cost more than the copy (9 µs against 1.2 µs a tensor of 256 B)."""
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _bytes_like(t: torch.Tensor) -> bool:
+    """A plain strided CPU tensor (or Parameter) whose memory holds its values as they are:
+    no lazy conjugate or negation, no wrapper subclass."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and not (t.is_conj() or t.is_neg())
+        and t.is_contiguous()
+    )
+
+
+def plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``src`` can be copied into ``dst`` as bytes: both plain, contiguous CPU
+    tensors of the same dtype and shape (:func:`_bytes_like`)."""
+    return (
+        src.dtype == dst.dtype and src.shape == dst.shape and _bytes_like(src) and _bytes_like(dst)
+    )
+
+
+def copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest: Any) -> None:
+    """``dst.copy_(src)``, with ``dst``'s new bytes hashed into ``digest`` (``raw`` is
+    ``dst``'s memory): chunk by chunk, each hashed right after it is copied."""
+    if len(raw) < SMALL or not plain(dst, src):  # small, a view, a cast, a GPU tensor:
+        dst.copy_(src)  # torch copies, then the hash reads the slot
+        digest.update(raw)
+        return
+    copy_bytes_hashing(raw, _raw(src), digest)
+
+
+def _address(buf: memoryview) -> int:
+    """Where a contiguous buffer's bytes are (read-only ones too: a mapped tier-0 slot)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+
+
+def copy_bytes_hashing(dst: memoryview, src: memoryview, digest: Any) -> None:
+    """``dst[:] = src`` by libc's memmove, chunk by chunk, each chunk hashed into
+    ``digest`` from ``src`` right after it is copied (while it is in cache)."""
+    n = src.nbytes
+    if dst.nbytes != n:
+        raise ValueError(f"copy of {n} bytes into {dst.nbytes}")
+    if dst.readonly:
+        raise ValueError("copy into a read-only buffer")
+    src, dst = src.cast("B"), dst.cast("B")
+    s, d = _address(src), _address(dst)
+    for start in range(0, n, CHUNK):
+        size = min(CHUNK, n - start)
+        ctypes.memmove(d + start, s + start, size)
+        digest.update(src[start : start + size])
+
+
+def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A plain memcpy of ``src``'s bytes into ``dst`` (both contiguous CPU tensors of the
+    same size in bytes): what the bench takes as the machine's copy speed."""
+    n = src.numel() * src.element_size()
+    if dst.numel() * dst.element_size() != n or not (_bytes_like(src) and _bytes_like(dst)):
+        raise ValueError("memcpy wants two contiguous CPU tensors of the same size in bytes")
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
