@@ -203,3 +203,25 @@ def test_readme_gets_the_headline_between_its_markers_and_keeps_the_rest(tmp_pat
     plain = tmp_path / "OTHER.md"
     plain.write_text("no markers\n")
     assert not writeup.sync_readme(plain, folder) and plain.read_text() == "no markers\n"
+
+
+def test_a_benchmark_that_does_a_workers_copy_runs_under_the_workers_glibc_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    seen: dict[str, dict[str, str] | None] = {}
+
+    def fake(cmd: list[str], log: Path, cwd: Path, timeout: float, run_dir: Any = None,
+             env: dict[str, str] | None = None) -> int:  # fmt: skip
+        seen[cmd[4]] = env
+        return 0
+
+    monkeypatch.setattr(suite, "run_bounded", fake)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for what in ("snapshot", "memory"):
+        suite.run_one(suite.Bench(what, what, (), (), 1.0), tmp_path, quick=False)
+    assert seen["memory"] is None  # an agent's or a launcher's part: this process's own
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        env = seen["snapshot"]
+        assert env is not None and "x86_non_temporal_threshold=0x100000" in env["GLIBC_TUNABLES"]

@@ -6,6 +6,10 @@
 3. ``durable.write_part`` of a held slot against a sequential write + fsync.
 
 Section 4, the step time, is in :mod:`tierswap.bench.steps`.
+
+This process does a worker's copy: ``bench all`` runs it with the glibc settings workers
+get (``GLIBC_TUNABLES``, :func:`tierswap.tunables.nt_tunables`); run by hand, export
+``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000`` for the same.
 """
 
 from __future__ import annotations
