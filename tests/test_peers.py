@@ -406,7 +406,7 @@ def test_bench_all_gives_bench_peers_its_deadline_less_a_margin_as_a_budget(
     from tierswap.bench import suite
 
     ran: list[list[str]] = []
-    monkeypatch.setattr(suite, "run_bounded", lambda cmd, *a: ran.append(cmd) or 0)
+    monkeypatch.setattr(suite, "run_bounded", lambda cmd, *a, **k: ran.append(cmd) or 0)
     suite.run_one(suite.Bench("peers", "peers", (), ("--repeats", "3"), 30), tmp_path, False)
     suite.run_one(suite.Bench("dcp", "dcp", (), ("--repeats", "3"), 8), tmp_path, False)
     peers_cmd, dcp_cmd = ran
