@@ -88,11 +88,10 @@ def run_bounded(
     env: dict[str, str] | None = None,
 ) -> int:
     """Run a job in a session of its own (in ``env``, else this process's environment),
-    its output to ``log``; its exit code, or -9
-    past ``timeout``. What is left of the launcher's group is killed either way, and past
-    the timeout every host it started too (each a session of its own, their ids from
-    ``run_dir``'s events) and the job's shared memory removed, so that nothing holds
-    memory or a GPU for the next job."""
+    its output to ``log``; its exit code, or -9 past ``timeout``. What is left of the
+    launcher's group is killed either way, and past the timeout every host it started too
+    (each a session of its own, their ids from ``run_dir``'s events) and the job's shared
+    memory removed, so that nothing holds memory or a GPU for the next job."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                 start_new_session=True, env=env)  # fmt: skip

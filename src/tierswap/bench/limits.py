@@ -25,15 +25,10 @@ from tierswap.shm import populated
 CHUNK = 1 << 24
 
 
-def _memcpy_once(dst: torch.Tensor, src: torch.Tensor) -> Sample:
+def _copy_once(copy: Callable[[torch.Tensor, torch.Tensor], Any], dst: torch.Tensor,
+               src: torch.Tensor) -> Sample:  # fmt: skip
     t0 = time.monotonic()
-    memcpy(dst, src)
-    return {"bps": src.numel() / (time.monotonic() - t0)}
-
-
-def _copy_once(dst: torch.Tensor, src: torch.Tensor) -> Sample:
-    t0 = time.monotonic()
-    dst.copy_(src)
+    copy(dst, src)
     return {"bps": src.numel() / (time.monotonic() - t0)}
 
 
@@ -127,8 +122,8 @@ def _measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
     sink = _Sink(nbytes)
     try:
         methods: dict[str, Callable[[], Sample]] = {
-            "memcpy": lambda: _memcpy_once(b, a),
-            "torch_copy": lambda: _copy_once(b, a),
+            "memcpy": lambda: _copy_once(memcpy, b, a),
+            "torch_copy": lambda: _copy_once(torch.Tensor.copy_, b, a),
             "xxh3": lambda: _hash_once(src),
             "tcp": lambda: sink.once(src),
             "write_fsync": lambda: write_fsync_once(folder / "limits.bin", src),

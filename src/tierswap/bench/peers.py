@@ -499,8 +499,9 @@ def same_env() -> dict[str, str]:
     glibc's non-temporal threshold at 1 MiB (large copies around the cache). A value
     already set (``THP_MEM_ALLOC_ENABLE=0``, to compare without) is kept, for every system
     alike."""
-    tunables = {k: os.environ[k] for k in (TUNABLES_ENV,) if k in os.environ}
-    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1"), **nt_tunables(tunables)}
+    out = {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
+    tunables = nt_tunables(dict(os.environ)).get(TUNABLES_ENV)
+    return out if tunables is None else {**out, TUNABLES_ENV: tunables}
 
 
 def _bounded(cmd: list[str], folder: Path, timeout: float, tmp: Path, run_dir: Path | None) -> int:

@@ -19,37 +19,41 @@ measures it against JSON), never pickle.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
 
 import msgspec
 
+from tierswap.control.message import Address as Address
+from tierswap.control.message import Envelope as Envelope
+from tierswap.control.message import M as M
+from tierswap.control.message import Message as Message
+from tierswap.control.message import Tree as Tree
+from tierswap.control.peer_protocol import Accepted as Accepted
+from tierswap.control.peer_protocol import Fetch as Fetch
+from tierswap.control.peer_protocol import FetchParity as FetchParity
+from tierswap.control.peer_protocol import FetchRange as FetchRange
+from tierswap.control.peer_protocol import Missing as Missing
+from tierswap.control.peer_protocol import ParityMember as ParityMember
+from tierswap.control.peer_protocol import ParityPart as ParityPart
+from tierswap.control.peer_protocol import ParityServing as ParityServing
+from tierswap.control.peer_protocol import Ranged as Ranged
+from tierswap.control.peer_protocol import Replica as Replica
+from tierswap.control.peer_protocol import ReplicaDelta as ReplicaDelta
+from tierswap.control.peer_protocol import Room as Room
+from tierswap.control.peer_protocol import Serving as Serving
+from tierswap.control.store_protocol import StoreAdd as StoreAdd
+from tierswap.control.store_protocol import StoreCheck as StoreCheck
+from tierswap.control.store_protocol import StoreCompareSet as StoreCompareSet
+from tierswap.control.store_protocol import StoreCount as StoreCount
+from tierswap.control.store_protocol import StoreDelete as StoreDelete
+from tierswap.control.store_protocol import StoreFlag as StoreFlag
+from tierswap.control.store_protocol import StoreGet as StoreGet
+from tierswap.control.store_protocol import StoreNumber as StoreNumber
+from tierswap.control.store_protocol import StoreSet as StoreSet
+from tierswap.control.store_protocol import StoreValue as StoreValue
+from tierswap.control.store_protocol import StoreWait as StoreWait
 from tierswap.layout import Layout
 from tierswap.tiers.durable import PartInfo
-
-Address = tuple[str, int]
-Tree = dict[str, Any]
-"""The non-tensor part of a rank's state (JSON-like values, never code)."""
-
-
-class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
-    """Base of every message."""
-
-    scoped: ClassVar[bool] = True
-    """A message about one generation: dropped at the receiver's door once that generation
-    has ended. Host-level messages (hello, ready, beat, ...) set it False."""
-    call: ClassVar[bool] = False
-    """A request whose sender waits for a reply (a dropped one is answered with Error)."""
-
-
-M = TypeVar("M", bound=Message)
-
-
-class Envelope(msgspec.Struct, Generic[M], frozen=True, array_like=True):
-    """What goes on the wire: the sender's generation and one message."""
-
-    gen: int
-    msg: M
-
 
 # ==================================================================== shared records
 
@@ -684,207 +688,6 @@ class Persist(Message, frozen=True, kw_only=True, tag="persist"):
     replicas: dict[int, int] = {}
     """rank -> node: ranks of lost nodes whose parts that node writes from the replica it
     holds (before the job shrinks, so that it goes on from the newest step)."""
-
-
-# ==================================================================== agent <-> agent
-
-
-class Replica(Message, frozen=True, kw_only=True, tag="replica"):
-    """A full replica follows (``layout.nbytes`` raw bytes after a Room reply)."""
-
-    rank: int
-    step: int
-    layout: Layout
-    tree: Tree
-    checksum: str
-
-
-class ReplicaDelta(Message, frozen=True, kw_only=True, tag="replica_delta"):
-    """A delta against ``base_step`` follows (``nbytes`` raw bytes after Room)."""
-
-    rank: int
-    step: int
-    base_step: int
-    base_checksum: str
-    base_durable: str | None
-    nbytes: int
-    tree: Tree
-    checksum: str
-
-
-class Fetch(Message, frozen=True, kw_only=True, tag="fetch"):
-    """A restoring worker asks a peer for its replica of ``step``."""
-
-    scoped = False
-    rank: int
-    step: int
-
-
-class Room(Message, frozen=True, kw_only=True, tag="room"):
-    """Whether the peer takes the bytes; ``need`` "base": send the base first."""
-
-    scoped = False
-    ok: bool
-    need: str = ""
-
-
-class Accepted(Message, frozen=True, kw_only=True, tag="accepted"):
-    """The bytes arrived and their checksum matched (``ok``)."""
-
-    scoped = False
-    ok: bool
-
-
-class Serving(Message, frozen=True, kw_only=True, tag="serving"):
-    """The replica follows as ``layout.nbytes`` raw bytes."""
-
-    scoped = False
-    layout: Layout
-    tree: Tree
-    checksum: str
-
-
-class ParityMember(msgspec.Struct, frozen=True, kw_only=True):
-    """One rank's stripe in a parity: which stripe, where it lies in the rank's snapshot
-    (stripe ``stripe`` starts at ``stripe * unit``), and what the whole snapshot is."""
-
-    rank: int
-    stripe: int
-    nbytes: int
-    """Bytes of the stripe (the last one of a snapshot may be shorter than ``unit``)."""
-    unit: int
-    layout: Layout
-    tree: Tree
-    checksum: str
-    """Of the rank's whole snapshot (its layout's chunks): a rebuilt one is checked."""
-
-
-class ParityPart(Message, frozen=True, kw_only=True, tag="parity_part"):
-    """A stripe of ``member.rank``'s snapshot of ``step`` for the parity the peer holds
-    (``member.nbytes`` raw bytes follow a Room reply), its own checksum beside it."""
-
-    member: ParityMember
-    step: int
-    stripe_checksum: str
-
-
-class FetchParity(Message, frozen=True, kw_only=True, tag="fetch_parity"):
-    """A rebuilding worker asks a peer for the parity ``key`` of ``step``."""
-
-    scoped = False
-    key: int
-    step: int
-
-
-class ParityServing(Message, frozen=True, kw_only=True, tag="parity_serving"):
-    """The parity follows as ``nbytes`` raw bytes; ``members`` are the stripes in it."""
-
-    scoped = False
-    nbytes: int
-    checksum: str
-    members: list[ParityMember]
-
-
-class FetchRange(Message, frozen=True, kw_only=True, tag="fetch_range"):
-    """A rebuilding worker asks a node for bytes of one of its ranks' tier-0 snapshots."""
-
-    scoped = False
-    rank: int
-    step: int
-    start: int
-    nbytes: int
-
-
-class Ranged(Message, frozen=True, kw_only=True, tag="ranged"):
-    """The asked bytes of a tier-0 snapshot follow, raw."""
-
-    scoped = False
-    nbytes: int
-
-
-class Missing(Message, frozen=True, kw_only=True, tag="missing"):
-    scoped = False
-    why: str = "the peer no longer holds it"
-
-
-# ============================================================ worker <-> store
-# The rendezvous store workers build their process groups on (``store.py``): torch's
-# c10d store operations, each a call answered by one reply (or Error).
-
-
-class StoreSet(Message, frozen=True, kw_only=True, tag="store_set"):
-    scoped = False
-    call = True
-    key: str
-    value: bytes
-
-
-class StoreGet(Message, frozen=True, kw_only=True, tag="store_get"):
-    """``key``'s value once it is set, waiting up to ``timeout`` seconds."""
-
-    scoped = False
-    call = True
-    key: str
-    timeout: float
-
-
-class StoreAdd(Message, frozen=True, kw_only=True, tag="store_add"):
-    scoped = False
-    call = True
-    key: str
-    amount: int
-
-
-class StoreCompareSet(Message, frozen=True, kw_only=True, tag="store_compare_set"):
-    """Set ``desired`` if the value is ``expected`` (or the key is unset and ``expected``
-    empty); the reply is the value after."""
-
-    scoped = False
-    call = True
-    key: str
-    expected: bytes
-    desired: bytes
-
-
-class StoreWait(Message, frozen=True, kw_only=True, tag="store_wait"):
-    scoped = False
-    call = True
-    keys: list[str]
-    timeout: float
-
-
-class StoreCheck(Message, frozen=True, kw_only=True, tag="store_check"):
-    scoped = False
-    call = True
-    keys: list[str]
-
-
-class StoreDelete(Message, frozen=True, kw_only=True, tag="store_delete"):
-    scoped = False
-    call = True
-    key: str
-
-
-class StoreCount(Message, frozen=True, kw_only=True, tag="store_count"):
-    """How many keys the store holds."""
-
-    scoped = False
-    call = True
-
-
-class StoreValue(Message, frozen=True, kw_only=True, tag="store_value"):
-    scoped = False
-    value: bytes
-
-
-class StoreNumber(Message, frozen=True, kw_only=True, tag="store_number"):
-    scoped = False
-    value: int
-
-
-class StoreFlag(Message, frozen=True, kw_only=True, tag="store_flag"):
-    scoped = False
-    ok: bool
 
 
 # ==================================================================== the channels
