@@ -247,7 +247,7 @@ def test_shrink_goes_on_from_tier2_and_grows_back_when_a_host_joins() -> None:
     persist = _persisted(c, 1, [0, 2])  # asked at once, whatever --persist-every says
     assert persist.world_size == 2 and c.tier2.commits[1][0] == 2
     (growing,) = c.logged("growing")
-    assert (growing["nodes"], growing["step"]) == (3, 1) and c.sent(p.Stop)[-1] == p.Stop()
+    assert (growing["nodes"], growing["step"]) == (3, 1) and c.sent(p.Stop)[-1] == p.Stop(verify=[])
     before = len(c.sent(p.Start))
     for host in (0, 2):
         c.say(host, p.Stopped(holdings={0: {1: "c"}}, peer={}, peer_deltas={}))
@@ -755,6 +755,54 @@ def test_a_node_drops_the_replicas_of_ranks_it_no_longer_protects() -> None:
     assert len(segs) == 2 and not peers.left, "rank 4's slots go once it is given back"
     peers.keep_only([])
     assert not segs
+
+
+def _held_replicas(peers: PeerStore, ranks: tuple[int, ...], step: int = 7) -> None:
+    """Replicas of ``ranks`` held, each under a checksum its bytes do not match: any
+    replica read again is found corrupt."""
+    for rank in ranks:
+        gen = peers.generation
+        token, _ = peers.slot(rank, step, LAYOUT, gen)  # type: ignore[misc]
+        peers.written(rank, token, True, step, LAYOUT, {}, "not their checksum", generation=gen)
+
+
+def test_a_node_reads_again_only_the_replicas_of_the_ranks_it_is_told() -> None:
+    segs: dict[str, MemorySegment] = {}
+    peers = PeerStore("t", 2, 0, lambda m, g: None, create=lambda n, s: MemorySegment(n, s, segs))
+    _held_replicas(peers, (3, 4, 5))
+    assert peers.verify([]) == [] and sorted(peers.holdings()) == [3, 4, 5]
+    assert peers.verify([4, 9]) == [(4, 7)], "rank 4's replica is read and found corrupt"
+    assert sorted(r for r, held in peers.holdings().items() if held) == [3, 5]
+    assert sorted(peers.verify()) == [(3, 7), (5, 7)], "None: every replica"
+
+
+@pytest.mark.parametrize(("verify", "kept"), [([], [3, 4]), ([4], [3]), (None, [])])
+def test_a_stopping_agent_reports_what_it_did_not_read_again_and_drops_what_it_found_bad(
+    verify: list[int] | None, kept: list[int]
+) -> None:
+    a = Agent()
+    a.start(0)
+    _held_replicas(a.core.peers, (3, 4))
+    a.coordinator(p.Stop(verify=verify), 0)
+    a.worker(10, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
+    (stopped,) = [m for m in a.to_coordinator() if isinstance(m, p.Stopped)]
+    assert sorted(r for r, held in stopped.peer.items() if held) == kept
+    rejected = sorted(m.rank for m in a.to_coordinator() if isinstance(m, p.ReplicaRejected))
+    assert rejected == sorted({3, 4} - set(kept))
+
+
+def test_a_stop_names_the_ranks_of_a_lost_node_and_none_for_a_failed_worker() -> None:
+    """A failed worker's rank comes back from its own node's tier 0: no replica is read
+    again on the way (that costs a read of every byte); a lost node's ranks may come from
+    replicas, which are read again before the nodes report them."""
+    c = Coordinator(spares=1)
+    c.say(1, p.Exited(rank=1, code=-9))
+    assert c.sent(p.Stop)[-1] == p.Stop(verify=[])
+    for host in (0, 1):
+        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    assert c.core.phase == Phase.RUNNING
+    _fail_node(c, 1)
+    assert c.sent(p.Stop)[-1] == p.Stop(verify=[1])
 
 
 def test_replication_is_told_the_generations_world_size() -> None:

@@ -102,6 +102,8 @@ class AgentCore:
         """What this host said once its workers were parked (said again on a rejoin)."""
         self.stopped: p.Stopped | None = None
         """Its report of the newest stop (said again to a coordinator that asks again)."""
+        self.verify: list[int] | None = None
+        """The ranks whose replicas the newest stop has read again before the report."""
         self.replica_address = replica_address
         self.node: int | None = None
         """The job's node this agent serves; None while it is a spare."""
@@ -255,8 +257,9 @@ class AgentCore:
                 self._tell(self.stopped, env.gen)
             case p.Stop() if self.phase in (AgentPhase.STOPPING, AgentPhase.STOPPED):
                 pass  # a stop again: it is stopping, and reports once it has
-            case p.Stop():
+            case p.Stop(verify=verify):
                 self.phase.move(AgentPhase.STOPPING)
+                self.verify = verify
                 self.workers.abort(now + self.cfg.collective_timeout)
                 self._maybe_stopped()
             case p.Committed(tier=tier, step=step):
@@ -339,7 +342,7 @@ class AgentCore:
         if self.phase != AgentPhase.STOPPING or self.workers.leaving() or self.checks:
             return
         self.rings.let_go()
-        for rank, step in self.peers.verify():
+        for rank, step in self.peers.verify(self.verify):
             self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"))
         stopped = p.Stopped(
             holdings=self.rings.holdings(),

@@ -655,7 +655,8 @@ class CoordinatorCore:
         self.deadline = now + self.cfg.startup_timeout
         self.reports.forget()
         self.stopping = set(self.hosts.agents())
-        self._broadcast(p.Stop())
+        # a lost node's ranks may be restored from replicas: they are read again first
+        self._broadcast(p.Stop(verify=ranks if what == "node" else []))
 
     def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
         if node not in self.stopping:

@@ -652,6 +652,11 @@ class Start(Message, frozen=True, kw_only=True, tag="start"):
 class Stop(Message, frozen=True, kw_only=True, tag="stop"):
     """End the generation: the workers leave ``train(job)``; then report Stopped."""
 
+    verify: list[int] | None = None
+    """The ranks whose replicas held here are read again before the node reports them:
+    those of a lost node, whose restore may read them from here (``None``: every
+    replica, when the coordinator cannot tell)."""
+
 
 class Committed(Message, frozen=True, kw_only=True, tag="committed"):
     """``step`` is committed in ``tier`` on every rank (tier 1: it is also settled)."""

@@ -152,7 +152,7 @@ def grow(core: CoordinatorCore, step: int, now: float) -> None:
     core.persister.cancel()
     core.deadline = now + core.cfg.startup_timeout
     core.stopping = set(core.hosts.agents())
-    core._broadcast(p.Stop())
+    core._broadcast(p.Stop(verify=[]))  # it goes on from tier 2: no replica is read
     core.hosts.vacant = set(range(core.nodes, nodes))
     resize(core, nodes, (step, before))
 

@@ -10,7 +10,7 @@ protected rank holds it; the agent holds one complete step at a time for tier 1'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
 
@@ -352,16 +352,21 @@ class PeerStore:
                 return set()
         return common or set()
 
-    def verify(self) -> list[tuple[int, int]]:
-        """Check held replicas before the node reports them; a corrupt one is freed and
-        returned (rank, step). Of full replicas, each rank's newest ones down to the first
-        sound one at or below the step committed in tier 1: a restore takes the newest
-        step every rank holds, which is that one or a newer one. An older replica found
-        corrupt by the worker that fetches it (which checks every replica as it arrives)
-        costs a generation, never a wrong bit; each replica checked here is a read of all
-        its bytes on the recovery's critical path."""
+    def verify(self, ranks: Collection[int] | None = None) -> list[tuple[int, int]]:
+        """Check held replicas of ``ranks`` (``None``: of every rank) before the node
+        reports them; a corrupt one is freed and returned (rank, step). Of full replicas,
+        each rank's newest ones down to the first sound one at or below the step committed
+        in tier 1: a restore takes the newest step every rank holds, which is that one or
+        a newer one; of parities, those a rank of ``ranks`` is in. A replica not checked
+        here and found corrupt by the worker that fetches it (which checks every replica as
+        it arrives) costs a generation, never a wrong bit; each one checked here is a read
+        of all its bytes on the recovery's critical path, so the coordinator names only
+        the ranks of a lost node: a failed worker's rank comes back from its node's tier 0."""
+        wanted = None if ranks is None else set(ranks)
         bad = []
         for rank, ring in self.rings.items():
+            if wanted is not None and wanted.isdisjoint(self.parity.get(rank, [rank])):
+                continue
             for step, slot in sorted(ring.held().items(), reverse=True):
                 if checksum_chunks(ring.layout().chunks(slot.segment.buf)) == slot.checksum:
                     if step <= ring.committed:
@@ -370,6 +375,8 @@ class PeerStore:
                 slot.state, slot.step = SlotState.FREE, -1
                 bad.append((rank, step))
         for rank, dring in self.drings.items():
+            if wanted is not None and rank not in wanted:
+                continue
             in_memory = [b for b in dring.bases() if b.buf is not None]
             bad.extend((rank, step) for step in dring.verify())
             for b in in_memory:
