@@ -34,11 +34,12 @@ FIELDS = ("step_s", "stall_s", "overhead", "stall_of_step", "copy_cpu_s_per_gib"
 
 
 def arm_env(name: str, old: Path) -> dict[str, str]:
+    """``since`` and ``since-no-nt`` run this checkout; any other arm the one at ``--old``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GLIBC_TUNABLES")}
-    if name == "before-12-05":
-        env["PYTHONPATH"] = str(old / "src")
-    elif name == "since-no-nt":
+    if name == "since-no-nt":
         env["GLIBC_TUNABLES"] = NO_NT
+    elif name != "since":
+        env["PYTHONPATH"] = str(old / "src")
     return env
 
 
@@ -48,9 +49,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--size-mib", type=int, default=384)
     ap.add_argument("--modes", default="plain,tier0,tier01")
+    ap.add_argument("--arms", default="before-12-05,since,since-no-nt",
+                    help="arms in the order of the first round (any but since and "
+                    "since-no-nt runs --old)")  # fmt: skip
     args = ap.parse_args()
     modes = tuple(args.modes.split(","))
-    arms = ["before-12-05", "since", "since-no-nt"]
+    arms = args.arms.split(",")
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for r in range(args.rounds):
         order = arms[r % len(arms) :] + arms[: r % len(arms)]

@@ -791,6 +791,51 @@ def test_a_stopping_agent_reports_what_it_did_not_read_again_and_drops_what_it_f
     assert rejected == sorted({3, 4} - set(kept))
 
 
+def _stopped(a: Agent, out: list[Any]) -> p.Stopped:
+    (stopped,) = [m for m in a.to_coordinator(out) if isinstance(m, p.Stopped)]
+    return stopped
+
+
+def _rejected(a: Agent, out: list[Any]) -> list[int]:
+    return sorted(m.rank for m in a.to_coordinator(out) if isinstance(m, p.ReplicaRejected))
+
+
+def test_a_stop_that_names_more_ranks_has_them_read_too_before_or_after_the_report() -> None:
+    """A node lost after the stop went out: the stop that names its ranks has their
+    replicas read, while the node is still stopping or in a report made anew; asked
+    again for what it read, the node answers with the report it made."""
+    a = Agent()
+    a.start(0)
+    _held_replicas(a.core.peers, (3, 4, 5))
+    a.coordinator(p.Stop(verify=[]), 0)
+    a.coordinator(p.Stop(verify=[3]), 0)  # still stopping: its worker has not parked
+    out = a.worker(10, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
+    assert sorted(r for r, held in _stopped(a, out).peer.items() if held) == [4, 5]
+    assert _rejected(a, out) == [3]
+    out = a.coordinator(p.Stop(verify=[4]), 0)  # stopped: read, and reported anew
+    assert sorted(r for r, held in _stopped(a, out).peer.items() if held) == [5]
+    assert _rejected(a, out) == [4]
+    first = _stopped(a, out)
+    out = a.coordinator(p.Stop(verify=[3, 4]), 0)  # nothing unread: the same report
+    assert _stopped(a, out) is first and not _rejected(a, out)
+    out = a.coordinator(p.Stop(verify=None), 0)  # every rank: rank 5 is read too
+    assert _stopped(a, out).peer.get(5, {}) == {} and _rejected(a, out) == [5]
+
+
+def test_a_node_lost_while_the_others_stop_has_every_node_report_anew() -> None:
+    c = Coordinator(nodes=3, spares=1)
+    c.say(1, p.Exited(rank=1, code=-9))
+    assert c.sent(p.Stop)[-1] == p.Stop(verify=[])
+    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    _fail_node(c, 2)  # lost before it reported: its rank may come from replicas now
+    assert c.sent(p.Stop)[-1] == p.Stop(verify=[2])
+    generation = c.core.generation
+    c.say(1, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    assert c.core.generation == generation, "node 0's report was of an earlier read"
+    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    assert c.core.generation == generation + 1 and c.core.phase == Phase.RUNNING
+
+
 def test_a_stop_names_the_ranks_of_a_lost_node_and_none_for_a_failed_worker() -> None:
     """A failed worker's rank comes back from its own node's tier 0: no replica is read
     again on the way (that costs a read of every byte); a lost node's ranks may come from

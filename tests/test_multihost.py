@@ -479,9 +479,25 @@ def test_a_new_leader_takes_back_the_hosts_it_had_and_ends_their_generation() ->
     out = core.handle(cc.Tick({}), 1.3 + 0.6)
     stops = [c for c in out if isinstance(c, cc.Broadcast) and isinstance(c.msg, p.Stop)]
     assert stops and stops[0].gen == 0, "the old generation is stopped"
+    assert stops[0].msg == p.Stop(verify=[0]), "the lost node's rank's replicas read again"
     assert core.expected is None and core.hosts.vacant == {0} and 0 in core.hosts.fenced
     late = _hello(core, 14, 2.5, host=0, pid=50, tag="t0", rejoin=True)
     assert any(isinstance(c, cc.Send) and isinstance(c.msg, p.Refused) for c in late)
+
+
+def test_a_new_leader_with_every_host_back_has_every_replica_read_again() -> None:
+    """It cannot tell what its predecessor had lost (a node recorded vacant whose stop
+    never went out): the stop that ends the old generation names no ranks, so every node
+    reads every replica it holds before it reports."""
+    from tierswap.control import commands as cc
+
+    core = _core()
+    core.handle(cc.TakeOver(json.loads(json.dumps(_started_job())), old_host=None), 1.0)
+    out: list[Any] = []
+    for conn, host in ((11, 0), (12, 1), (13, 2)):
+        out += _hello(core, conn, 1.1, host=host, pid=50 + host, tag=f"t{host}", rejoin=True)
+    stops = [c.msg for c in out if isinstance(c, cc.Broadcast) and isinstance(c.msg, p.Stop)]
+    assert stops == [p.Stop(verify=None)]
 
 
 def test_a_takeover_while_hosts_were_starting_waits_for_them_too() -> None:

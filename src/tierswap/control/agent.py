@@ -72,6 +72,19 @@ BOOT_RETRIES = 3
 agent takes the script for broken and the job stops."""
 
 
+def _union(a: list[int] | None, b: list[int] | None) -> list[int] | None:
+    """The ranks two stops ask to read again (None: every rank)."""
+    return None if a is None or b is None else sorted({*a, *b})
+
+
+def _unread(asked: list[int] | None, read: list[int] | None) -> list[int] | None:
+    """Of the ranks ``asked`` to read again, those a report made after reading ``read``
+    did not cover (None: every rank, when asked for all and not all were read)."""
+    if read is None:
+        return []
+    return None if asked is None else sorted(set(asked) - set(read))
+
+
 class AgentCore:
     def __init__(
         self,
@@ -251,12 +264,24 @@ class AgentCore:
                 self._start(env.gen, env.msg, now)
             case p.Start():
                 pass  # this generation's start again: it runs already
-            case p.Stop() if self.phase == AgentPhase.STOPPED and self.stopped is not None:
-                # a coordinator that took over asks again, maybe in a generation its
-                # predecessor recorded and never started here: answer in the asking one
+            case p.Stop(verify=verify) if (
+                self.phase == AgentPhase.STOPPED and self.stopped is not None
+            ):
+                # asked again: by a coordinator that took over, maybe in a generation its
+                # predecessor recorded and never started here (answered in the asking one),
+                # or after a node was lost since the report, whose ranks' replicas are read
+                # now and the report made anew
+                unread = _unread(verify, self.verify)
+                if unread is None or unread:
+                    self.verify = _union(self.verify, verify)
+                    self.stopped = self._holdings(unread)
                 self._tell(self.stopped, env.gen)
-            case p.Stop() if self.phase in (AgentPhase.STOPPING, AgentPhase.STOPPED):
-                pass  # a stop again: it is stopping, and reports once it has
+            case p.Stop(verify=verify) if self.phase in (
+                AgentPhase.STOPPING,
+                AgentPhase.STOPPED,
+            ):
+                # a stop again: it is stopping, and reports once it has, reading these too
+                self.verify = _union(self.verify, verify)
             case p.Stop(verify=verify):
                 self.phase.move(AgentPhase.STOPPING)
                 self.verify = verify
@@ -342,17 +367,21 @@ class AgentCore:
         if self.phase != AgentPhase.STOPPING or self.workers.leaving() or self.checks:
             return
         self.rings.let_go()
-        for rank, step in self.peers.verify(self.verify):
+        self.stopped = self._holdings(self.verify)
+        self._tell(self.stopped)
+        self.peers.open = False  # what it reported stays so until the next start
+        self.phase.move(AgentPhase.STOPPED)
+
+    def _holdings(self, verify: list[int] | None) -> p.Stopped:
+        """What the rings hold, once the replicas of ``verify`` (None: of every rank) were
+        read again and the corrupt ones dropped and reported."""
+        for rank, step in self.peers.verify(verify):
             self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"))
-        stopped = p.Stopped(
+        return p.Stopped(
             holdings=self.rings.holdings(),
             peer=self.peers.holdings(),
             peer_deltas=self.peers.kinds(),
         )
-        self._tell(stopped)
-        self.stopped = stopped
-        self.peers.open = False  # what it reported stays so until the next start
-        self.phase.move(AgentPhase.STOPPED)
 
     # ---------------------------------------------------------------- commits
 

@@ -617,6 +617,13 @@ class CoordinatorCore:
             self.salvage, self.salvage_tried = None, False
         if phase == Phase.RUNNING:
             self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", now, host)
+        elif phase == Phase.RECOVERING:
+            # lost after the stop went out (a second failure, or a dead host noticed after
+            # a survivor's failed collective): its ranks may now come from replicas, which
+            # are read again first, and every node reports anew
+            self.stopping = set(self.hosts.agents())
+            self.reports.forget()
+            self._broadcast(p.Stop(verify=self._ranks_of(node)))
         self._maybe_start(now)
 
     # ---------------------------------------------------------------- failure and restore
@@ -655,8 +662,11 @@ class CoordinatorCore:
         self.deadline = now + self.cfg.startup_timeout
         self.reports.forget()
         self.stopping = set(self.hosts.agents())
-        # a lost node's ranks may be restored from replicas: they are read again first
-        self._broadcast(p.Stop(verify=ranks if what == "node" else []))
+        # a lost node's ranks may be restored from replicas: they are read again first; a
+        # failed worker's rank comes back from its node's tier 0; a coordinator that took
+        # over cannot tell what its predecessor lost, and has every replica read
+        verify = ranks if what == "node" else None if what == "coordinator" else []
+        self._broadcast(p.Stop(verify=verify))
 
     def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
         if node not in self.stopping:

@@ -361,7 +361,10 @@ class PeerStore:
         here and found corrupt by the worker that fetches it (which checks every replica as
         it arrives) costs a generation, never a wrong bit; each one checked here is a read
         of all its bytes on the recovery's critical path, so the coordinator names only
-        the ranks of a lost node: a failed worker's rank comes back from its node's tier 0."""
+        the ranks of a lost node: a failed worker's rank comes back from its node's tier 0.
+        Delta replicas are all checked, whatever ``ranks``: a corrupt base dropped here is
+        what makes its sender send a new one (until then every delta made against it is
+        unusable)."""
         wanted = None if ranks is None else set(ranks)
         bad = []
         for rank, ring in self.rings.items():
@@ -374,9 +377,7 @@ class PeerStore:
                     continue
                 slot.state, slot.step = SlotState.FREE, -1
                 bad.append((rank, step))
-        for rank, dring in self.drings.items():
-            if wanted is not None and rank not in wanted:
-                continue
+        for rank, dring in self.drings.items():  # every one: see above
             in_memory = [b for b in dring.bases() if b.buf is not None]
             bad.extend((rank, step) for step in dring.verify())
             for b in in_memory:
