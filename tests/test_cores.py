@@ -15,7 +15,7 @@ from tierswap.control.agent import AgentCore
 from tierswap.control.commits import TierCommits
 from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.simworld import LAYOUT, FakeTier2, MemorySegment
-from tierswap.control.states import PHASES, IllegalTransition, Machine, Phase
+from tierswap.control.states import PHASES, AgentPhase, IllegalTransition, Machine, Phase
 from tierswap.control.workers import Spawn, Tell
 from tierswap.tiers.memory import NodeRings, SlotState
 from tierswap.tiers.replicas import PeerStore
@@ -125,7 +125,7 @@ def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -
     """790919f: a "never" of an abandoned timeline released the next generation's waits."""
     c = Coordinator(spares=1)
     assert c.sent(p.Stop, _fail_node(c, 1))
-    c.say(0, p.Stopped(holdings={0: {}}, peer={}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={0: {}}, peer={}, peer_deltas={}))
     assert c.core.generation == 1 and c.core.phase == Phase.RUNNING
     out = c.say(0, p.ReplicaRejected(rank=1, step=9, why="late"), gen=0)
     out += c.say(0, p.Held(tier=0, step=9), gen=0)
@@ -139,7 +139,7 @@ def test_a_second_ready_does_not_make_a_member_a_spare() -> None:
     c.say(1, p.Ready(replica=("h", 1001), workers=[]), -1)
     assert c.core.hosts.spares == [2] and c.core.hosts.members == {0: 0, 1: 1}
     _fail_node(c, 1)
-    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     assert c.logged("spare_assigned")[0]["host"] == 2, "the real spare takes node 1"
 
 
@@ -166,7 +166,7 @@ def test_a_first_host_lost_while_starting_is_replaced() -> None:
 def test_a_job_that_waits_too_long_stops_and_says_for_what() -> None:
     c = Coordinator(spares=0, revive=False, join_timeout=5)
     _fail_node(c, 1)
-    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     out: list[Any] = []
     for i in range(13):  # ticks every half second, as the shell gives them
         out += c.core.handle(cc.Tick(), c.now + 0.5 * (i + 1))
@@ -232,7 +232,7 @@ def test_shrink_goes_on_from_tier2_and_grows_back_when_a_host_joins() -> None:
     _fail_node(c, 1)
     before = len(c.sent(p.Start))
     for host in (0, 2):
-        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+        c.say(host, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     starts = c.sent(p.Start)[before:]
     assert [(s.node, s.ranks, s.world_size) for s in starts] == [(0, [0], 2), (1, [1], 2)]
     assert {s.init for s in starts} == {p.InitFrom(path="sim://tier2", step=0, world_size=3)}
@@ -250,7 +250,7 @@ def test_shrink_goes_on_from_tier2_and_grows_back_when_a_host_joins() -> None:
     assert (growing["nodes"], growing["step"]) == (3, 1) and c.sent(p.Stop)[-1] == p.Stop(verify=[])
     before = len(c.sent(p.Start))
     for host in (0, 2):
-        c.say(host, p.Stopped(holdings={0: {1: "c"}}, peer={}, peer_deltas={}))
+        c.say(host, p.Stopped(verified=None, holdings={0: {1: "c"}}, peer={}, peer_deltas={}))
     starts = c.sent(p.Start)[before:]
     assert [(s.node, s.world_size) for s in starts] == [(0, 3), (1, 3), (2, 3)]
     assert {s.init for s in starts} == {p.InitFrom(path="sim://tier2", step=1, world_size=2)}
@@ -263,8 +263,13 @@ def test_shrink_first_writes_the_newest_step_memory_holds_lost_ranks_from_replic
     assert c.tier2 is not None
     _persisted(c, 0, [0, 1, 2])
     _fail_node(c, 1)
-    c.say(0, p.Stopped(holdings={0: {0: "a", 5: "b"}}, peer={2: {5: "c"}}, peer_deltas={}))
-    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    c.say(
+        0,
+        p.Stopped(
+            verified=None, holdings={0: {0: "a", 5: "b"}}, peer={2: {5: "c"}}, peer_deltas={}
+        ),
+    )
+    c.say(2, p.Stopped(verified=None, holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
     (persist,) = c.sent(p.Persist)[-1:]
     assert (persist.step, persist.world_size, persist.replicas) == (5, 3, {1: 2})
     assert not c.logged("shrank"), "it shrinks once step 5 is in tier 2"
@@ -283,8 +288,8 @@ def test_a_failed_salvage_shrinks_from_the_older_tier2_step() -> None:
     assert c.tier2 is not None
     _persisted(c, 0, [0, 1, 2])
     _fail_node(c, 1)
-    c.say(0, p.Stopped(holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
-    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
+    c.say(2, p.Stopped(verified=None, holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
     (persist,) = c.sent(p.Persist)[-1:]
     c.say(0, p.Parts(token=persist.token, step=5, parts=[], errors={0: "disk gone"}))
     c.say(2, p.Parts(token=persist.token, step=5, parts=[], errors={1: "x", 2: "y"}))
@@ -299,7 +304,7 @@ def test_a_shrunk_job_with_no_host_joining_finishes_on_the_nodes_it_has() -> Non
     _persisted(c, 0, [0, 1, 2])
     _fail_node(c, 1)
     for host in (0, 2):
-        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+        c.say(host, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     assert c.core.world_size == 2 and c.logged("shrank")
     answered = len(c.sent(p.Persist))
     for step in (1, 2, 3):
@@ -324,8 +329,8 @@ def _salvage_pending(spares: int = 0) -> Coordinator:
     c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
     _persisted(c, 0, [0, 1, 2])
     _fail_node(c, 1)
-    c.say(0, p.Stopped(holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
-    c.say(2, p.Stopped(holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={0: {5: "b"}}, peer={}, peer_deltas={}))
+    c.say(2, p.Stopped(verified=None, holdings={2: {5: "d"}}, peer={1: {5: "e"}}, peer_deltas={}))
     assert c.core.salvage == 5
     return c
 
@@ -365,7 +370,7 @@ def test_shrink_from_the_last_step_finishes_at_once() -> None:
     for step in range(4):
         _persisted(c, step, [0, 1])  # every step trained and in tier 2
     _fail_node(c, 1)  # before the Finished came
-    c.say(0, p.Stopped(holdings={0: {3: "a"}}, peer={1: {3: "b"}}, peer_deltas={}))
+    c.say(0, p.Stopped(verified=None, holdings={0: {3: "a"}}, peer={1: {3: "b"}}, peer_deltas={}))
     (shrank,) = c.logged("shrank")
     assert shrank["step"] == 3 and c.core.phase == Phase.RUNNING
     c.say(0, p.Finished(rank=0, step=3))  # its worker trains no step past 3
@@ -376,7 +381,7 @@ def test_shrink_with_nothing_in_tier2_waits_and_says_why() -> None:
     c = Coordinator(nodes=3, persist="sim://t2", on_no_spare="shrink", revive=False)
     _fail_node(c, 2)
     for host in (0, 1):
-        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+        c.say(host, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     (refused,) = c.logged("shrink_refused")
     assert "holds no step yet" in refused["reason"] and c.logged("waiting_for_node")
     assert c.core.phase == Phase.RECOVERING and c.core.nodes == 3
@@ -822,18 +827,33 @@ def test_a_stop_that_names_more_ranks_has_them_read_too_before_or_after_the_repo
     assert _stopped(a, out).peer.get(5, {}) == {} and _rejected(a, out) == [5]
 
 
+def _report(read: list[int] | None) -> p.Stopped:
+    return p.Stopped(holdings={}, peer={}, peer_deltas={}, verified=read)
+
+
 def test_a_node_lost_while_the_others_stop_has_every_node_report_anew() -> None:
+    """A report counts only once it covers every rank this recovery's stops named: one
+    that crossed the second stop (made after reading nothing again) is not taken."""
     c = Coordinator(nodes=3, spares=1)
     c.say(1, p.Exited(rank=1, code=-9))
     assert c.sent(p.Stop)[-1] == p.Stop(verify=[])
-    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    c.say(0, _report([]))
     _fail_node(c, 2)  # lost before it reported: its rank may come from replicas now
     assert c.sent(p.Stop)[-1] == p.Stop(verify=[2])
     generation = c.core.generation
-    c.say(1, p.Stopped(holdings={}, peer={}, peer_deltas={}))
-    assert c.core.generation == generation, "node 0's report was of an earlier read"
-    c.say(0, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+    c.say(1, _report([]))  # the answer to the first stop, crossed with the second
+    c.say(0, _report([2]))
+    assert c.core.generation == generation, "node 1 has not answered the second stop"
+    c.say(1, _report([2]))
     assert c.core.generation == generation + 1 and c.core.phase == Phase.RUNNING
+
+
+def test_an_idle_member_asked_to_stop_reports_that_it_holds_nothing() -> None:
+    """A spare given a node whose generation never started there (the job waits for
+    another vacancy) is stopped with the others when a member is lost."""
+    a = Agent()
+    out = a.coordinator(p.Stop(verify=[1]), 3)
+    assert a.to_coordinator(out) == [_report(None)] and a.core.phase == AgentPhase.IDLE
 
 
 def test_a_stop_names_the_ranks_of_a_lost_node_and_none_for_a_failed_worker() -> None:
@@ -844,7 +864,7 @@ def test_a_stop_names_the_ranks_of_a_lost_node_and_none_for_a_failed_worker() ->
     c.say(1, p.Exited(rank=1, code=-9))
     assert c.sent(p.Stop)[-1] == p.Stop(verify=[])
     for host in (0, 1):
-        c.say(host, p.Stopped(holdings={}, peer={}, peer_deltas={}))
+        c.say(host, p.Stopped(verified=None, holdings={}, peer={}, peer_deltas={}))
     assert c.core.phase == Phase.RUNNING
     _fail_node(c, 1)
     assert c.sent(p.Stop)[-1] == p.Stop(verify=[1])

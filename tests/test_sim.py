@@ -28,6 +28,7 @@ from tierswap.control import hosts
 from tierswap.control import workers as worker_table
 from tierswap.control.sim import Sim
 from tierswap.control.simworld import Chaos, Violation
+from tierswap.control.states import Phase
 
 SCENARIOS = int(os.environ.get("TIERSWAP_SIM_SCENARIOS", "1000"))
 """Seeded scenarios per run of the suite (about 50 a second on this machine; raise it
@@ -190,6 +191,35 @@ def test_every_node_killed_once_in_turn_with_spares() -> None:
             sim.kill_after("node", node, step)
         assert sim.run() == "finished"
         assert sum(e == "resumed" for _, e, _ in sim.log) == 3
+
+
+def test_a_member_lost_while_a_spare_that_took_a_node_waits_for_the_other_vacancy() -> None:
+    """9d40743: nodes 1 and 2 die together, the one spare takes node 1 and the job waits
+    for a host for node 2; node 0's host dies meanwhile. The stop that names node 0's
+    rank reached the spare's agent, which had never started a generation, and it crashed
+    (idle has no way to stopping); the healthy spare was then fenced."""
+    for seed in range(5):
+        sim = Sim(_cfg(nodes=3, spares=1, persist="sim://tier2", persist_every=2), seed, steps=14)
+        sim.kill_after("node", 1, 3)
+        sim.kill_after("node", 2, 3)
+        killed: list[float] = []
+
+        def watch(sim: Sim = sim, killed: list[float] = killed) -> None:
+            c = sim.coordinator
+            if killed or sim.ended is not None:
+                return
+            spare_took_node_1 = c.phase == Phase.RECOVERING and c.hosts.members.get(1) == 3
+            host = sim.hosts.get(c.hosts.members.get(0, -1))
+            if spare_took_node_1 and host is not None and host.alive:
+                killed.append(sim.now)
+                host.die()
+                return
+            sim.after(0.001, watch)
+
+        sim.at(0.0, watch)
+        outcome = sim.run()
+        assert killed, f"seed {seed}: the spare never waited with node 1"
+        assert outcome == "finished", f"seed {seed}: {outcome}\n{_replay(sim)}"
 
 
 def test_a_node_lost_before_tier_1_ever_committed_starts_the_job_over_and_finishes() -> None:

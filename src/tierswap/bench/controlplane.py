@@ -186,7 +186,8 @@ class Cluster:
 
     def stopped_messages(self, steps: list[int]) -> list[tuple[int, bytes]]:
         """Every surviving node's report after a stop: its ranks' tier-0 slots and the
-        replicas it holds, with checksums."""
+        replicas it holds, with checksums, each replica read again (made before the stop,
+        so that only the coordinator's work is timed)."""
         per, g, out = self.cfg.nproc_per_node, self.generation, []
         targets = self.core.targets
         for node, conn in sorted(self.members().items()):
@@ -197,7 +198,7 @@ class Cluster:
             held = {
                 r: {s: f"{r:08x}{s:08x}" for s in steps} for r, t in targets.items() if node in t
             }
-            msg = p.Stopped(holdings=own, peer=held, peer_deltas={})
+            msg = p.Stopped(holdings=own, peer=held, peer_deltas={}, verified=None)
             out.append((conn, self.frame(conn, p.Codec.encode(msg, g))))
         return out
 

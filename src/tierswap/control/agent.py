@@ -72,11 +72,6 @@ BOOT_RETRIES = 3
 agent takes the script for broken and the job stops."""
 
 
-def _union(a: list[int] | None, b: list[int] | None) -> list[int] | None:
-    """The ranks two stops ask to read again (None: every rank)."""
-    return None if a is None or b is None else sorted({*a, *b})
-
-
 def _unread(asked: list[int] | None, read: list[int] | None) -> list[int] | None:
     """Of the ranks ``asked`` to read again, those a report made after reading ``read``
     did not cover (None: every rank, when asked for all and not all were read)."""
@@ -264,6 +259,11 @@ class AgentCore:
                 self._start(env.gen, env.msg, now)
             case p.Start():
                 pass  # this generation's start again: it runs already
+            case p.Stop() if self.phase == AgentPhase.IDLE:
+                # a spare given a node whose generation never started here: it holds
+                # nothing of the job, and says so
+                nothing = p.Stopped(holdings={}, peer={}, peer_deltas={}, verified=None)
+                self._tell(nothing, env.gen)
             case p.Stop(verify=verify) if (
                 self.phase == AgentPhase.STOPPED and self.stopped is not None
             ):
@@ -273,15 +273,15 @@ class AgentCore:
                 # now and the report made anew
                 unread = _unread(verify, self.verify)
                 if unread is None or unread:
-                    self.verify = _union(self.verify, verify)
-                    self.stopped = self._holdings(unread)
+                    self.verify = p.ranks_union(self.verify, verify)
+                    self.stopped = self._holdings(unread, env.gen)
                 self._tell(self.stopped, env.gen)
             case p.Stop(verify=verify) if self.phase in (
                 AgentPhase.STOPPING,
                 AgentPhase.STOPPED,
             ):
                 # a stop again: it is stopping, and reports once it has, reading these too
-                self.verify = _union(self.verify, verify)
+                self.verify = p.ranks_union(self.verify, verify)
             case p.Stop(verify=verify):
                 self.phase.move(AgentPhase.STOPPING)
                 self.verify = verify
@@ -367,20 +367,22 @@ class AgentCore:
         if self.phase != AgentPhase.STOPPING or self.workers.leaving() or self.checks:
             return
         self.rings.let_go()
-        self.stopped = self._holdings(self.verify)
+        self.stopped = self._holdings(self.verify, self.generation)
         self._tell(self.stopped)
         self.peers.open = False  # what it reported stays so until the next start
         self.phase.move(AgentPhase.STOPPED)
 
-    def _holdings(self, verify: list[int] | None) -> p.Stopped:
+    def _holdings(self, verify: list[int] | None, gen: int) -> p.Stopped:
         """What the rings hold, once the replicas of ``verify`` (None: of every rank) were
-        read again and the corrupt ones dropped and reported."""
+        read again and the corrupt ones dropped and reported (in generation ``gen``, the
+        asking stop's)."""
         for rank, step in self.peers.verify(verify):
-            self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"))
+            self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"), gen)
         return p.Stopped(
             holdings=self.rings.holdings(),
             peer=self.peers.holdings(),
             peer_deltas=self.peers.kinds(),
+            verified=self.verify,
         )
 
     # ---------------------------------------------------------------- commits

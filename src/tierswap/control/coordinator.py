@@ -162,6 +162,9 @@ class CoordinatorCore:
         superseded; a generation with no newer step of its own starts from it, resharded."""
         self.finished: set[int] = set()
         self.stopping: set[int] = set()
+        self.verify: list[int] | None = []
+        """The ranks whose replicas this recovery's stops asked the nodes to read again
+        before they report (None: every rank's)."""
         self.tier2 = tier2
         self.traffic = Traffic()
         """Delta mode: what replication sent, logged as ``replica_traffic`` at the end."""
@@ -617,14 +620,26 @@ class CoordinatorCore:
             self.salvage, self.salvage_tried = None, False
         if phase == Phase.RUNNING:
             self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", now, host)
-        elif phase == Phase.RECOVERING:
+        elif phase == Phase.RECOVERING and self.resized is None:
             # lost after the stop went out (a second failure, or a dead host noticed after
             # a survivor's failed collective): its ranks may now come from replicas, which
-            # are read again first, and every node reports anew
-            self.stopping = set(self.hosts.agents())
-            self.reports.forget()
-            self._broadcast(p.Stop(verify=self._ranks_of(node)))
+            # are read again first (a regrow goes on from tier 2: nothing to read)
+            self.ask_again(self._ranks_of(node), now)
         self._maybe_start(now)
+
+    def stop_nodes(self, verify: list[int] | None, now: float) -> None:
+        """Stop every node, which reads the replicas of ``verify`` (None: of every rank)
+        again and reports what it holds; a report that does not cover what this
+        recovery's stops asked is not counted (an answer to an earlier stop, crossed)."""
+        self.verify = verify
+        self.stopping = set(self.hosts.agents())
+        self.reports.forget()
+        self.deadline = now + self.cfg.startup_timeout
+        self._broadcast(p.Stop(verify=verify))
+
+    def ask_again(self, verify: list[int] | None, now: float) -> None:
+        """Stop every node again during a recovery, with ``verify`` read too."""
+        self.stop_nodes(p.ranks_union(self.verify, verify), now)
 
     # ---------------------------------------------------------------- failure and restore
 
@@ -659,18 +674,14 @@ class CoordinatorCore:
         self.phase.move(Phase.RECOVERING)
         self.persister.cancel()
         self.salvage_tried = False
-        self.deadline = now + self.cfg.startup_timeout
-        self.reports.forget()
-        self.stopping = set(self.hosts.agents())
         # a lost node's ranks may be restored from replicas: they are read again first; a
         # failed worker's rank comes back from its node's tier 0; a coordinator that took
         # over cannot tell what its predecessor lost, and has every replica read
-        verify = ranks if what == "node" else None if what == "coordinator" else []
-        self._broadcast(p.Stop(verify=verify))
+        self.stop_nodes(ranks if what == "node" else None if what == "coordinator" else [], now)
 
     def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
-        if node not in self.stopping:
-            return  # once per stop
+        if node not in self.stopping or not p.covers(msg.verified, self.verify):
+            return  # once per stop; one that read less answered an earlier stop
         self.stopping.discard(node)
         self.reports.stopped(node, msg.holdings, msg.peer, msg.peer_deltas)
         self._maybe_start(now)

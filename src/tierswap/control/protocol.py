@@ -452,6 +452,22 @@ class Stopped(Message, frozen=True, kw_only=True, tag="stopped"):
     """rank -> step -> checksum of the replicas this node holds for others."""
     peer_deltas: dict[int, dict[int, str]]
     """rank -> step -> "delta" or "delta+durable" for replicas held as deltas."""
+    verified: list[int] | None = []
+    """The ranks whose replicas were read again first (None: every rank's): a report that
+    does not cover what the stops of this recovery asked is an earlier one, crossed."""
+
+
+def ranks_union(a: list[int] | None, b: list[int] | None) -> list[int] | None:
+    """The ranks two stops ask to read again, together (None: every rank)."""
+    return None if a is None or b is None else sorted({*a, *b})
+
+
+def covers(verified: list[int] | None, asked: list[int] | None) -> bool:
+    """Whether a report made after reading ``verified`` again answers stops that asked
+    for ``asked`` (None: every rank)."""
+    if verified is None:
+        return True
+    return asked is not None and set(asked) <= set(verified)
 
 
 class Exited(Message, frozen=True, kw_only=True, tag="exited"):

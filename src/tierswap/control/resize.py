@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierswap.control import protocol as p
 from tierswap.control.restore import Reports
 from tierswap.control.states import Phase
 from tierswap.plan import Tier
@@ -150,9 +149,7 @@ def grow(core: CoordinatorCore, step: int, now: float) -> None:
     )
     core.phase.move(Phase.RECOVERING)
     core.persister.cancel()
-    core.deadline = now + core.cfg.startup_timeout
-    core.stopping = set(core.hosts.agents())
-    core._broadcast(p.Stop(verify=[]))  # it goes on from tier 2: no replica is read
+    core.stop_nodes([], now)  # it goes on from tier 2: no replica is read
     core.hosts.vacant = set(range(core.nodes, nodes))
     resize(core, nodes, (step, before))
 

@@ -121,7 +121,13 @@ def resume(core: CoordinatorCore, now: float) -> None:
     core.out.log("takeover_complete", missing=missing)
     for host in missing:
         core._host_lost(host, "did not reconnect to the coordinator that took over", now)
+    # what its predecessor lost cannot be told (a node it recorded vacant, its stop never
+    # sent): every replica is read again before the nodes report
     if core.phase == Phase.RUNNING:  # nothing failed meanwhile: the generation ends
         core._failure("coordinator", None, [], "the coordinator that led it is gone", now)
+    elif core.phase == Phase.RECOVERING:
+        # a host lost: those that rejoined after its stop went out never had it, and the
+        # reports of those that had were not taken while the hosts were awaited
+        core.ask_again(None, now)
     elif core.phase == Phase.STARTING:
         core._maybe_start(now)
