@@ -781,6 +781,15 @@ def test_a_node_reads_again_only_the_replicas_of_the_ranks_it_is_told() -> None:
     assert sorted(peers.verify()) == [(3, 7), (5, 7)], "None: every replica"
 
 
+def test_a_parity_is_read_again_for_any_rank_it_is_made_of() -> None:
+    segs: dict[str, MemorySegment] = {}
+    peers = PeerStore("t", 2, 0, lambda m, g: None, create=lambda n, s: MemorySegment(n, s, segs))
+    peers.set_parity({9: [1, 2]})  # the ring held under key 9 is the XOR of ranks 1 and 2
+    _held_replicas(peers, (9,))
+    assert peers.verify([0, 3]) == [], "of neither rank: not read"
+    assert peers.verify([2]) == [(9, 7)], "rank 2's stripes are in it"
+
+
 @pytest.mark.parametrize(("verify", "kept"), [([], [3, 4]), ([4], [3]), (None, [])])
 def test_a_stopping_agent_reports_what_it_did_not_read_again_and_drops_what_it_found_bad(
     verify: list[int] | None, kept: list[int]
@@ -846,6 +855,22 @@ def test_a_node_lost_while_the_others_stop_has_every_node_report_anew() -> None:
     assert c.core.generation == generation, "node 1 has not answered the second stop"
     c.say(1, _report([2]))
     assert c.core.generation == generation + 1 and c.core.phase == Phase.RUNNING
+
+
+def test_a_node_lost_while_the_job_waits_for_a_host_keeps_the_wait_it_had() -> None:
+    """Stopping the others again must not cut the wait for a host to join short."""
+    c = Coordinator(nodes=3, revive=False, join_timeout=300.0, startup_timeout=120.0)
+    _fail_node(c, 2)
+    for host in (0, 1):
+        c.say(host, _report([2]))
+    assert c.core.phase == Phase.RECOVERING and c.core.deadline == pytest.approx(c.now + 300)
+    wait_ends = c.core.deadline
+    c.now += 10
+    _fail_node(c, 1)  # while it waits: node 1's rank may come from replicas now
+    assert c.sent(p.Stop)[-1] == p.Stop(verify=[1, 2])
+    c.say(0, _report([1, 2]))
+    assert c.core.deadline == wait_ends, "the wait for a host is what it was"
+    assert c.core.phase == Phase.RECOVERING
 
 
 def test_an_idle_member_asked_to_stop_reports_that_it_holds_nothing() -> None:

@@ -144,7 +144,8 @@ def test_the_door_drops_what_an_ended_generation_sent_and_counts_it() -> None:
     assert door.admit(p.Envelope(3, p.Held(tier=0, step=5)))
     assert not door.admit(p.Envelope(2, p.Held(tier=0, step=5)))
     assert not door.admit(p.Envelope(1, p.Held(tier=1, step=4)))
-    assert not door.admit(p.Envelope(2, p.Stopped(holdings={}, peer={}, peer_deltas={})))
+    stopped = p.Stopped(holdings={}, peer={}, peer_deltas={}, verified=[])
+    assert not door.admit(p.Envelope(2, stopped))
     assert door.admit(p.Envelope(-1, p.Beat())), "a host-level message has no generation"
     assert door.admit(p.Envelope(0, p.Ready(replica=("h", 1), workers=[])))
     assert door.take_counts() == {"held": 2, "stopped": 1}

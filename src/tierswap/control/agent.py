@@ -376,7 +376,7 @@ class AgentCore:
         """What the rings hold, once the replicas of ``verify`` (None: of every rank) were
         read again and the corrupt ones dropped and reported (in generation ``gen``, the
         asking stop's)."""
-        for rank, step in self.peers.verify(verify):
+        for rank, step in self.peers.verify(verify, gen):
             self._tell(p.ReplicaRejected(rank=rank, step=step, why="corrupt in memory"), gen)
         return p.Stopped(
             holdings=self.rings.holdings(),

@@ -627,19 +627,20 @@ class CoordinatorCore:
             self.ask_again(self._ranks_of(node), now)
         self._maybe_start(now)
 
-    def stop_nodes(self, verify: list[int] | None, now: float) -> None:
+    def stop_nodes(self, verify: list[int] | None) -> None:
         """Stop every node, which reads the replicas of ``verify`` (None: of every rank)
         again and reports what it holds; a report that does not cover what this
         recovery's stops asked is not counted (an answer to an earlier stop, crossed)."""
         self.verify = verify
         self.stopping = set(self.hosts.agents())
         self.reports.forget()
-        self.deadline = now + self.cfg.startup_timeout
         self._broadcast(p.Stop(verify=verify))
 
     def ask_again(self, verify: list[int] | None, now: float) -> None:
-        """Stop every node again during a recovery, with ``verify`` read too."""
-        self.stop_nodes(p.ranks_union(self.verify, verify), now)
+        """Stop every node again during a recovery, with ``verify`` read too; the reports
+        get the time a stop gets, and a longer wait (for a host to join) stays."""
+        self.stop_nodes(p.ranks_union(self.verify, verify))
+        self.deadline = max(self.deadline, now + self.cfg.startup_timeout)
 
     # ---------------------------------------------------------------- failure and restore
 
@@ -674,10 +675,11 @@ class CoordinatorCore:
         self.phase.move(Phase.RECOVERING)
         self.persister.cancel()
         self.salvage_tried = False
+        self.deadline = now + self.cfg.startup_timeout
         # a lost node's ranks may be restored from replicas: they are read again first; a
         # failed worker's rank comes back from its node's tier 0; a coordinator that took
         # over cannot tell what its predecessor lost, and has every replica read
-        self.stop_nodes(ranks if what == "node" else None if what == "coordinator" else [], now)
+        self.stop_nodes(ranks if what == "node" else None if what == "coordinator" else [])
 
     def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
         if node not in self.stopping or not p.covers(msg.verified, self.verify):

@@ -452,7 +452,7 @@ class Stopped(Message, frozen=True, kw_only=True, tag="stopped"):
     """rank -> step -> checksum of the replicas this node holds for others."""
     peer_deltas: dict[int, dict[int, str]]
     """rank -> step -> "delta" or "delta+durable" for replicas held as deltas."""
-    verified: list[int] | None = []
+    verified: list[int] | None
     """The ranks whose replicas were read again first (None: every rank's): a report that
     does not cover what the stops of this recovery asked is an earlier one, crossed."""
 
@@ -669,9 +669,10 @@ class Stop(Message, frozen=True, kw_only=True, tag="stop"):
     """End the generation: the workers leave ``train(job)``; then report Stopped."""
 
     verify: list[int] | None = None
-    """The ranks whose replicas held here are read again before the node reports them:
-    those of a lost node, whose restore may read them from here (``None``: every
-    replica, when the coordinator cannot tell)."""
+    """The ranks whose full replicas and parities held here are read again before the
+    node reports them: those of a lost node, whose restore may read them from here
+    (``None``: every one, when the coordinator cannot tell). Delta replicas are read
+    again at every stop."""
 
 
 class Committed(Message, frozen=True, kw_only=True, tag="committed"):

@@ -149,7 +149,8 @@ def grow(core: CoordinatorCore, step: int, now: float) -> None:
     )
     core.phase.move(Phase.RECOVERING)
     core.persister.cancel()
-    core.stop_nodes([], now)  # it goes on from tier 2: no replica is read
+    core.deadline = now + core.cfg.startup_timeout
+    core.stop_nodes([])  # it goes on from tier 2: no replica is read
     core.hosts.vacant = set(range(core.nodes, nodes))
     resize(core, nodes, (step, before))
 

@@ -352,7 +352,9 @@ class PeerStore:
                 return set()
         return common or set()
 
-    def verify(self, ranks: Collection[int] | None = None) -> list[tuple[int, int]]:
+    def verify(
+        self, ranks: Collection[int] | None = None, gen: int | None = None
+    ) -> list[tuple[int, int]]:
         """Check held replicas of ``ranks`` (``None``: of every rank) before the node
         reports them; a corrupt one is freed and returned (rank, step). Of full replicas,
         each rank's newest ones down to the first sound one at or below the step committed
@@ -364,7 +366,8 @@ class PeerStore:
         the ranks of a lost node: a failed worker's rank comes back from its node's tier 0.
         Delta replicas are all checked, whatever ``ranks``: a corrupt base dropped here is
         what makes its sender send a new one (until then every delta made against it is
-        unusable)."""
+        unusable). A base lost is reported in generation ``gen`` (the asking stop's; by
+        default this store's)."""
         wanted = None if ranks is None else set(ranks)
         bad = []
         for rank, ring in self.rings.items():
@@ -384,7 +387,7 @@ class PeerStore:
                 if b.buf is None:
                     kept = sorted(s for s, e in dring.entries.items() if e.base is b)
                     msg = p.ReplicaBaseLost(rank=rank, step=b.step, kept=kept)
-                    self.report(msg, self.generation)
+                    self.report(msg, self.generation if gen is None else gen)
         return bad
 
     def propose(self, step: int, ranks: list[int] | None = None) -> bool:
