@@ -195,6 +195,17 @@ def test_workers_get_the_non_temporal_threshold_unless_the_user_set_one() -> Non
     assert nt_tunables(own) == own
 
 
+def test_worker_env_leaves_the_environment_it_is_given_as_it_was() -> None:
+    """It returned the caller's own dict where the tunable was set already (or off
+    x86-64), and then set the workers' other variables in it."""
+    from tierswap.cluster.address import worker_env
+
+    given = {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x800000"}
+    out = worker_env("127.0.0.1", given)
+    assert given == {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x800000"}
+    assert out is not given and out["THP_MEM_ALLOC_ENABLE"] == "1"
+
+
 # ---------------------------------------------------------------- loading
 
 

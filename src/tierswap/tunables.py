@@ -13,12 +13,11 @@ NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 
 
 def nt_tunables(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with glibc's non-temporal threshold set to :data:`COPY_CHUNK` (x86-64 only;
-    kept as it is where the user set that tunable). Other tunables the user set stay."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return env
+    """A copy of ``env`` with glibc's non-temporal threshold set to :data:`COPY_CHUNK`
+    (x86-64 only; kept as it is where the user set that tunable). Other tunables the user
+    set stay."""
     current = env.get(TUNABLES_ENV, "")
-    if NT_TUNABLE in current:
-        return env
+    if platform.machine().lower() not in ("x86_64", "amd64") or NT_TUNABLE in current:
+        return dict(env)
     mine = f"{NT_TUNABLE}={COPY_CHUNK:#x}"
     return {**env, TUNABLES_ENV: f"{current}:{mine}" if current else mine}
