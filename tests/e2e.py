@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tierswap.cluster.workers import STARTS_ALONE
 from tierswap.examples import EXAMPLE, differing, job_command, load_final
 from tierswap.shm import remove_job_segments
 
@@ -48,7 +49,9 @@ def run_job(
         except subprocess.TimeoutExpired:
             kill_job(proc.pid, run_dir)
             raise
-    return code, run_dir, log.read_text()
+    text = log.read_text()
+    assert STARTS_ALONE not in text, f"the worker template was not used:\n{text[-3000:]}"
+    return code, run_dir, text
 
 
 def kill_job(launcher_pid: int, run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from tierswap.state import Layout, TensorEntry
 from tierswap.tiers.durable import PartInfo
 
 ALL = sorted(
-    {cls for union in p.CHANNELS.values() for cls in get_args(union)}, key=lambda c: c.__name__
+    {cls for union in p.CHANNELS.values() for cls in p.members(union)}, key=lambda c: c.__name__
 )
 
 _json = st.recursive(
@@ -82,7 +82,7 @@ def _message(cls: type[Any]) -> st.SearchStrategy[Any]:
 
 
 def _channels_of(cls: type[Any]) -> list[Any]:
-    return [u for u in p.CHANNELS.values() if cls in get_args(u)]
+    return [u for u in p.CHANNELS.values() if cls in p.members(u)]
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: p.tag_of(c))

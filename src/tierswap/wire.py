@@ -271,6 +271,19 @@ class Listener:
             deadline.end()
         return Channel(sock, incoming, keys)
 
+    def fileno(self) -> int:
+        if self._sock is None:
+            raise OSError("listener is closed")
+        return self._sock.fileno()
+
+    def forget(self) -> None:
+        """In a forked child: close this copy of the socket, leaving its path to the
+        process that listens."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                os.close(sock.detach())
+
     @property
     def tcp_address(self) -> tuple[str, int]:
         """(host, port) of a TCP listener."""

@@ -81,6 +81,14 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 """torch's switch for transparent huge pages under its CPU allocations of 2 MiB and more."""
 
 
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of :func:`worker_env` that a process reads as it starts (glibc) or once
+    (torch's allocator), so that the worker template starts with it too."""
+    out = nt_tunables(env)
+    out.setdefault(HUGE_PAGES_ENV, "1")
+    return out
+
+
 def worker_env(address: str, env: dict[str, str]) -> dict[str, str]:
     """The environment workers start with.
 
@@ -94,8 +102,7 @@ def worker_env(address: str, env: dict[str, str]) -> dict[str, str]:
     - glibc copies 1 MiB and more around the cache (``GLIBC_TUNABLES``, unless the user
       set that tunable; :func:`tierswap.tunables.nt_tunables`): the snapshot copies in
       chunks of that size, and then does not read in the slot's lines it overwrites."""
-    out = nt_tunables(env)
-    out.setdefault(HUGE_PAGES_ENV, "1")
+    out = import_env(env)
     name = interface_of(address)
     if name is not None and "GLOO_SOCKET_IFNAME" not in env:
         out["GLOO_SOCKET_IFNAME"] = name

@@ -29,7 +29,8 @@ from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
-from tierswap.cluster.workers import Processes
+from tierswap.cluster.template import TEMPLATE_ENV
+from tierswap.cluster.workers import TEMPLATE_PID_ENV, Processes, templates
 from tierswap.cluster.writer import PartWriter
 from tierswap.config import Config
 from tierswap.control import protocol as p
@@ -131,7 +132,9 @@ class Agent:
         self.listener = Listener(self.sock, secret)
         env = worker_env(address, dict(os.environ, **cfg.to_env()))
         env.update(TIERSWAP_AGENT=self.sock, TIERSWAP_HOST=str(host), **{KEY_ENV: secret.hex()})
-        self.processes = Processes(script, env, self.events.put)
+        for name in (TEMPLATE_ENV, TEMPLATE_PID_ENV):  # the agent's, not its workers'
+            env.pop(name, None)
+        self.processes = Processes(script, env, self.events.put, templates(os.environ, secret))
         keeper = None
         if cfg.memory_tiers == "delta":
             keeper = BaseKeeper(cfg.base_every, cfg.delta_threshold)
@@ -370,7 +373,7 @@ class Agent:
         self.events.put(Checked(rank, step, slot, digest))
 
     def shutdown(self) -> None:
-        self.processes.kill_all()
+        self.processes.close()
         self._stop_accepting()
         self.server.close()
         self.replicator.close()

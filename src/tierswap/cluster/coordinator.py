@@ -367,7 +367,7 @@ class Coordinator:
 
     def shutdown(self) -> None:
         # a second Ctrl-C (or a SIGTERM) while the job stops must not cut the stop short:
-        # agents run in sessions of their own and would be left running
+        # agents run in process groups of their own and would be left running
         handlers: list[Any] = []
         with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
             handlers = [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]

@@ -1,7 +1,9 @@
 """``tierswap run`` on one host: the coordinator plus simulated nodes on loopback.
 
 Each simulated node is an agent process in its own process group with its workers, so
-killing the group kills the node as a whole, as a host failure would.
+killing the group kills the node as a whole, as a host failure would. The groups are in
+the launcher's session, where the machine's worker template (``cluster/template.py``)
+forks the agents' workers into them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from tierswap.cluster.address import import_env
 from tierswap.cluster.multihost import KEY_ENV, inherited
+from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV
+from tierswap.cluster.workers import TEMPLATE_PID_ENV
 from tierswap.config import Config
 from tierswap.errors import UsageError
 from tierswap.tiers import durable
@@ -40,6 +45,21 @@ class LocalNodes:
         self.tags: set[str] = set()
         """The names of the agents this launcher started (``Hello.tag``)."""
         self.reported: set[int] = set()
+        self.template: subprocess.Popen[bytes] | None = None
+        """This machine's worker template, once an agent was started."""
+
+    def _template_env(self) -> dict[str, str]:
+        """What points an agent at this machine's worker template (started on first need;
+        none where ``TIERSWAP_WORKER_TEMPLATE=0``)."""
+        if os.environ.get(TEMPLATE_OFF_ENV) == "0":
+            return {}
+        path = str(self.run_dir / f"template-{os.getpid()}.sock")
+        if self.template is None:
+            env = import_env(dict(inherited(os.environ), **self.cfg.to_env()))
+            env.update({TEMPLATE_ENV: path, KEY_ENV: self.secret.hex()})
+            cmd = [sys.executable, "-m", "tierswap.cluster.template"]
+            self.template = subprocess.Popen(cmd, env=env, process_group=0)
+        return {TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(self.template.pid)}
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
         old = self.procs.pop(host, None)
@@ -53,17 +73,18 @@ class LocalNodes:
             TIERSWAP_RUN_DIR=str(self.run_dir),
             TIERSWAP_SIMULATED="1",
             **{KEY_ENV: self.secret.hex()},
+            **self._template_env(),
         )
         cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
-        self.procs[host] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs[host] = subprocess.Popen(cmd, env=env, process_group=0)
 
     def start_agent(self, env: dict[str, str]) -> None:
         """Start this machine's own agent of a multi-host launch (it is one host of the
         job, named by the coordinator when it says hello; its process group is its own, so
         stopping the job stops its workers too)."""
         cmd = [sys.executable, "-m", "tierswap.cluster.agent", *self.script]
-        env = dict(env, TIERSWAP_AGENT_TAG=self.tag())
-        self.own.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        env = dict(env, TIERSWAP_AGENT_TAG=self.tag(), **self._template_env())
+        self.own.append(subprocess.Popen(cmd, env=env, process_group=0))
 
     def adopt(self, proc: subprocess.Popen[bytes], tag: str) -> None:
         """This machine's own agent, started already (``--rdzv-backend etcd``)."""
@@ -134,6 +155,9 @@ class LocalNodes:
         for proc in procs:
             _killpg(proc.pid, signal.SIGKILL)  # workers of a SIGKILLed agent may still live
             proc.wait()
+        if self.template is not None:
+            _killpg(self.template.pid, signal.SIGKILL)  # its group is its own
+            self.template.wait()
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

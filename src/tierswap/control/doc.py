@@ -4,7 +4,7 @@ them; a test checks that the page holds what this prints, so the page stays true
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 from tierswap.control import protocol as p
 from tierswap.control.states import AGENT_PHASES, PHASES, WORKER_STATES, table_rows
@@ -17,6 +17,8 @@ WHO = {
     "agent <-> agent": ("replicator, worker (fetch), replica server", "replica server"),
     "worker -> store": ("worker (its process group's store)", "store server (launcher)"),
     "store -> worker": ("store server (launcher)", "worker"),
+    "agent -> template": ("agent (its worker processes)", "worker template"),
+    "template -> agent": ("worker template", "agent (its worker processes)"),
 }
 
 
@@ -31,7 +33,7 @@ def protocol_table() -> str:
             "|---|---|---|---|---|---|"]  # fmt: skip
     seen: dict[type[Any], list[str]] = {}
     for channel, union in p.CHANNELS.items():
-        for cls in get_args(union):
+        for cls in p.members(union):
             seen.setdefault(cls, []).append(channel)
     for cls, channels in sorted(seen.items(), key=lambda kv: (kv[1][0], p.tag_of(kv[0]))):
         senders = " / ".join(dict.fromkeys(WHO[c][0] for c in channels))

@@ -12,14 +12,15 @@ request connection, attach / parked / beat on its control connection), agent -> 
 (``AgentToCoordinator``), coordinator -> agent (``CoordinatorToAgent``) and agent <-> agent
 (``AgentToAgent``: replicas pushed to peers and fetched by restoring workers, and their
 replies), worker <-> store (``WorkerToStore``, ``StoreToWorker``: the rendezvous store's
-operations and their replies). The wire is msgpack (``tierswap bench control-plane``
-measures it against JSON), never pickle.
+operations and their replies), agent <-> worker template (``AgentToTemplate``,
+``TemplateToAgent``: a worker forked, and its exit). The wire is msgpack (``tierswap
+bench control-plane`` measures it against JSON), never pickle.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -712,6 +713,49 @@ class Persist(Message, frozen=True, kw_only=True, tag="persist"):
     holds (before the job shrinks, so that it goes on from the newest step)."""
 
 
+# ==================================================================== the worker template
+
+
+class Fork(Message, frozen=True, kw_only=True, tag="fork"):
+    """Start a worker as a fork of this machine's worker template (``cluster/template.py``):
+    ``argv`` (a script and its arguments) runs as ``__main__`` in ``cwd`` with exactly
+    ``env``, in process group ``pgid`` (the asking agent's: killing the host kills it), on
+    ``cpus`` where given."""
+
+    scoped = False
+    key: int
+    """The asking agent's name for this worker, in the replies."""
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    pgid: int
+    cpus: list[int] = []
+
+
+class Forked(Message, frozen=True, kw_only=True, tag="forked"):
+    """Worker ``key`` runs as process ``pid``."""
+
+    scoped = False
+    key: int
+    pid: int
+
+
+class ForkRefused(Message, frozen=True, kw_only=True, tag="fork_refused"):
+    """Worker ``key`` was not started: the agent starts it as a process of its own."""
+
+    scoped = False
+    key: int
+    why: str
+
+
+class Reaped(Message, frozen=True, kw_only=True, tag="reaped"):
+    """Worker ``key`` exited: ``code`` as ``subprocess`` gives it (``-N``: signal N)."""
+
+    scoped = False
+    key: int
+    code: int
+
+
 # ==================================================================== the channels
 
 WorkerToAgent = (
@@ -803,6 +847,14 @@ WorkerToStore = (
     | StoreCount
 )
 StoreToWorker = StoreValue | StoreNumber | StoreFlag | Ack | Error
+AgentToTemplate = Fork
+TemplateToAgent = Forked | ForkRefused | Reaped
+
+
+def members(channel: Any) -> tuple[type[Message], ...]:
+    """The message classes of a channel (a union, or one class)."""
+    return get_args(channel) or (channel,)
+
 
 CHANNELS: dict[str, Any] = {
     "worker -> agent": WorkerToAgent,
@@ -812,6 +864,8 @@ CHANNELS: dict[str, Any] = {
     "agent <-> agent": AgentToAgent,
     "worker -> store": WorkerToStore,
     "store -> worker": StoreToWorker,
+    "agent -> template": AgentToTemplate,
+    "template -> agent": TemplateToAgent,
 }
 
 
