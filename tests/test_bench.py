@@ -136,7 +136,8 @@ def test_gpu_check_table_names_every_section_and_every_verdict() -> None:
         "cuda_tests": {"code": 0, "counts": {"passed": 4}},
         "snapshot": {"params": 302_000_000, "state_bytes": 12 * 302_000_000, "pairs": 6,
                      "ab": ab, "copy_gbps": 20.0, "pinned_copy": {"gbps": 25.0}},
-        "jobs": {"gloo_worker_kill": {"bit_exact": True}, "section_s": 80.0,
+        "jobs": {"gloo_worker_kill": {"bit_exact": True, "forked": True}, "section_s": 80.0,
+                 "gloo_node_kill": {"bit_exact": True, "forked": False},
                  "nccl_worker_kill": {"error": "RuntimeError: exited with code 1"},
                  "gloo_node_kill_spare": {"bit_exact": False, "differing": ["rank-1: x"]}},
     }  # fmt: skip
@@ -145,7 +146,8 @@ def test_gpu_check_table_names_every_section_and_every_verdict() -> None:
     assert "100.0 ms without, 105.0 ms with (+5.0%, median of 6 A/B pairs)" in text
     assert "0.40 ms a step (0.40% of it)" in text and "(0.80x)" in text
     lines = dict(line.split(None, 1) for line in text.splitlines())
-    assert lines["gloo_worker_kill"].strip() == "bit for bit"
+    assert lines["gloo_worker_kill"].strip() == "bit for bit, workers forked"
+    assert lines["gloo_node_kill"].strip() == "bit for bit, workers started alone"
     assert "exited with code 1" in lines["nccl_worker_kill"]
     assert "DIFFERS" in lines["gloo_node_kill_spare"] and "section_s" not in lines
     assert "OSError: no room" in gpu.table({"env": {}, "snapshot": {"error": "OSError: no room"}})

@@ -30,7 +30,8 @@ out, code = sys.argv[1], int(sys.argv[2])
 with open(out, "w") as f:
     json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "pgid": os.getpgid(0),
                "env": os.environ.get("ONLY_HERE"), "main": __name__,
-               "torch": "torch" in sys.modules}, f)
+               "torch": "torch" in sys.modules,
+               "name": open("/proc/self/comm").read().strip()}, f)
 if code == 0:  # what the interpreter ends at its exit, a fork ends too
     import concurrent.futures
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -129,7 +130,7 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
         seen = json.loads((tmp_path / f"{code}.json").read_text())
         assert seen == {"argv": [str(tmp_path / f"{code}.json"), str(code)], "cwd": str(tmp_path),
                         "pgid": os.getpgid(0), "env": "yes", "main": "__main__",
-                        "torch": True}, seen  # fmt: skip
+                        "torch": True, "name": "tierswap-worker"}, seen  # fmt: skip
     assert (tmp_path / "0.json.tail").read_text() == "flushed at exit"
     asked, handle = _fork(client, script, tmp_path / "slow.json", 98, tmp_path)
     deadline = time.monotonic() + 30

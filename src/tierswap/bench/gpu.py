@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.common import run_bounded
+from tierswap.cluster.workers import STARTS_ALONE
 
 TESTS = Path(__file__).resolve().parents[3] / "tests" / "test_cuda.py"
 """The CUDA tests, beside the package in a checkout (absent from an installed wheel)."""
@@ -298,8 +299,9 @@ def jobs(deadline_s: float) -> dict[str, Any]:
                     baselines[key] = _job(tmp, f"base-{len(baselines)}", shape, [], left)
                 got = _job(tmp, name, shape, fault, end - time.monotonic())
                 diff = differing(load_final(baselines[key]), load_final(got))
+                forked = STARTS_ALONE not in (tmp / f"{name}.log").read_text()
                 out[name] = {"bit_exact": not diff, "differing": diff[:5],
-                             "seconds": time.monotonic() - t0}  # fmt: skip
+                             "seconds": time.monotonic() - t0, "forked": forked}  # fmt: skip
             except Exception as e:  # recorded; the other jobs still run
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -367,6 +369,8 @@ def table(res: dict[str, Any]) -> str:
     for name, j in res.get("jobs", {}).items():
         if isinstance(j, dict) and name != "error":
             exact = "bit for bit" if j.get("bit_exact") else f"DIFFERS: {j.get('differing')}"
+            if "forked" in j:  # the worker template refuses to fork with CUDA initialised
+                exact += ", workers forked" if j["forked"] else ", workers started alone"
             rows.append((name, j.get("error") or exact))
     if "error" in res.get("jobs", {}):
         rows.append(("jobs", res["jobs"]["error"]))

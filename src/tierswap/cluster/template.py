@@ -227,12 +227,18 @@ def _die_with(template: int) -> None:
     """A fork dies with the template (the kernel sends it SIGKILL): its agent, told the
     template is gone, starts that worker again as a process of its own."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        # its name in ps, top (its command line stays the template's)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))
     if os.getppid() != template:  # the template died before the line above
         os._exit(1)
 
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+WORKER_NAME = b"tierswap-worker"
+"""A fork's process name (``/proc/PID/comm``, 15 bytes at most)."""
 
 
 def _close_quietly(held: Listener | Channel) -> None:
