@@ -16,36 +16,28 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from tierswap.config import Config
-from tierswap.control import generation, resize, takeover
+from tierswap.control import failures, generation, membership, progress, resize, takeover
 from tierswap.control import protocol as p
 from tierswap.control.commands import (
     AgentClosed,
     AgentMessage,
     Begin,
     Broadcast,
-    Close,
     CoordinatorEvent,
     DurableLost,
     End,
-    FreeSegments,
-    FreezeHost,
     HostExited,
     JobStopped,
-    KillHost,
-    KillProcess,
     Out,
     Send,
-    ShowProgress,
-    StartHost,
     TakeOver,
     Tick,
 )
 from tierswap.control.commits import TierCommits
-from tierswap.control.hosts import Hosts, refusal
+from tierswap.control.hosts import Hosts
 from tierswap.control.persistence import Persistence
 from tierswap.control.ports import Tier2
 from tierswap.control.recovery import RecoveryClock
@@ -53,12 +45,9 @@ from tierswap.control.restore import Reports
 from tierswap.control.states import PHASES, Machine, Phase
 from tierswap.control.traffic import Traffic
 from tierswap.control.warm import SpareMemory
-from tierswap.faults import Chaos, FaultPlan, Injection
+from tierswap.faults import Chaos, FaultPlan
 from tierswap.plan import Plan, Tier
 from tierswap.tiers import parity, peer
-
-BOOT_RETRIES = 3
-"""Hosts started in place of lost ones that may exit before joining before the job stops."""
 
 
 def _fields(msg: p.Message, *names: str) -> dict[str, Any]:
@@ -218,17 +207,17 @@ class CoordinatorCore:
                     self._message(event, now)
                 case AgentClosed(conn=conn):
                     if (host := self.hosts.host_of(conn)) is not None:
-                        self._host_lost(host, "agent connection lost", now)
+                        failures.host_lost(self, host, "agent connection lost", now)
                 case Tick(heard=heard):
                     self._tick(now, heard)
                 case HostExited(host=host, code=code):
-                    self._host_exited(host, code, now)
+                    failures.host_exited(self, host, code, now)
                 case DurableLost(why=why):
                     self.persister.lost(why)
                     if self.salvage is not None:
                         resize.salvaged(self, None, now)
                 case Begin():
-                    self._begin(event, now)
+                    membership.begin(self, event, now)
                 case TakeOver(record=record, old_host=old_host):
                     takeover.adopt(self, record, old_host, now)
         except JobStopped as e:
@@ -247,7 +236,7 @@ class CoordinatorCore:
         host = self.hosts.host_of(event.conn)
         if host is None:
             if isinstance(msg, p.Hello):
-                self._hello(event.conn, msg, now)
+                membership.hello(self, event.conn, msg, now)
             return  # a host already declared lost (fenced): what it says no longer counts
         if self.expected is not None and not isinstance(msg, p.Ready):
             return  # taking over: what hosts say of the old leader's generation waits
@@ -259,7 +248,7 @@ class CoordinatorCore:
             case p.Beat():
                 pass
             case p.Ready():
-                self._ready(host, msg, now)
+                membership.ready(self, host, msg, now)
             case p.Held(tier=tier, step=step) if node is not None:
                 self._held(node, tier, step)
             case p.Unheld(tier=tier, step=step) if node is not None and tier in self.tiers:
@@ -270,7 +259,7 @@ class CoordinatorCore:
                     self._never(step, tiers=(1,))
                     self._send_node(node, p.Release(tier=1, step=step))
             case p.Progress() if node is not None:
-                self._progress(msg, now)
+                progress.progress(self, msg, now)
             case p.Skipped(rank=rank, step=step):
                 self.out.log("snapshot_skipped", node=node, rank=rank, step=step)
                 self._never(step, tiers=(0, 1))
@@ -284,24 +273,24 @@ class CoordinatorCore:
                 if to is not None:  # None: a base to tier 2, nothing tier 1 waits for
                     self._never(step, tiers=(1,))
             case p.Stopped() if node is not None:
-                self._stopped(node, msg, now)
+                failures.stopped(self, node, msg, now)
             case p.Parts(token=token, step=step, parts=parts, errors=errors):
                 # a node to kill once its parts are written (only one this launcher runs)
                 if host in self.local and (due := self.faults.at_parts(node, step)):
-                    self._inject_nodes(due, now)  # the parts are written; no COMMIT comes
+                    progress.inject_nodes(self, due, now)  # the parts are written; no COMMIT comes
                     return
                 self._parts(token, parts, errors)
             case p.Exited(rank=rank, code=code):
                 if not (code == 0 and rank in self.finished) and self.phase == Phase.RUNNING:
-                    self._failure("worker", node, [rank], f"exit code {code}", now)
+                    failures.failure(self, "worker", node, [rank], f"exit code {code}", now)
             case p.Left(rank=rank, reason=reason, why=why):
                 if self.phase == Phase.RUNNING:
-                    self._failure(reason, node, [rank], why, now)
+                    failures.failure(self, reason, node, [rank], why, now)
             case p.Hung(rank=rank, pid=pid, why=why):
                 self.out.log("worker_hung", node=node, rank=rank, pid=pid, why=why)
                 self.out.say(f"rank {rank} (pid {pid}) killed: {why}")
             case p.StartFailed(code=code):
-                self._start_failed(host, code, now)
+                failures.start_failed(self, host, code, now)
             case p.SpareWorkerExited(code=code):
                 self.out.log("spare_worker_exited", host=host, code=code)
             case p.Paused(seconds=seconds):
@@ -311,7 +300,7 @@ class CoordinatorCore:
             case p.PeerMemoryExceeded():
                 self._peer_memory_exceeded(node, msg)
             case p.Replicating(step=step, peer=to):
-                self._inject_nodes(self.faults.at_transfer(node, to, step), now)
+                progress.inject_nodes(self, self.faults.at_transfer(node, to, step), now)
             case p.ReplicaSent():
                 self.traffic.add(msg.kind, msg.nbytes, msg.full, msg.encode_s)
             case p.ReplicaServed():
@@ -326,7 +315,7 @@ class CoordinatorCore:
                 extra = {} if scope == "rank" else {"scope": scope}
                 self.out.log("memory", node=node, rank=rank, tier=tier, bytes=nbytes, **extra)
                 if segs and node is not None and self.spare_memory.noted(node, tier, rank, segs):
-                    self._warm_spares()
+                    membership.warm_spares(self)
             case p.Lagging(rank=rank, step=step, seconds=seconds):
                 self.out.log("tier1_wait_timeout", node=node, rank=rank, step=step, seconds=seconds)
             case p.Restored() if self.phase == Phase.RUNNING:
@@ -348,9 +337,9 @@ class CoordinatorCore:
                 self.faults.fired(spec)
                 self.out.log("fault_injected", spec=spec)
             case p.Report():
-                self._report(msg)
+                progress.report(self, msg)
             case p.Finished(rank=rank, step=step):
-                self._finished(rank, step, now)
+                progress.finished(self, rank, step, now)
             case p.Hello():
                 pass  # a second hello on a connection that has a host: nothing new
             case _:
@@ -372,10 +361,12 @@ class CoordinatorCore:
         if self.expected is not None and now >= self.takeover_deadline:
             takeover.resume(self, now)
         for quiet_host, quiet in self.hosts.silent(now, self.cfg.lease):
-            self._host_lost(quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now)
-        self._chaos(min(gap, 1.0), now)
+            failures.host_lost(
+                self, quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now
+            )
+        progress.chaos(self, min(gap, 1.0), now)
         if now > self.deadline and not self.done:
-            raise JobStopped(f"timed out {self._waiting_for()}")
+            raise JobStopped(f"timed out {progress.waiting_for(self)}")
 
     # ---------------------------------------------------------------- sending
 
@@ -391,7 +382,7 @@ class CoordinatorCore:
         self._broadcast(msg)
         if isinstance(msg, p.Persist):
             local = {n for n, h in self.hosts.members.items() if h in self.local}
-            self._inject_nodes(self.faults.at_persist(msg.step, local), self.now)
+            progress.inject_nodes(self, self.faults.at_persist(msg.step, local), self.now)
 
     def _broadcast(self, msg: p.Message) -> None:
         """To every member's agent; a dead one is noticed by its connection, not here."""
@@ -399,352 +390,15 @@ class CoordinatorCore:
         if conns:
             self.out.add(Broadcast(conns, msg, self.generation))
 
-    # ---------------------------------------------------------------- membership
-
-    def _begin(self, event: Begin, now: float) -> None:
-        self.out.log(
-            "job_started",
-            world_size=self.cfg.world_size,
-            nodes=self.cfg.nodes,
-            persist=self.cfg.persist,
-            job_id=self.job_id,
-        )
-        if event.durable_warning:
-            self.persister.failing(f"cannot write {self.cfg.persist}: {event.durable_warning}")
-        self._announce_placement()
-        if self.multihost:
-            self.out.say(
-                f"waiting for {self.cfg.nodes} hosts at {self.address[0]}:{self.address[1]} "
-                f"(--nnodes {self.cfg.nodes} --nproc-per-node {self.cfg.nproc_per_node})"
-            )
-            return
-        for host in range(self.cfg.nodes + self.cfg.spares):
-            self.local.add(host)
-            self.out.add(StartHost(host))
-
-    def _announce_placement(self) -> None:
-        if not self.replicas:
-            self.out.say("tier 1 off: replicas need at least 2 nodes")
-            return
-        self.out.log(
-            "placement",
-            replicas=self.replicas,
-            targets={str(r): list(t) for r, t in self.targets.items()},
-            parity=self.cfg.parity_group if self.parity is not None else 0,
-        )
-        if self.parity is not None:
-            text = parity.describe(self.parity, self.cfg.nproc_per_node)
-            groups = parity.groups(self.nodes, self.cfg.parity_group)
-            sizes = ", ".join(str(len(g)) for g in groups)
-            self.out.say(f"tier-1 placement, parity over groups of {sizes} nodes:\n{text}")
-            return
-        text = peer.describe(self.targets, self.cfg.nproc_per_node)
-        self.out.say(f"tier-1 placement, {self.replicas} replica(s):\n{text}")
-
-    def _hello(self, conn: int, msg: p.Hello, now: float) -> None:
-        """A host connected: give it its id, the job's config and script (or say why
-        it is not taken)."""
-        if msg.rejoin:
-            takeover.rejoin(self, conn, msg, now)
-            return
-        why = refusal(msg, self.cfg.nodes, self.cfg.nproc_per_node, self.rdzv_id)
-        if why is not None:
-            self._refuse(conn, msg.pid, why)
-            return
-        host = self.hosts.connected(msg.host, msg.pid, conn, now, spare=msg.spare)
-        self.hosts.tags[host] = msg.tag
-        if self.multihost and 0 <= msg.host != host:
-            # a first-generation host's id is its node: host msg.host claimed that node
-            role = f"serves node {host}" if host < self.cfg.nodes else "parks as a spare"
-            self.out.log("node_rank_taken", asked=msg.host, host=host, pid=msg.pid)
-            self.out.say(
-                f"a host (pid {msg.pid}) asked for node {msg.host} (--node-rank), which "
-                f"host {msg.host} has claimed already: it {role}"
-            )
-        self._welcome(conn, host)
-
-    def _welcome(self, conn: int, host: int) -> None:
-        script = [str(Path(self.script[0]).resolve()), *self.script[1:]]
-        welcome = p.Welcome(host=host, config=self.cfg.to_env(), job_id=self.job_id, script=script)
-        self.out.add(Send(conn, welcome, self.generation))
-
-    def _refuse(self, conn: int, pid: int, why: str) -> None:
-        self.out.log("host_refused", pid=pid, why=why)
-        self.out.say(f"a host (pid {pid}) was refused: {why}")
-        self.out.add(Send(conn, p.Refused(why=why), self.generation))
-        self.out.add(Close(conn))
-
     # ---------------------------------------------------------------- taking over (etcd)
 
     def record(self) -> dict[str, Any]:
         """What a coordinator that takes this one's place needs (``takeover.record``)."""
         return takeover.record(self)
 
-    def _ready(self, host: int, msg: p.Ready, now: float) -> None:
-        """Its agent runs and its workers are parked: a member of the first generation,
-        or a spare."""
-        self.booting.discard(host)
-        pid = self.hosts.pids[host]
-        seen = {"host": host, "pid": pid, "address": msg.replica[0], "workers": msg.workers}
-        role = self.hosts.ready(host, msg.replica)
-        if role is None:
-            return
-        if role:
-            self.out.log("node_joined", node=host, role="member", **seen)
-            if self.multihost:
-                self.out.say(f"host {host} at {msg.replica[0]} (pid {pid}) serves node {host}")
-        else:
-            self.out.log("node_joined", node=None, role="spare", **seen)
-            self.out.say(f"spare host {host} (pid {pid}) parked")
-            self._warm_spares()
-            resize.maybe_grow(self, now)
-        self._maybe_start(now)
-
-    def _warm_spares(self) -> None:
-        """Tell each parked spare the segments a node holds, to make them ahead."""
-        if not self.cfg.warm_spares:
-            return
-        for host in [h for h in self.spare_memory.sent if h not in self.hosts.spares]:
-            self.spare_memory.forget(host)
-        for host in self.hosts.spares:
-            conn = self.hosts.conns.get(host)
-            sizes = self.spare_memory.to_send(host) if conn is not None else None
-            if conn is not None and sizes is not None:
-                self.out.add(Send(conn, p.Warm(segments=sizes), self.generation))
-                self.out.log("spare_warm", host=host, segments=len(sizes), bytes=sum(sizes))
-
     def _ranks_of(self, node: int) -> list[int]:
         per = self.cfg.nproc_per_node
         return list(range(node * per, (node + 1) * per))
-
-    def _host_lost(self, host: int, why: str, now: float) -> None:
-        """A host is gone (its connection closed or its lease expired): fence it, let its
-        node be taken by a spare, and start a fresh host in its place when simulating."""
-        spare = host in self.hosts.spares
-        self.booting.discard(host)
-        if host in self.hosts.waiting:  # a first host lost before it was ready
-            self.hosts.waiting.discard(host)
-            self.hosts.vacant.add(host)  # its node (host i serves node i) waits for another
-            self.out.log("failure_detected", what="host", host=host, node=None, ranks=[],
-                         detail=f"host {host} lost while starting: {why}",
-                         generation=self.generation)  # fmt: skip
-        conn, node = self.hosts.lost(host)
-        self.out.add(KillHost(host))  # fencing: a host declared lost must not come back
-        if host in self.hosts.pids:
-            self.out.add(FreeSegments(self.hosts.pids[host], self.hosts.tags.get(host, "")))
-        if conn is not None:
-            self.out.add(Close(conn))
-        if not self.done and self.cfg.revive and host in self.local:
-            self.to_revive += 1  # once the job runs again, or at once when it waits for one
-        if spare:
-            self.out.log("spare_lost", host=host, reason=why)
-            self.out.say(f"spare host {host} lost: {why}")
-        elif node is not None:
-            self._node_lost(node, host, why, now)
-        else:  # a host still booting: one waited for may need starting again
-            self._maybe_start(now)
-
-    def _host_exited(self, host: int, code: int, now: float) -> None:
-        """A host this launcher started exited before it said hello: a first one stops
-        the job (the script or its environment is broken); one started in place of a lost
-        host is started again, a few times."""
-        if host in self.hosts.conns:
-            return  # it had joined: its connection's close says it is lost
-        if host in self.hosts.waiting:
-            raise JobStopped(
-                f"host {host}'s agent exited with code {code} before joining the job; its "
-                "output above says why"
-            )
-        if host not in self.booting:
-            return
-        self.booting.discard(host)
-        self.boot_failures += 1
-        if self.boot_failures > BOOT_RETRIES:
-            raise JobStopped(
-                f"{self.boot_failures} hosts started in place of lost ones exited before "
-                f"joining, the last (host {host}) with code {code}; its output above says why"
-            )
-        self.out.log("host_boot_failed", host=host, code=code)
-        self.to_revive += 1
-        self._maybe_start(now)
-
-    def _start_failed(self, host: int, code: int, now: float) -> None:
-        """A host's worker exited before it was ready, again and again: before the job
-        ever ran, the script is broken and the job stops; once it has run, that host is
-        lost (a spare or a host booting later takes its place, a few times)."""
-        why = f"a worker of host {host} exited with code {code} before it was ready"
-        if self.generation < 0:
-            where = "that host's console" if self.multihost else "the output above"
-            raise JobStopped(f"{why}; the script's output on {where} says why")
-        self.boot_failures += 1
-        if self.boot_failures > BOOT_RETRIES:
-            raise JobStopped(f"{why}, {self.boot_failures} times; its output above says why")
-        self._host_lost(host, why, now)
-
-    def _revive(self, needed: int) -> None:
-        """Start lost simulated hosts again, as many as ``needed`` beyond those booting."""
-        for _ in range(min(needed - len(self.booting), self.to_revive)):
-            self.to_revive -= 1
-            host = self.hosts.new_id()
-            self.booting.add(host)
-            self.local.add(host)
-            self.out.add(StartHost(host))
-
-    def _node_lost(self, node: int, host: int, why: str, now: float) -> None:
-        for tier in self.tiers.values():
-            tier.lost(node)
-        phase = self.phase.state
-        if phase != Phase.RUNNING:  # finishing, or a second failure while recovering
-            self.out.log(
-                "failure_detected",
-                what="node",
-                node=node,
-                host=host,
-                ranks=self._ranks_of(node),
-                detail=f"host {host}: {why} (during {phase.value})",
-                generation=self.generation,
-            )
-            self.out.say(f"node {node} (host {host}) lost during {phase.value}: {why}")
-        if phase == Phase.FINISHING:
-            self.persister.cancel()
-            self.persister.ok = False  # finish with what is committed; say what is not
-            self.out.say(f"finishing with the steps already committed: {self._committed()}")
-            self.last_step = min(self.last_step, self.tiers[0].committed)
-            self._maybe_done()
-            return
-        self.hosts.vacant.add(node)
-        self.stopping.discard(node)
-        self.reports.forget(node)
-        if self.salvage is not None:  # its parts never come: plan again with who is left
-            self.persister.cancel()
-            self.salvage, self.salvage_tried = None, False
-        if phase == Phase.RUNNING:
-            self._failure("node", node, self._ranks_of(node), f"host {host}: {why}", now, host)
-        elif phase == Phase.RECOVERING and self.resized is None:
-            # lost after the stop went out (a second failure, or a dead host noticed after
-            # a survivor's failed collective): its ranks may now come from replicas, which
-            # are read again first (a regrow goes on from tier 2: nothing to read)
-            self.ask_again(self._ranks_of(node), now)
-        self._maybe_start(now)
-
-    def stop_nodes(self, verify: list[int] | None) -> None:
-        """Stop every node, which reads the replicas of ``verify`` (None: of every rank)
-        again and reports what it holds; a report that does not cover what this
-        recovery's stops asked is not counted (an answer to an earlier stop, crossed)."""
-        self.verify = verify
-        self.stopping = set(self.hosts.agents())
-        self.reports.forget()
-        self._broadcast(p.Stop(verify=verify))
-
-    def ask_again(self, verify: list[int] | None, now: float) -> None:
-        """Stop every node again during a recovery, with ``verify`` read too; the reports
-        get the time a stop gets, and a longer wait (for a host to join) stays."""
-        self.stop_nodes(p.ranks_union(self.verify, verify))
-        self.deadline = max(self.deadline, now + self.cfg.startup_timeout)
-
-    # ---------------------------------------------------------------- failure and restore
-
-    def _failure(
-        self,
-        what: str,
-        node: int | None,
-        ranks: list[int],
-        detail: str,
-        now: float,
-        host: int | None = None,
-    ) -> None:
-        detect = self.clock.failed(self.last_step, now)
-        if host is None and node is not None:
-            host = self.hosts.members.get(node)
-        self.out.log(
-            "failure_detected",
-            what=what,
-            node=node,
-            host=host,
-            ranks=ranks,
-            detail=detail,
-            generation=self.generation,
-            seconds=detect,
-        )
-        self.out.say(f"failure: {what} (node {node}, ranks {ranks}): {detail}")
-        self.restarts += 1
-        if self.restarts > self.cfg.max_restarts:
-            raise JobStopped(
-                f"{self.restarts} failures, more than --max-restarts {self.cfg.max_restarts}"
-            )
-        self.phase.move(Phase.RECOVERING)
-        self.persister.cancel()
-        self.salvage_tried = False
-        self.deadline = now + self.cfg.startup_timeout
-        # a lost node's ranks may be restored from replicas: they are read again first; a
-        # failed worker's rank comes back from its node's tier 0; a coordinator that took
-        # over cannot tell what its predecessor lost, and has every replica read
-        self.stop_nodes(ranks if what == "node" else None if what == "coordinator" else [])
-
-    def _stopped(self, node: int, msg: p.Stopped, now: float) -> None:
-        if node not in self.stopping or not p.covers(msg.verified, self.verify):
-            return  # once per stop; one that read less answered an earlier stop
-        self.stopping.discard(node)
-        self.reports.stopped(node, msg.holdings, msg.peer, msg.peer_deltas)
-        self._maybe_start(now)
-
-    def _maybe_start(self, now: float) -> None:
-        if self.phase.state not in (Phase.STARTING, Phase.RECOVERING):
-            return
-        if self.expected is not None:
-            return  # taking over: the hosts it had come back first (``takeover.resume`` starts)
-        if self.salvage is not None:
-            return  # the newest step is being written before a shrink: ``_salvaged`` starts
-        if self.hosts.waiting or self.stopping:
-            # a host for a vacancy no spare will fill boots meanwhile (seconds of imports)
-            self._revive(len(self.hosts.vacant) - len(self.hosts.spares))
-            return
-        for node, host in self.hosts.fill_vacancies():
-            self.out.log(
-                "spare_assigned",
-                node=node,
-                host=host,
-                pid=self.hosts.pids[host],
-                ranks=self._ranks_of(node),
-                spares_left=len(self.hosts.spares),
-            )
-            self.out.say(f"spare host {host} takes node {node}")
-        if self.hosts.vacant:
-            self._no_spare(now)
-            return
-        self.waiting_since = None
-        generation.start(self, now)
-
-    def _no_spare(self, now: float) -> None:
-        nodes = sorted(self.hosts.vacant)
-        if self.cfg.on_no_spare == "fail":
-            hint = (
-                f" Tier 2 at {self.cfg.persist} keeps step {self.persister.committed}: run the "
-                "job again with the same --persist to resume."
-                if self.persister.committed >= 0
-                else " Nothing was written to tier 2 (no --persist, or no step persisted yet):"
-                " memory tiers end with the job. Run with --persist and --spares to survive this."
-            )
-            raise JobStopped(
-                f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
-                f"committed: {self._committed()}.{hint}"
-            )
-        self._revive(len(nodes))
-        if self.cfg.on_no_spare == "shrink":
-            if resize.salvage(self):
-                return  # the newest step goes to tier 2 first; its commit comes back here
-            if resize.shrink(self, nodes):
-                self.waiting_since = None
-                generation.start(self, now)
-                return
-        if self.waiting_since is None:
-            self.waiting_since = now
-            self.deadline = now + self.cfg.join_timeout
-            self.out.log("waiting_for_node", nodes=nodes, timeout=self.cfg.join_timeout)
-            self.out.say(
-                f"no spare for nodes {nodes}: waiting up to {self.cfg.join_timeout:g} s for a "
-                f"node to join (tierswap run --join {self.address[0]}:{self.address[1]})"
-            )
 
     def durable_steps(self) -> frozenset[int]:
         """Tier 2's restorable steps of this world size that this job may resume from."""
@@ -870,7 +524,7 @@ class CoordinatorCore:
         else:
             self.persister.maybe_persist(step)
             resize.maybe_grow(self, self.now)
-        self._maybe_done()
+        progress.maybe_done(self)
 
     def _settle(self, step: int) -> None:
         """Tier 1 is done with ``step`` without committing it: agents tell their trainers,
@@ -887,129 +541,4 @@ class CoordinatorCore:
             resize.maybe_grow(self, self.now)
         if self.salvage is not None and self.persister.inflight is None:
             resize.salvaged(self, step, self.now)
-        self._maybe_done()
-
-    # ---------------------------------------------------------------- progress and the end
-
-    def _progress(self, msg: p.Progress, now: float) -> None:
-        self._inject_nodes(self.faults.at_step(msg.step), now)
-        self.last_step = max(self.last_step, msg.step)
-        if msg.stall is not None:
-            self.out.add(
-                ShowProgress(
-                    msg.step,
-                    self.last_loss,
-                    msg.stall,
-                    self._committed(),
-                    self.total,
-                    self.persister.trailing(self.tiers[0].committed),
-                )
-            )
-
-    def _chaos(self, seconds: float, now: float) -> None:
-        """``--chaos``: strike, at about ``rate`` a minute, while training goes on (a
-        step done since the last strike): a random node of this machine, or one worker."""
-        c = self.chaos
-        if c is None or self.phase != Phase.RUNNING or self.last_step <= self.chaos_step:
-            return
-        if c.count is not None and self.chaos_kills >= c.count:
-            return
-        if self.chaos_rng.random() >= min(1.0, c.rate / 60.0 * seconds):
-            return
-        local = {n: h for n, h in self.hosts.members.items() if h in self.local}
-        workers = {
-            r: pid for r, pid in self.clock.pids.items() if r // self.cfg.nproc_per_node in local
-        }
-        if not local:
-            return
-        self.chaos_kills += 1
-        self.chaos_step = self.last_step
-        self.clock.fault(now)
-        if self.chaos_rng.random() < 0.5 or not workers:
-            node = self.chaos_rng.choice(sorted(local))
-            spec = f"chaos:kill:node={node}"
-            self.out.log("fault_injected", spec=spec, host=local[node], step=self.last_step)
-            self.out.add(KillHost(local[node]))
-        else:
-            rank = self.chaos_rng.choice(sorted(workers))
-            spec = f"chaos:kill:rank={rank}"
-            self.out.log("fault_injected", spec=spec, pid=workers[rank], step=self.last_step)
-            self.out.add(KillProcess(workers[rank]))
-
-    def _inject_nodes(self, due: list[Injection], now: float) -> None:
-        """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""
-        for fault in due:
-            host = self.hosts.members.get(fault.index)
-            if host is None:  # a node the job does not have now (it shrank)
-                self.out.log("fault_skipped", spec=str(fault), reason=f"no node {fault.index}")
-                continue
-            self.out.log("fault_injected", spec=str(fault), host=host)
-            self.clock.fault(now)
-            self.out.add(KillHost(host) if fault.action == "kill" else FreezeHost(host))
-
-    def _report(self, msg: p.Report) -> None:
-        if msg.total is not None:
-            self.total = msg.total
-        if msg.rank == 0 and msg.metrics:
-            self.last_loss = msg.metrics.get("loss", self.last_loss)
-            self.out.log("report", step=msg.step, **msg.metrics)
-
-    def _finished(self, rank: int, step: int, now: float) -> None:
-        if self.phase != Phase.RUNNING:  # a generation being torn down: the next reruns it
-            return
-        self.finished.add(rank)
-        self.last_step = max(self.last_step, step)
-        if len(self.finished) == self.world_size:
-            self.phase.move(Phase.FINISHING)
-            # the last step's checksums, commit and durable write: a slow disk is no failure
-            self.deadline = now + max(self.cfg.startup_timeout, 600.0)
-            self._maybe_done()
-
-    def _maybe_done(self) -> None:
-        memory = max(
-            self.tiers[0].committed, -1 if self.resharded_from is None else self.resharded_from
-        )
-        if self.phase != Phase.FINISHING or memory < self.last_step:
-            return
-        if self.persister.inflight is not None:
-            return
-        if self.persister.ok and self.persister.committed < memory:
-            self.persister.maybe_persist(memory, final=True)
-            if self.persister.inflight is not None:
-                return
-        self.phase.move(Phase.DONE)
-        if self.traffic.full:
-            self.out.log("replica_traffic", **self.traffic.summary())
-        self.out.log(
-            "job_finished",
-            step=self.last_step,
-            generation=self.generation,
-            restarts=self.restarts,
-            stale_dropped=self.door.take_counts(),
-        )
-        self.out.say(
-            f"finished step {self.last_step + 1} "
-            f"after {self.restarts} recoveries; committed {self._committed()}"
-        )
-        self.out.add(End(0))
-
-    def _waiting_for(self) -> str:
-        if self.hosts.waiting:
-            return f"waiting for nodes {sorted(self.hosts.waiting)} to join"
-        if self.hosts.vacant:
-            vacant = sorted(self.hosts.vacant)
-            return f"waiting for a node to join to take the place of nodes {vacant} (no spare left)"
-        if self.stopping:
-            return f"waiting for nodes {sorted(self.stopping)} to stop their workers"
-        if self.salvage is not None:
-            return (
-                f"waiting for step {self.salvage} to be written to {self.cfg.persist} before "
-                "the job shrinks"
-            )
-        if self.persister.inflight is not None:
-            step = self.persister.inflight.step
-            return f"waiting for step {step} to be written to {self.cfg.persist}"
-        return (
-            f"in phase {self.phase.state.value!r} waiting for step {self.last_step} to be "
-            f"committed in memory (committed: {self._committed()})"
-        )
+        progress.maybe_done(self)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tierswap.control import progress, resize
 from tierswap.control import protocol as p
-from tierswap.control import resize
 from tierswap.control.commands import JobStopped, Send
 from tierswap.control.commits import newest_in_memory, newest_parity, newest_replicated
 from tierswap.control.resize import RESHARD_POLICY
@@ -85,7 +85,7 @@ def start(core: CoordinatorCore, now: float) -> None:
         world_size=core.world_size,
         stale_dropped=core.door.take_counts(),
     )
-    core._inject_nodes(core.faults.at_generation(core.generation), now)
+    progress.inject_nodes(core, core.faults.at_generation(core.generation), now)
 
 
 def reset_commits(core: CoordinatorCore, holdings: Holdings, restart: int) -> tuple[int, int]:

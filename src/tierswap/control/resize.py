@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tierswap.control import failures, membership
 from tierswap.control.restore import Reports
 from tierswap.control.states import Phase
 from tierswap.plan import Tier
@@ -107,7 +108,7 @@ def salvaged(core: CoordinatorCore, committed: int | None, now: float) -> None:
     core.deadline = now + core.cfg.startup_timeout
     if committed is None:
         core.out.say(f"step {step} could not be written to tier 2; shrinking from an older one")
-    core._maybe_start(now)
+    failures.maybe_start(core, now)
 
 
 def newest_durable(core: CoordinatorCore) -> tuple[int, int] | None:
@@ -150,7 +151,7 @@ def grow(core: CoordinatorCore, step: int, now: float) -> None:
     core.phase.move(Phase.RECOVERING)
     core.persister.cancel()
     core.deadline = now + core.cfg.startup_timeout
-    core.stop_nodes([])  # it goes on from tier 2: no replica is read
+    failures.stop_nodes(core, [])  # it goes on from tier 2: no replica is read
     core.hosts.vacant = set(range(core.nodes, nodes))
     resize(core, nodes, (step, before))
 
@@ -163,7 +164,7 @@ def resize(core: CoordinatorCore, nodes: int, source: tuple[int, int]) -> None:
     core.reshard = core.resized = source
     core.grow_after = None
     core.persister.held = {}  # delta bases: parts of the old ranks
-    core._announce_placement()
+    membership.announce_placement(core)
 
 
 def set_size(core: CoordinatorCore, nodes: int) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from tierswap.control import failures, membership, resize
 from tierswap.control import protocol as p
-from tierswap.control import resize
 from tierswap.control.states import Phase
 
 if TYPE_CHECKING:
@@ -94,16 +94,16 @@ def rejoin(core: CoordinatorCore, conn: int, msg: p.Hello, now: float) -> None:
             if msg.host in h.fenced
             else f"host {msg.host} is not one this coordinator took over"
         )
-        core._refuse(conn, msg.pid, f"{why}; start it again to join as a spare")
+        membership.refuse(core, conn, msg.pid, f"{why}; start it again to join as a spare")
         return
     if (h.pids.get(msg.host), h.tags.get(msg.host, "")) != (msg.pid, msg.tag):
-        core._refuse(conn, msg.pid, f"host {msg.host} was another process")
+        membership.refuse(core, conn, msg.pid, f"host {msg.host} was another process")
         return
     core.expected.discard(msg.host)
     h.conns[msg.host] = conn
     h.by_conn[conn] = msg.host
     h.heard[msg.host] = now
-    core._welcome(conn, msg.host)
+    membership.welcome(core, conn, msg.host)
     core.out.log("host_rejoined", host=msg.host, pid=msg.pid)
     if not core.expected - {core.old_host}:
         # everyone but the old leader's own host is back: it gets a moment more (alive,
@@ -120,14 +120,14 @@ def resume(core: CoordinatorCore, now: float) -> None:
     missing, core.expected = sorted(core.expected), None
     core.out.log("takeover_complete", missing=missing)
     for host in missing:
-        core._host_lost(host, "did not reconnect to the coordinator that took over", now)
+        failures.host_lost(core, host, "did not reconnect to the coordinator that took over", now)
     # what its predecessor lost cannot be told (a node it recorded vacant, its stop never
     # sent): every replica is read again before the nodes report
     if core.phase == Phase.RUNNING:  # nothing failed meanwhile: the generation ends
-        core._failure("coordinator", None, [], "the coordinator that led it is gone", now)
+        failures.failure(core, "coordinator", None, [], "the coordinator that led it is gone", now)
     elif core.phase == Phase.RECOVERING:
         # a host lost: those that rejoined after its stop went out never had it, and the
         # reports of those that had were not taken while the hosts were awaited
-        core.ask_again(None, now)
+        failures.ask_again(core, None, now)
     elif core.phase == Phase.STARTING:
-        core._maybe_start(now)
+        failures.maybe_start(core, now)

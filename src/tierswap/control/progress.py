@@ -1,0 +1,151 @@
+"""Training's progress and the job's end: the coordinator core's decisions about them,
+apart from the rest (functions of a :class:`~tierswap.control.coordinator.CoordinatorCore`,
+whose state they read and change; no I/O).
+
+Progress and reports move the last step on and fire the faults due at a step
+(``inject_nodes``; ``--chaos`` strikes at random moments); once every rank has finished,
+the last step's commit and durable write end the job (``finished``, ``maybe_done``); a
+deadline missed says what the job was waiting for (``waiting_for``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierswap.control import protocol as p
+from tierswap.control.commands import End, FreezeHost, KillHost, KillProcess, ShowProgress
+from tierswap.control.states import Phase
+from tierswap.faults import Injection
+
+if TYPE_CHECKING:
+    from tierswap.control.coordinator import CoordinatorCore
+
+
+def progress(core: CoordinatorCore, msg: p.Progress, now: float) -> None:
+    inject_nodes(core, core.faults.at_step(msg.step), now)
+    core.last_step = max(core.last_step, msg.step)
+    if msg.stall is not None:
+        core.out.add(
+            ShowProgress(
+                msg.step,
+                core.last_loss,
+                msg.stall,
+                core._committed(),
+                core.total,
+                core.persister.trailing(core.tiers[0].committed),
+            )
+        )
+
+
+def chaos(core: CoordinatorCore, seconds: float, now: float) -> None:
+    """``--chaos``: strike, at about ``rate`` a minute, while training goes on (a
+    step done since the last strike): a random node of this machine, or one worker."""
+    c = core.chaos
+    if c is None or core.phase != Phase.RUNNING or core.last_step <= core.chaos_step:
+        return
+    if c.count is not None and core.chaos_kills >= c.count:
+        return
+    if core.chaos_rng.random() >= min(1.0, c.rate / 60.0 * seconds):
+        return
+    local = {n: h for n, h in core.hosts.members.items() if h in core.local}
+    workers = {
+        r: pid for r, pid in core.clock.pids.items() if r // core.cfg.nproc_per_node in local
+    }
+    if not local:
+        return
+    core.chaos_kills += 1
+    core.chaos_step = core.last_step
+    core.clock.fault(now)
+    if core.chaos_rng.random() < 0.5 or not workers:
+        node = core.chaos_rng.choice(sorted(local))
+        spec = f"chaos:kill:node={node}"
+        core.out.log("fault_injected", spec=spec, host=local[node], step=core.last_step)
+        core.out.add(KillHost(local[node]))
+    else:
+        rank = core.chaos_rng.choice(sorted(workers))
+        spec = f"chaos:kill:rank={rank}"
+        core.out.log("fault_injected", spec=spec, pid=workers[rank], step=core.last_step)
+        core.out.add(KillProcess(workers[rank]))
+
+
+def inject_nodes(core: CoordinatorCore, due: list[Injection], now: float) -> None:
+    """Fault injection: kill (or freeze) the hosts serving these nodes, at once."""
+    for fault in due:
+        host = core.hosts.members.get(fault.index)
+        if host is None:  # a node the job does not have now (it shrank)
+            core.out.log("fault_skipped", spec=str(fault), reason=f"no node {fault.index}")
+            continue
+        core.out.log("fault_injected", spec=str(fault), host=host)
+        core.clock.fault(now)
+        core.out.add(KillHost(host) if fault.action == "kill" else FreezeHost(host))
+
+
+def report(core: CoordinatorCore, msg: p.Report) -> None:
+    if msg.total is not None:
+        core.total = msg.total
+    if msg.rank == 0 and msg.metrics:
+        core.last_loss = msg.metrics.get("loss", core.last_loss)
+        core.out.log("report", step=msg.step, **msg.metrics)
+
+
+def finished(core: CoordinatorCore, rank: int, step: int, now: float) -> None:
+    if core.phase != Phase.RUNNING:  # a generation being torn down: the next reruns it
+        return
+    core.finished.add(rank)
+    core.last_step = max(core.last_step, step)
+    if len(core.finished) == core.world_size:
+        core.phase.move(Phase.FINISHING)
+        # the last step's checksums, commit and durable write: a slow disk is no failure
+        core.deadline = now + max(core.cfg.startup_timeout, 600.0)
+        maybe_done(core)
+
+
+def maybe_done(core: CoordinatorCore) -> None:
+    memory = max(
+        core.tiers[0].committed, -1 if core.resharded_from is None else core.resharded_from
+    )
+    if core.phase != Phase.FINISHING or memory < core.last_step:
+        return
+    if core.persister.inflight is not None:
+        return
+    if core.persister.ok and core.persister.committed < memory:
+        core.persister.maybe_persist(memory, final=True)
+        if core.persister.inflight is not None:
+            return
+    core.phase.move(Phase.DONE)
+    if core.traffic.full:
+        core.out.log("replica_traffic", **core.traffic.summary())
+    core.out.log(
+        "job_finished",
+        step=core.last_step,
+        generation=core.generation,
+        restarts=core.restarts,
+        stale_dropped=core.door.take_counts(),
+    )
+    core.out.say(
+        f"finished step {core.last_step + 1} "
+        f"after {core.restarts} recoveries; committed {core._committed()}"
+    )
+    core.out.add(End(0))
+
+
+def waiting_for(core: CoordinatorCore) -> str:
+    if core.hosts.waiting:
+        return f"waiting for nodes {sorted(core.hosts.waiting)} to join"
+    if core.hosts.vacant:
+        vacant = sorted(core.hosts.vacant)
+        return f"waiting for a node to join to take the place of nodes {vacant} (no spare left)"
+    if core.stopping:
+        return f"waiting for nodes {sorted(core.stopping)} to stop their workers"
+    if core.salvage is not None:
+        return (
+            f"waiting for step {core.salvage} to be written to {core.cfg.persist} before "
+            "the job shrinks"
+        )
+    if core.persister.inflight is not None:
+        step = core.persister.inflight.step
+        return f"waiting for step {step} to be written to {core.cfg.persist}"
+    return (
+        f"in phase {core.phase.state.value!r} waiting for step {core.last_step} to be "
+        f"committed in memory (committed: {core._committed()})"
+    )
