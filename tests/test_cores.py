@@ -746,6 +746,22 @@ def test_an_agent_or_launcher_process_imports_no_torch(module: str) -> None:
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
+CORE_PARTS = ["coordinator", "failures", "membership", "progress", "resize", "takeover",
+              "generation"]  # fmt: skip
+
+
+def test_each_part_of_the_coordinators_core_imports_first_in_a_fresh_process() -> None:
+    """The core's parts import each other: none may need another to be imported first
+    (a cycle fails only in some import orders)."""
+    import subprocess
+    import sys
+
+    for name in CORE_PARTS:
+        code = f"import tierswap.control.{name}"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, f"{name} imported first: {done.stderr[-800:]}"
+
+
 def test_a_node_drops_the_replicas_of_ranks_it_no_longer_protects() -> None:
     segs: dict[str, MemorySegment] = {}
     peers = PeerStore("t", 2, 0, lambda m, g: None, create=lambda n, s: MemorySegment(n, s, segs))

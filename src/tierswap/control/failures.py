@@ -210,7 +210,7 @@ def maybe_start(core: CoordinatorCore, now: float) -> None:
     if core.expected is not None:
         return  # taking over: the hosts it had come back first (``takeover.resume`` starts)
     if core.salvage is not None:
-        return  # the newest step is being written before a shrink: ``_salvaged`` starts
+        return  # the newest step is being written before a shrink: ``resize.salvaged`` starts
     if core.hosts.waiting or core.stopping:
         # a host for a vacancy no spare will fill boots meanwhile (seconds of imports)
         revive(core, len(core.hosts.vacant) - len(core.hosts.spares))

@@ -18,7 +18,6 @@ from tierswap.control import progress, resize
 from tierswap.control import protocol as p
 from tierswap.control.commands import JobStopped, Send
 from tierswap.control.commits import newest_in_memory, newest_parity, newest_replicated
-from tierswap.control.resize import RESHARD_POLICY
 from tierswap.control.restore import lost_message, memory_lost
 from tierswap.control.states import Phase
 from tierswap.errors import listed
@@ -162,10 +161,10 @@ def initialized(core: CoordinatorCore, msg: p.Initialized) -> None:
     if init.world_size is not None:
         core.out.log("resharded", path=init.path, step=step, world_size=ws,
                      from_world_size=init.world_size, missing=missing, seconds=seconds,
-                     generation=core.generation, policy=RESHARD_POLICY)  # fmt: skip
+                     generation=core.generation, policy=resize.RESHARD_POLICY)  # fmt: skip
         core.out.say(
             f"resumed step {step} of world size {init.world_size} at world size {ws} "
-            f"in {seconds:.2f} s: {RESHARD_POLICY}"
+            f"in {seconds:.2f} s: {resize.RESHARD_POLICY}"
         )
     else:
         core.out.log("initialized", path=init.path, step=step, missing=missing,

@@ -91,8 +91,8 @@ def hello(core: CoordinatorCore, conn: int, msg: p.Hello, now: float) -> None:
 
 def welcome(core: CoordinatorCore, conn: int, host: int) -> None:
     script = [str(Path(core.script[0]).resolve()), *core.script[1:]]
-    welcome = p.Welcome(host=host, config=core.cfg.to_env(), job_id=core.job_id, script=script)
-    core.out.add(Send(conn, welcome, core.generation))
+    msg = p.Welcome(host=host, config=core.cfg.to_env(), job_id=core.job_id, script=script)
+    core.out.add(Send(conn, msg, core.generation))
 
 
 def refuse(core: CoordinatorCore, conn: int, pid: int, why: str) -> None:

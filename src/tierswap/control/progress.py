@@ -2,8 +2,9 @@
 apart from the rest (functions of a :class:`~tierswap.control.coordinator.CoordinatorCore`,
 whose state they read and change; no I/O).
 
-Progress and reports move the last step on and fire the faults due at a step
-(``inject_nodes``; ``--chaos`` strikes at random moments); once every rank has finished,
+Progress and finished ranks move the last step on; faults due at a step, a transfer, a
+persist or a generation fire (``inject_nodes``; ``--chaos`` strikes at random moments);
+reports carry the loss; once every rank has finished,
 the last step's commit and durable write end the job (``finished``, ``maybe_done``); a
 deadline missed says what the job was waiting for (``waiting_for``).
 """

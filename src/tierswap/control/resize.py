@@ -3,9 +3,9 @@ decisions (functions of a :class:`~tierswap.control.coordinator.CoordinatorCore`
 they read and change; no I/O).
 
 A node lost with no spare parked: the newest step memory holds is written to tier 2
-first (``_salvage``, a lost rank's part from a replica), then the nodes left are numbered
-anew and the job goes on resharded (``_shrink``); a spare parking later makes it grow back
-at a step boundary from a fresh tier-2 step (``_maybe_grow``, ``_grow``).
+first (``salvage``, a lost rank's part from a replica), then the nodes left are numbered
+anew and the job goes on resharded (``shrink``); a spare parking later makes it grow back
+at a step boundary from a fresh tier-2 step (``maybe_grow``, ``grow``).
 """
 
 from __future__ import annotations
