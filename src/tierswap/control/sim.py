@@ -38,7 +38,6 @@ from tierswap.control.simworld import (
     FROM_AGENT,
     MASK,
     Chaos,
-    Due,
     FakeTier2,
     MemorySegment,
     Violation,
@@ -69,7 +68,8 @@ class Sim:
         self.steps = steps
         self.chaos = chaos or Chaos()
         self.now = 0.0
-        self._heap: list[Due] = []
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        """(when, order of scheduling, action): compared as tuples, in C."""
         self._seq = itertools.count()
         self.conns = itertools.count(1)
         self.pids = itertools.count(50_000)
@@ -109,7 +109,7 @@ class Sim:
     # ------------------------------------------------------------ scheduling
 
     def at(self, when: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, Due(when, next(self._seq), action))
+        heapq.heappush(self._heap, (when, next(self._seq), action))
 
     def after(self, delay: float, action: Callable[[], None]) -> None:
         self.at(self.now + delay, action)
@@ -169,10 +169,9 @@ class Sim:
     def run_for(self, seconds: float) -> None:
         """Every event of the next ``seconds``, each followed by :meth:`check`."""
         until = self.now + seconds
-        while self._heap and self.ended is None and self._heap[0].at <= until:
-            due = heapq.heappop(self._heap)
-            self.now = due.at
-            due.action()
+        while self._heap and self.ended is None and self._heap[0][0] <= until:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
             self.events += 1
             self.check()
         if self.ended is None:
@@ -416,7 +415,7 @@ class Sim:
             if not host.alive or host.core is None:
                 continue
             for w in host.core.workers.procs.values():
-                if w.state is WorkerState.ASSIGNED and w.rank is not None:
+                if w.machine.state is WorkerState.ASSIGNED and w.rank is not None:
                     running.setdefault(w.generation, set())
                     if w.rank in running[w.generation]:
                         raise Violation(self._where(f"rank {w.rank} has two workers in "
@@ -424,10 +423,10 @@ class Sim:
                     running[w.generation].add(w.rank)
         if len(running) > 1:
             raise Violation(self._where(f"generations {sorted(running)} run at once"))
-        if coord.phase == Phase.RUNNING:
+        if coord.phase.state is Phase.RUNNING:  # (the machines' states: no __eq__ per event)
             for host in self.hosts.values():
                 core = host.core
-                if core is None or not host.alive or core.phase != AgentPhase.SERVING:
+                if core is None or not host.alive or core.phase.state is not AgentPhase.SERVING:
                     continue
                 if core.ranks and set(core.workers.by_rank) != set(core.ranks):
                     raise Violation(self._where(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,13 +115,6 @@ class FakeTier2:
 
 
 # ==================================================================== the scheduler
-
-
-@dataclass(order=True)
-class Due:
-    at: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
 
 
 class Link:
