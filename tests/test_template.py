@@ -32,10 +32,18 @@ with open(out, "w") as f:
                "env": os.environ.get("ONLY_HERE"), "main": __name__,
                "torch": "torch" in sys.modules,
                "name": open("/proc/self/comm").read().strip()}, f)
+class Kept:
+    pass
 if code == 0:  # what the interpreter ends at its exit, a fork ends too
-    import concurrent.futures
+    import concurrent.futures, pickle
     pool = concurrent.futures.ThreadPoolExecutor(1)
     pool.submit(time.sleep, 0.1)
+    def late():  # runs as the interpreter ends: __main__ is still the script
+        time.sleep(0.2)
+        with open(out + ".late", "wb") as f:
+            f.write(pickle.dumps(Kept()))
+    import threading
+    threading.Thread(target=late).start()
     left_open = open(out + ".tail", "w")
     left_open.write("flushed at exit")
 if code == 99:
@@ -105,14 +113,25 @@ def _connect(path: str, secret: bytes) -> Channel:
 
 
 def _gone(pid: int, within: float) -> bool:
+    """Whether ``pid`` ends within ``within`` s (a zombie not reaped yet has ended)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
             return True
         time.sleep(0.05)
     return False
+
+
+def _started(marker: Path) -> None:
+    """Wait until the forked script has written ``marker``: it runs."""
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert marker.exists(), "the forked script never ran"
 
 
 def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path: Path) -> None:
@@ -132,6 +151,7 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
                         "pgid": os.getpgid(0), "env": "yes", "main": "__main__",
                         "torch": True, "name": "tierswap-worker"}, seen  # fmt: skip
     assert (tmp_path / "0.json.tail").read_text() == "flushed at exit"
+    assert (tmp_path / "0.json.late").exists(), "a thread at exit did not see the script's __main__"
     asked, handle = _fork(client, script, tmp_path / "slow.json", 98, tmp_path)
     deadline = time.monotonic() + 30
     while not (tmp_path / "slow.json").exists() and time.monotonic() < deadline:
@@ -150,6 +170,7 @@ def test_a_fork_never_outlives_its_agents_channel(template, tmp_path: Path) -> N
                      cwd=str(tmp_path), pgid=os.getpgid(0)))  # fmt: skip
     reply = chan.recv(60)
     assert reply is not None and isinstance(reply.msg, p.Forked) and reply.msg.key == 7
+    _started(tmp_path / "slow.json")
     chan.close()  # the agent is gone, as a killed agent's socket closes
     assert _gone(reply.msg.pid, 10), "a worker outlived its agent's channel to the template"
 
@@ -199,6 +220,7 @@ def test_a_fork_dies_with_its_template_and_its_agent_starts_the_next_alone(
                          env={}, cwd=str(tmp_path), pgid=os.getpgid(0)))  # fmt: skip
         reply = chan.recv(60)  # template's death can end the fork
         assert reply is not None and isinstance(reply.msg, p.Forked)
+        _started(tmp_path / "slow.json")
         client = Templates(path, secret, proc.pid)
         proc.kill()
         proc.wait()

@@ -39,12 +39,13 @@ import ctypes
 import gc
 import importlib
 import os
-import runpy
 import select
 import signal
 import sys
 import threading
 import traceback
+import types
+from importlib.machinery import SourceFileLoader
 from typing import NoReturn
 
 from tierswap.control import protocol as p
@@ -70,14 +71,15 @@ before a fork; past it the fork is refused."""
 class Template:
     """The template's state: its listener, each agent's channel and the workers it forked."""
 
-    def __init__(self, listener: Listener, secret: bytes) -> None:
+    def __init__(self, listener: Listener, secret: bytes, parent: int) -> None:
         self.listener = listener
         self.secret = secret
         self.agents: dict[int, Channel] = {}
         """socket fd -> an agent's channel."""
         self.children: dict[int, tuple[int, int]] = {}
         """pid -> (its agent's socket fd, the agent's key for it)."""
-        self.parent = os.getppid()
+        self.parent = parent
+        """The launcher, read before the imports: one that died during them is noticed."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -133,9 +135,10 @@ class Template:
             chan.send(reply)
 
     def _fork(self, fd: int, msg: p.Fork) -> p.Message:
+        template = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(msg, [self.listener, *self.agents.values()], self.wake)
+            _child(msg, [self.listener, *self.agents.values()], self.wake, template)
         try:  # the child does it too: whichever runs first, neither can run unplaced
             os.setpgid(pid, msg.pgid)
         except OSError as e:
@@ -188,12 +191,14 @@ def _cannot_fork() -> str:
     return ""
 
 
-def _child(msg: p.Fork, inherited: list[Listener | Channel], wake: tuple[int, int]) -> NoReturn:
+def _child(
+    msg: p.Fork, inherited: list[Listener | Channel], wake: tuple[int, int], template: int
+) -> NoReturn:
     """The forked worker: placed, given its environment, runs the script, exits."""
     code = 1
     try:
         os.setpgid(0, msg.pgid)
-        _die_with(os.getppid())
+        _die_with(template)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as python starts
         for sig in (signal.SIGCHLD, signal.SIGTERM):
@@ -252,13 +257,19 @@ def _close_quietly(held: Listener | Channel) -> None:
 def _run_script(argv: list[str]) -> int:
     """``python SCRIPT ARGS...`` in this process: the exit code the interpreter would give,
     after what it does at its end (non-daemon threads joined, with the callbacks that stop
-    executors' threads; atexit; the script's objects finalised, open files flushed)."""
+    executors' threads; atexit; the script's objects finalised, open files flushed), with
+    the script's module as ``__main__`` throughout, as python has it."""
     script = os.path.abspath(argv[0])
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(script)
-    namespace: dict[str, object] = {}
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script, __cached__=None, __spec__=None, __package__=None,
+                         __loader__=SourceFileLoader("__main__", script))  # fmt: skip
+    sys.modules["__main__"] = main
     try:
-        namespace = runpy.run_path(script, run_name="__main__")
+        with open(script, "rb") as f:
+            source = f.read()
+        exec(compile(source, script, "exec"), main.__dict__)
         code = 0
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -270,7 +281,7 @@ def _run_script(argv: list[str]) -> int:
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    namespace.clear()
+    main.__dict__.clear()
     gc.collect()
     return code
 
@@ -296,6 +307,7 @@ def preload() -> None:
 def main() -> None:
     from tierswap.cluster.multihost import KEY_ENV
 
+    parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     secret = bytes.fromhex(os.environ.pop(KEY_ENV))
     preload()
@@ -304,7 +316,7 @@ def main() -> None:
     # listening once the imports are done: an agent waits for the socket to appear
     listener = Listener(os.environ[TEMPLATE_ENV], secret)
     try:
-        Template(listener, secret).serve()
+        Template(listener, secret, parent).serve()
     finally:
         listener.close()
 

@@ -106,9 +106,9 @@ class Processes:
     def close(self) -> None:
         """Every worker killed (a fork not made yet is never made), the template's
         channel closed."""
+        self.kill_all()  # forks' real exits come back while the channel is open
         if self.template is not None:
             self.template.close()
-        self.kill_all()
 
 
 class Forked:
@@ -166,19 +166,17 @@ class Forked:
         with self._lock:
             if self._kill:
                 self.returncode = -signal.SIGKILL
-                self._done.set()
-                self._exited(self.returncode)
-                return
-            try:
-                self._instead = self._alone()
-            except OSError as e:  # no process: the agent hears of it as an exit
-                print(f"tierswap agent: a worker could not start: {e}", file=sys.stderr)
-                self.returncode = 1
             else:
-                self.pid = self._instead.pid
+                try:
+                    self._instead = self._alone()
+                except Exception as e:  # no process: the agent hears of it as an exit
+                    print(f"tierswap agent: a worker could not start: {e}", file=sys.stderr)
+                    self.returncode = 1
+                else:
+                    self.pid = self._instead.pid
         self._done.set()  # wait() is the process's own from now on
         if self._instead is None:
-            self._exited(1)
+            self._exited(self.returncode if self.returncode is not None else 1)
 
 
 class Templates:
@@ -215,22 +213,24 @@ class Templates:
         """Ask for worker ``msg`` (its key is set here); ``exited`` gets its exit code,
         ``alone`` starts it as a process of its own where the template cannot."""
         handle = Forked(exited, alone)
+        chan: Channel | None = None
         with self._lock:
-            if self.gone:
-                handle.refused()
-                return handle
-            key = self.next_key
-            self.next_key += 1
-            self.waiting[key] = handle
-            msg = msgspec.structs.replace(msg, key=key)
-            if self.chan is None:
-                self.queued.append(msg)
-                return handle
-            chan = self.chan
-        try:
-            chan.send(msg)
-        except OSError:
-            pass  # the reader finds the channel closed and starts the waiting alone
+            gone = self.gone
+            if not gone:
+                key = self.next_key
+                self.next_key += 1
+                self.waiting[key] = handle
+                msg = msgspec.structs.replace(msg, key=key)
+                chan = self.chan
+                if chan is None:
+                    self.queued.append(msg)
+        if gone:  # outside the lock: it starts a process
+            handle.refused()
+        elif chan is not None:
+            try:
+                chan.send(msg)
+            except OSError:
+                pass  # the reader finds the channel closed and starts the waiting alone
         return handle
 
     def _connect(self) -> Channel | None:
@@ -240,7 +240,7 @@ class Templates:
                 return Channel.connect(self.path, self.secret, p.TemplateToAgent)
             except (FileNotFoundError, ConnectionRefusedError):
                 time.sleep(0.02)  # still importing
-            except OSError:
+            except Exception:  # refused, another secret: the workers start alone
                 return None
         return None
 
@@ -258,22 +258,24 @@ class Templates:
         return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
     def _run(self) -> None:
-        chan = self._connect()
-        with self._lock:
-            if chan is not None and self.closed:
-                chan.close()
-                chan = None
+        try:
+            chan = self._connect()
+            with self._lock:
+                if chan is not None and self.closed:
+                    chan.close()
+                    chan = None
+                if chan is not None:
+                    self.chan, queued, self.queued = chan, self.queued, []
             if chan is not None:
-                self.chan, queued, self.queued = chan, self.queued, []
-        if chan is not None:
-            try:
-                for msg in queued:
-                    chan.send(msg)
-                self._read(chan)
-            except (OSError, EOFError, p.ProtocolError):
-                pass
-            chan.close()
-        self._lost()
+                try:
+                    for msg in queued:
+                        chan.send(msg)
+                    self._read(chan)
+                except (OSError, EOFError, p.ProtocolError):
+                    pass
+                chan.close()
+        finally:  # whatever ended it, no worker waits for a fork that will not come
+            self._lost()
 
     def _say(self, why: str) -> None:
         """Once: workers start as processes of their own (slower, never wrong)."""
