@@ -260,19 +260,27 @@ def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None:
-    """Four of its six jobs, through ``bench peers``' rounds (tier 0 is tier 0+1 without
-    replicas): tier01 unpinned and pinned, each against the plain job of its pinning."""
+    """Six of its eight jobs, through ``bench peers``' rounds (tier 0 is tier 0+1 without
+    replicas): tier01 and the bare memcpy, unpinned and pinned, each against the plain job
+    of its pinning, the snapshot's copy against the bare one's."""
     from tierswap.bench import overhead
 
-    res = overhead.run(1, 1, steps=7, modes=("plain", "tier01"))
-    assert set(res) >= {"plain", "tier01", "plain_pinned", "tier01_pinned"}
+    res = overhead.run(1, 1, steps=7, modes=("plain", "memcpy", "tier01"))
+    keys = {m + pin for m in ("plain", "memcpy", "tier01") for pin in ("", "_pinned")}
+    assert set(res) >= keys
     assert "tier0" not in res
-    for key in ("plain", "tier01", "plain_pinned", "tier01_pinned"):
+    for key in keys:
         assert res[key]["step_s"]["median"] > 0, key
         assert res[key]["failed"] == 0, key
     for key in ("tier01", "tier01_pinned"):
         assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
+        assert res[key]["copy_vs_bare"]["median"] > 0
+    for key in ("memcpy", "memcpy_pinned"):
+        assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"
+        assert res[key]["agents_cpu_s_per_gib"]["median"] == 0, "no snapshot: no GiB"
+        assert "copy_vs_bare" not in res[key]
+    assert res["plain"]["copy_cpu_s_per_gib"]["median"] == 0
     with pytest.raises(ValueError, match="baseline"):
         overhead.run(1, 1, modes=("tier0",))
     assert res["memcpy_cpu_s_per_gib"] > 0
@@ -282,8 +290,8 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
 def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -> None:
     from tierswap.bench import overhead
 
-    def job(step: float, agents: float = 0.0) -> dict[str, float]:
-        return {"step_s": step, "stall_s": 0.01, "copy_cpu_s_per_gib": 0.2,
+    def job(step: float, agents: float = 0.0, copy: float = 0.2) -> dict[str, float]:
+        return {"step_s": step, "stall_s": 0.01, "copy_cpu_s_per_gib": copy,
                 "agents_cpu_s": agents, "agents_sampled": 2.0,
                 "agents_cpu_s_per_gib": agents}  # fmt: skip
 
@@ -292,8 +300,14 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
         "tier0": [job(1.1, 0.1), None, job(1.3, 0.1)],
         "plain_pinned": [job(4.0), None, job(4.0)],
         "tier0_pinned": [job(4.4, 0.2), job(4.0, 0.2), job(4.0, 0.2)],
+        "memcpy": [job(1.05, copy=0.1), job(2.0, copy=0.16), job(1.2, copy=0.25)],
     }
     res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14)
+    assert res["memcpy"]["overhead"]["samples"] == pytest.approx([0.05, 0.0, 0.2])
+    assert res["tier0"]["copy_vs_bare"]["samples"] == pytest.approx([2.0, 0.8]), (
+        "each round's copy against that round's bare memcpy; round 2 failed"
+    )
+    assert "copy_vs_bare" not in res["tier0_pinned"], "no pinned bare memcpy ran"
     assert res["memcpy_cpu_s_per_gib"] == pytest.approx(0.1)
     assert res["tier0"]["overhead"]["samples"] == pytest.approx([0.1, 0.3]), "round 2 failed"
     assert res["tier0"]["failed"] == 1

@@ -6,6 +6,9 @@ rank by default), interleaved, order flipped every round:
 
 - ``plain``: the same job, trained without ``job.steps`` (no restore, no snapshot): the
   baseline;
+- ``memcpy``: ``plain`` with a bare memcpy of the state on a thread every step, overlapped
+  and waited for as the snapshot's copy is (``examples/train_mlp.py --memcpy``): the floor
+  of any snapshot, its copy's CPU the yardstick of the snapshot's under the same load;
 - ``tier0``: a snapshot every step into the node's memory (``--replicas 0``);
 - ``tier01``: and replicated into the other node's memory (the default).
 
@@ -21,7 +24,8 @@ Per run, from the trainers' own step times (``--times``): the median step (steps
 the second last: the first snapshot allocates its slots), the stall per step (fence,
 synchronous part, tier-1 wait), the copy threads' CPU seconds per GiB, and the agents'
 CPU seconds per GiB snapshotted in that window, sampled from ``/proc``; beside them the
-CPU seconds per GiB of a plain memcpy on this machine (``bench/limits.py``).
+CPU seconds per GiB of a plain memcpy on this machine, alone (``bench/limits.py``), and
+of the ``memcpy`` run's copy thread, under the same training load.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any
 
 from tierswap.bench.common import stats
 
-MODES = ("plain", "tier0", "tier01")
+MODES = ("plain", "memcpy", "tier0", "tier01")
 FIRST = 4
 """Steps before this one are left out: the first snapshots allocate their slots."""
 CLK = os.sysconf("SC_CLK_TCK")
@@ -109,9 +113,11 @@ def pin_args() -> tuple[str, ...]:
 
 
 def job_costs(
-    notes: Sequence[dict[str, Any]], sampler: Sampler, plain: bool, size_mib: int, steps: int
-) -> dict[str, float]:
-    """One job's figures from its trainers' ``--times`` entries and its agents' CPU."""
+    notes: Sequence[dict[str, Any]], sampler: Sampler, snapshots: bool, size_mib: int,
+    steps: int,
+) -> dict[str, float]:  # fmt: skip
+    """One job's figures from its trainers' ``--times`` entries and its agents' CPU
+    (``snapshots``: the job snapshots, so its agents' CPU is per GiB snapshotted)."""
     ends = {n["step"]: float(n["t"]) for n in notes if n["rank"] == 0}
     window = range(FIRST, steps - 1)
     step_s = [ends[s] - ends[s - 1] for s in window if s in ends and s - 1 in ends]
@@ -120,12 +126,12 @@ def job_costs(
     stall = [float(n["stall"]) for n in notes if n["step"] in window]
     copy_cpu = [float(n["copy_cpu"]) for n in notes if n["step"] in window]
     state = size_mib * 2**20
-    snapshotted = 0 if plain else 2 * state * (steps - 1 - FIRST)  # both ranks
+    snapshotted = 2 * state * (steps - 1 - FIRST) if snapshots else 0  # both ranks
     agents = sampler.between(ends[FIRST - 1], ends[steps - 2])
     return {
         "step_s": statistics.median(step_s),
         "stall_s": statistics.median(stall),
-        "copy_cpu_s_per_gib": 0.0 if plain else statistics.median(copy_cpu) / (state / 2**30),
+        "copy_cpu_s_per_gib": statistics.median(copy_cpu) / (state / 2**30),  # plain's: 0
         "agents_cpu_s": agents,
         "agents_sampled": float(len(sampler.samples)),
         "agents_cpu_s_per_gib": agents / (snapshotted / 2**30) if snapshotted else 0.0,
@@ -138,13 +144,15 @@ def summarize(
 ) -> dict[str, Any]:  # fmt: skip
     """Per run key (``tier0``, ``tier01_pinned``, ...) the stats of its figures, its
     overhead against the plain run of the same pinning in the same round (a round where
-    either failed is left out), and its CPU per GiB against a one-core memcpy."""
+    either failed is left out), its CPU per GiB against a one-core memcpy alone, and its
+    copy's CPU against the ``memcpy`` run's of the same pinning, round by round."""
     memcpy_cpu = 2**30 / memcpy_bps  # one core: CPU seconds per GiB
     out: dict[str, Any] = {"size_mib": size_mib, "steps": steps,
                            "cpus": len(os.sched_getaffinity(0)),
                            "memcpy_cpu_s_per_gib": memcpy_cpu}  # fmt: skip
     for key, rs in runs.items():
-        base = runs.get("plain_pinned" if key.endswith("_pinned") else "plain", [])
+        pin = "_pinned" if key.endswith("_pinned") else ""
+        base = runs.get("plain" + pin, [])
         ok = [r for r in rs if r is not None]
         pairs = [(r, b) for r, b in zip(rs, base, strict=False) if r is not None and b is not None]
         if not pairs:  # every round failed, or its baseline did
@@ -155,6 +163,12 @@ def summarize(
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
+        bare = runs.get("memcpy" + pin, [])
+        same = [(r["copy_cpu_s_per_gib"], b["copy_cpu_s_per_gib"])
+                for r, b in zip(rs, bare, strict=False)
+                if r is not None and b is not None and b["copy_cpu_s_per_gib"] > 0]  # fmt: skip
+        if same and key.startswith("tier"):
+            entry["copy_vs_bare"] = stats([r / b for r, b in same])
         entry["failed"] = len(rs) - len(ok)
         out[key] = entry
     return out
@@ -195,15 +209,16 @@ def report(res: dict[str, Any]) -> None:
     )
     table = Table(title=title)
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
-                "copy CPU-s/GiB", "agents CPU-s/GiB", "vs memcpy (agents)"):  # fmt: skip
+                "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
+                "vs memcpy (agents)"):  # fmt: skip
         table.add_column(col)
-    for key in ("plain", "tier0", "tier01", "plain_pinned", "tier0_pinned", "tier01_pinned"):
+    for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
             continue
         e = res[key]
         if "step_s" not in e:
             table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
-                          f"{e['unpaired']}", "", "", "", "", "", "")  # fmt: skip
+                          f"{e['unpaired']}", "", "", "", "", "", "", "")  # fmt: skip
             continue
         o = e["overhead"]
         table.add_row(
@@ -215,11 +230,16 @@ def report(res: dict[str, Any]) -> None:
             f"<= {TARGETS[key] * 100:.0f} %" if key in TARGETS else "",
             f"{e['stall_of_step'] * 100:.2f} %",
             f"{e['copy_cpu_s_per_gib']['median']:.3f}",
+            _ratio(e.get("copy_vs_bare")),
             f"{e['agents_cpu_s_per_gib']['median']:.3f}",
-            "" if key.startswith("plain") else f"{e['agents_vs_memcpy']:.2f}x",
+            f"{e['agents_vs_memcpy']:.2f}x" if key.startswith("tier") else "",
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB")
+
+
+def _ratio(s: dict[str, Any] | None) -> str:
+    return "" if s is None else f"{s['median']:.2f}x ({s['min']:.2f} – {s['max']:.2f})"
 
 
 def main(args: Any) -> int:

@@ -11,9 +11,11 @@ workers). Rounds interleave every system, the order flipped every other round.
 A) a checkpoint every step, 14 steps: the median step (steps 4 to 12, rank 0's step ends),
 the stall per checkpoint (per step the longest any rank spent in the checkpoint call,
 median over those steps) and the step overhead against the plain run of the same round:
-``plain`` (tierswap's script with ``--plain``), tierswap tier 0, tiers 0+1 and 0+1+2
-(``--persist`` to a local folder every step), DLRover's flash checkpoint to memory,
-``dcp.async_save`` and ``torch.save`` (rank 0, fsynced, renamed over the last).
+``plain`` (tierswap's script with ``--plain``), ``memcpy`` (the same with a bare memcpy
+of the state on a thread every step: the floor of any copy, ``train_mlp.BareCopy``),
+tierswap tier 0, tiers 0+1 and 0+1+2 (``--persist`` to a local folder every step),
+DLRover's flash checkpoint to memory, ``dcp.async_save`` and ``torch.save`` (rank 0,
+fsynced, renamed over the last).
 
 B) recovery from rank 1 killed right after step 8: from the victim's own end of step 8
 (its ``--times`` entry, written before it dies) to the moment every rank completed a
@@ -26,8 +28,9 @@ size (``recovery_curve``: each part beside its floor, the machine's limits measu
 in every round, after its jobs), so ``bench all`` does not run those jobs twice.
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
-tierswap's ``plain``, ``tier0`` and ``tier01`` jobs, and their pinned twins (tierswap's own
-work on a core of its own) interleaved with them, with the agents' CPU sampled. Its stall
+tierswap's ``plain``, ``memcpy``, ``tier0`` and ``tier01`` jobs, and their pinned twins
+(tierswap's own work on a core of its own) interleaved with them, with the agents' CPU
+sampled. Its stall
 is the median over every rank's steps, the checkpoint table's the longest rank's per step.
 """
 
@@ -63,11 +66,15 @@ FIRST = 4
 PEER_LIBS = {"dlrover": "dlrover.trainer.torch.flash_checkpoint.ddp", "torchft": "torchft"}
 """What a system needs in the peers' Python, by the name ``not_run`` gives."""
 
-CHECKPOINT = ("plain", "tier0", "tier01", "tier012", "dlrover-memory", "dcp-async", "torch-save")
+CHECKPOINT = ("plain", "memcpy", "tier0", "tier01", "tier012", "dlrover-memory", "dcp-async",
+              "torch-save")  # fmt: skip
+CONTROLS = ("plain", "memcpy")
+"""The checkpoint systems that are the others' yardsticks, not tools a user would pick."""
 RECOVERY = ("tierswap-worker-spare", "tierswap-node-spare", "tierswap-restart",
             "dlrover-restart", "torchft-heal", "torchrun-dcp")  # fmt: skip
 TIERSWAP_RUN = {
     "plain": ("--replicas", "0"),
+    "memcpy": ("--replicas", "0"),
     "tier0": ("--replicas", "0"),
     "tier01": (),
     "tier012": ("--persist-every", "1"),  # and --persist <folder>
@@ -103,16 +110,15 @@ BASE_CKPT, BASE_RECOVERY = "tier0", "tierswap-worker-spare"
 """The tierswap systems the peers' ratios are taken against."""
 PINNED = "-pinned"
 """The suffix of a tierswap system's pinned twin (``tier0-pinned``: ``overhead.pin_args``)."""
-OVERHEAD = {"plain": "plain", "tier0": "tier0", "tier01": "tier01",
-            "plain-pinned": "plain_pinned", "tier0-pinned": "tier0_pinned",
-            "tier01-pinned": "tier01_pinned"}  # fmt: skip
+OVERHEAD = {s + pin: s + pin.replace("-", "_") for s in ("plain", "memcpy", "tier0", "tier01")
+            for pin in ("", PINNED)}  # fmt: skip
 """The systems whose jobs also give ``bench overhead``'s figures, by their keys there."""
 
 
 def tierswap_side(system: str) -> bool:
     """Whether ``system`` is trained by ``tierswap run`` (not a peer's launcher)."""
     base = system.removesuffix(PINNED)
-    return base.startswith("tier") or base in ("plain", "tierswap")
+    return base.startswith("tier") or base in (*CONTROLS, "tierswap")
 
 
 def peers_folder() -> Path:
@@ -337,9 +343,8 @@ class Bench:
             run_args += overhead.pin_args()
         out = out or system in RECOVERY or system == "tierswap"
         script = self._script_args(folder, out=out)
-        return job_command(
-            folder / "run", run_args, [*script, *(["--plain"] * (base == "plain"))], script=MLP
-        )
+        control = {"plain": ["--plain"], "memcpy": ["--plain", "--memcpy"]}.get(base, [])
+        return job_command(folder / "run", run_args, [*script, *control], script=MLP)
 
     def peer_cmd(self, system: str, folder: Path, kind: str, out: bool = False) -> list[str]:
         peer = PEER_SYSTEM.get(system, system)
@@ -428,9 +433,9 @@ class Bench:
             try:
                 if sampler is None:
                     raise ValueError("its agents' CPU was not sampled")
-                plain = system.removesuffix(PINNED) == "plain"
+                snapshots = system.removesuffix(PINNED) not in CONTROLS
                 figures = overhead.job_costs(
-                    notes, sampler, plain, self.cfg.size_mib, self.cfg.steps
+                    notes, sampler, snapshots, self.cfg.size_mib, self.cfg.steps
                 )
             except ValueError as e:
                 self.failures.append(f"{system} (overhead): {e}")
@@ -696,7 +701,7 @@ def summarize_checkpoint(runs: dict[str, list[dict[str, float] | None]]) -> dict
         if pairs and system != "plain":
             entry["overhead"] = stats([r["step_s"] / p["step_s"] - 1 for r, p in pairs])
         both = [(b, r) for b, r in zip(base, rs, strict=False) if b is not None and r is not None]
-        if both and system not in ("plain", BASE_CKPT):
+        if both and system not in ("plain", BASE_CKPT):  # memcpy too: the floor's stall
             entry[f"step_vs_{BASE_CKPT}"] = ratios(*_cols(both, "step_s"))
             entry[f"stall_vs_{BASE_CKPT}"] = ratios(*_cols(both, "stall_s"))
         entry["failed"] = len(rs) - len(ok)

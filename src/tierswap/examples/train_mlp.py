@@ -5,6 +5,8 @@ use, the same for every system measured.
 
 The model (``mlp.py``) under DDP, a rank's state ``--size-mib`` MiB. ``--out DIR``
 writes every rank's final state to ``DIR/rank-<r>.safetensors`` for bit comparison.
+``--plain`` trains without tierswap's steps; ``--memcpy`` also copies the state every step
+the barest way (:class:`BareCopy`): the floor the overhead bench holds the snapshot to.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import argparse
 import json
 import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from safetensors.torch import save_file
 from torch import nn
 
 import tierswap
+from tierswap import memcopy
 from tierswap.examples.mlp import batch, build, hidden_for, optimizer
 from tierswap.state import flatten
 
@@ -39,7 +44,48 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--plain", action="store_true", help="train without job.steps: no restore, no snapshots"
     )
+    p.add_argument(
+        "--memcpy", action="store_true",
+        help="with --plain: memcpy the state on a thread every step, as a snapshot copies it",
+    )  # fmt: skip
     return p.parse_args()
+
+
+class BareCopy:
+    """The least a snapshot every step can cost: after each optimizer step, a thread
+    memcpys every tensor of the state into a buffer of its own, overlapped with the next
+    forward and backward as the snapshot's copy is, and the next optimizer step waits for
+    it. No hash, no slot, no agent, no replica: what is left of a snapshot's cost once
+    everything but moving its bytes is gone."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.thread: threading.Thread | None = None
+        self.cpu = 0.0
+        """The last copy's CPU seconds (its thread's own)."""
+        self.stall = 0.0
+        """The last wait for a copy, seconds."""
+
+    def start(self) -> None:
+        if not self.pairs:  # after the first optimizer step: its state exists now
+            tensors = flatten(self.state, with_rng=False).tensors
+            self.pairs = [(torch.empty_like(t), t) for t in tensors]
+        self.thread = threading.Thread(target=self._copy, name="bare-copy", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        cpu0 = time.thread_time()
+        for dst, src in self.pairs:
+            memcopy.memcpy(dst, src)
+        self.cpu = time.thread_time() - cpu0
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.stall = time.perf_counter() - t0
 
 
 def train(job: tierswap.Job) -> None:
@@ -57,12 +103,19 @@ def train(job: tierswap.Job) -> None:
     opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
     times = open(args.times, "a", buffering=1) if args.times else None  # noqa: SIM115 (closed below)
+    if args.memcpy and not args.plain:
+        raise SystemExit("--memcpy is a control of --plain: give both")
+    bare = BareCopy(state) if args.memcpy else None
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)
     for step in steps:
         x, y = batch(step, job.rank, args.batch)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
+        if bare is not None:
+            bare.wait()
         opt.step()
+        if bare is not None:
+            bare.start()
         opt.zero_grad(set_to_none=True)
         job.report(step, loss=loss.item())
         if args.sleep:
@@ -70,9 +123,14 @@ def train(job: tierswap.Job) -> None:
         if times is not None:  # job.stall: the stall of the step before this one
             stats = job.snapshot_stats
             cpu = stats.copy_cpu[-1] if stats is not None and stats.copy_cpu else 0.0
-            note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": job.stall,
+            stall = job.stall
+            if bare is not None:  # the copy before this step's: as the snapshot's figures
+                cpu, stall = bare.cpu, bare.stall
+            note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": stall,
                     "copy_cpu": cpu}  # fmt: skip
             times.write(json.dumps(note) + "\n")
+    if bare is not None:
+        bare.wait()
     if times is not None:
         times.close()
     if args.out:
