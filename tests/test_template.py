@@ -30,7 +30,7 @@ out, code = sys.argv[1], int(sys.argv[2])
 with open(out, "w") as f:
     json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "pgid": os.getpgid(0),
                "env": os.environ.get("ONLY_HERE"), "main": __name__,
-               "torch": "torch" in sys.modules,
+               "torch": "torch" in sys.modules, "stdin": os.readlink("/proc/self/fd/0"),
                "name": open("/proc/self/comm").read().strip()}, f)
 class Kept:
     pass
@@ -65,12 +65,16 @@ def _template(
     secret = secrets.token_bytes(16)
     path = str(folder / "t.sock")
     env = dict(os.environ, **{tpl.TEMPLATE_ENV: path, KEY_ENV: secret.hex()})
-    proc = subprocess.Popen([sys.executable, "-m", "tierswap.cluster.template"], env=env)
+    # its stdin a pipe, not /dev/null: the forks' is /dev/null all the same
+    proc = subprocess.Popen([sys.executable, "-m", "tierswap.cluster.template"], env=env,
+                            stdin=subprocess.PIPE)  # fmt: skip
     try:
         yield path, secret, proc
     finally:
         proc.kill()
         proc.wait()
+        assert proc.stdin is not None
+        proc.stdin.close()
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,8 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
         seen = json.loads((tmp_path / f"{code}.json").read_text())
         assert seen == {"argv": [str(tmp_path / f"{code}.json"), str(code)], "cwd": str(tmp_path),
                         "pgid": os.getpgid(0), "env": "yes", "main": "__main__",
-                        "torch": True, "name": "tierswap-worker"}, seen  # fmt: skip
+                        "torch": True, "stdin": os.devnull,
+                        "name": "tierswap-worker"}, seen  # fmt: skip
     assert (tmp_path / "0.json.tail").read_text() == "flushed at exit"
     assert (tmp_path / "0.json.late").exists(), "a thread at exit did not see the script's __main__"
     asked, handle = _fork(client, script, tmp_path / "slow.json", 98, tmp_path)
@@ -159,6 +164,34 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
     handle.kill()  # type: ignore[attr-defined]
     assert asked.done.wait(30) and asked.code == -signal.SIGKILL
     client.close()
+
+
+def test_a_kill_reaches_the_fork_named_never_a_process_that_took_its_pid() -> None:
+    """The agent is not its forks' parent: once the template reaps one, its pid may be
+    another process's before the agent hears of it. The kill is bound to the process the
+    template named (its pid and start time), so a stranger holding that pid lives on."""
+    from tierswap.cluster.workers import Forked
+
+    def handle() -> Forked:
+        return Forked(lambda code: None, lambda: pytest.fail("started alone"))
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = tpl.start_time(stranger.pid)
+        assert start is not None
+        reused = handle()
+        reused.forked(stranger.pid, start - 1)  # the pid the template named, another process
+        reused.kill()
+        assert stranger.poll() is None and not _gone(stranger.pid, 0.5), "killed a stranger"
+        named = handle()
+        named.forked(stranger.pid, start)
+        named.kill()
+        assert _gone(stranger.pid, 10), "the worker named was not killed"
+        named.reaped(-signal.SIGKILL)
+        named.kill()  # reaped: its pidfd is closed, nothing is sent
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_a_fork_never_outlives_its_agents_channel(template, tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ import threading
 import traceback
 import types
 from importlib.machinery import SourceFileLoader
+from pathlib import Path
 from typing import NoReturn
 
 from tierswap.control import protocol as p
@@ -147,7 +148,9 @@ class Template:
                 os.waitpid(pid, 0)
                 return p.ForkRefused(key=msg.key, why=f"cannot join process group: {e}")
         self.children[pid] = (fd, msg.key)
-        return p.Forked(key=msg.key, pid=pid)
+        start = start_time(pid)  # not reaped yet: it is there
+        assert start is not None
+        return p.Forked(key=msg.key, pid=pid, start=start)
 
     def _reap(self) -> None:
         while self.children:
@@ -175,6 +178,16 @@ class Template:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 self.children[pid] = (-1, -1)  # reaped by _reap, reported to nobody
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat``'s 22nd
+    field), or None where there is no such process: with the pid, which process it is."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _cannot_fork() -> str:
@@ -207,6 +220,7 @@ def _child(
             _close_quietly(held)
         os.close(wake[0])
         os.close(wake[1])
+        _no_stdin()
         os.chdir(msg.cwd)
         os.environ.clear()
         os.environ.update(msg.env)
@@ -226,6 +240,14 @@ def _child(
 
 INTERRUPTED = -int(signal.SIGINT)
 """``_run_script``'s code for a script ended by an uncaught ``KeyboardInterrupt``."""
+
+
+def _no_stdin() -> None:
+    """A worker reads nothing from stdin, as one started alone (``workers.py``): it is no
+    terminal's, and reading one from its agent's background group would stop it."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
 
 
 def _die_with(template: int) -> None:

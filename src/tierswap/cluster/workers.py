@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from tierswap.affinity import WORKER_ENV, parse_cpus
-from tierswap.cluster.template import TEMPLATE_ENV
+from tierswap.cluster.template import TEMPLATE_ENV, start_time
 from tierswap.control import protocol as p
 from tierswap.control.agent_events import WorkerExited
 from tierswap.wire import Channel
@@ -72,7 +72,8 @@ class Processes:
 
     def _start(self, local: int, incarnation: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
         """A worker as a process of its own."""
-        proc = subprocess.Popen([sys.executable, *self.script], env=env)
+        # stdin: nothing (a worker is no terminal's: reading one would stop it, SIGTTIN)
+        proc = subprocess.Popen([sys.executable, *self.script], env=env, stdin=subprocess.DEVNULL)
         if cpus := env.get(WORKER_ENV):  # at once, before it imports torch (it pins again)
             with contextlib.suppress(OSError, ValueError):
                 os.sched_setaffinity(proc.pid, parse_cpus(cpus))
@@ -123,6 +124,9 @@ class Forked:
         """Start it as a process of its own instead (the template refused, or is gone)."""
         self._instead: subprocess.Popen[bytes] | None = None
         self._kill = False
+        self._who: tuple[int, int] | None = None
+        """The fork's pidfd, else (no pidfds here) -1, and its start time; None once it
+        is reaped or was gone before it could be opened."""
         self._lock = threading.Lock()
         self._done = threading.Event()
 
@@ -138,8 +142,7 @@ class Forked:
             elif self.pid is None:
                 self._kill = True  # once it runs
             elif self.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
+                self._sigkill()
 
     def wait(self, timeout: float | None = None) -> int | None:
         if not self._done.wait(timeout):
@@ -148,16 +151,31 @@ class Forked:
             return self._instead.wait(timeout)
         return self.returncode
 
-    def forked(self, pid: int) -> None:
+    def forked(self, pid: int, start: int) -> None:
         with self._lock:
             self.pid = pid
+            self._who = _pidfd(pid, start)
             if self._kill:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                self._sigkill()
+
+    def _sigkill(self) -> None:
+        """SIGKILL to the fork, never to a process that took its pid once it was reaped
+        (the template, its parent, reaps it; the agent hears of that later)."""
+        if self._who is None or self.pid is None:
+            return  # gone
+        fd, start = self._who
+        with contextlib.suppress(ProcessLookupError):
+            if fd >= 0:  # bound to the process, not to its pid
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            elif start_time(self.pid) == start:  # no pidfds: a window of microseconds
+                os.kill(self.pid, signal.SIGKILL)
 
     def reaped(self, code: int) -> None:
         with self._lock:
             self.returncode = code
+            if self._who is not None and self._who[0] >= 0:
+                os.close(self._who[0])
+            self._who = None
         self._done.set()
         self._exited(code)
 
@@ -295,8 +313,8 @@ class Templates:
             if handle is None:
                 continue
             match msg:
-                case p.Forked(pid=pid):
-                    handle.forked(pid)
+                case p.Forked(pid=pid, start=start):
+                    handle.forked(pid, start)
                 case p.ForkRefused(why=why):
                     self._say(why)
                     handle.refused()
@@ -320,6 +338,22 @@ class Templates:
         for handle in running.values():
             handle.kill()
             handle.reaped(-signal.SIGKILL)
+
+
+def _pidfd(pid: int, start: int) -> tuple[int, int] | None:
+    """A pidfd of process ``pid`` if it still is the one started at ``start`` (a pidfd of
+    -1 where the kernel has none), else None: it is gone, its pid perhaps another's."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except OSError:  # no pidfds (before Linux 5.3), no fds left: the checked pid instead
+        fd = -1
+    if start_time(pid) != start:  # checked after the open: the fd is of the process seen
+        if fd >= 0:
+            os.close(fd)
+        return None
+    return fd, start
 
 
 def templates(environ: Mapping[str, str], secret: bytes) -> Templates | None:

@@ -733,11 +733,14 @@ class Fork(Message, frozen=True, kw_only=True, tag="fork"):
 
 
 class Forked(Message, frozen=True, kw_only=True, tag="forked"):
-    """Worker ``key`` runs as process ``pid``."""
+    """Worker ``key`` runs as process ``pid``, started at ``start`` (clock ticks after
+    boot, ``/proc/PID/stat``'s 22nd field): with the pid, which process it is, so that the
+    agent's kill never reaches a process that took the pid after the worker was reaped."""
 
     scoped = False
     key: int
     pid: int
+    start: int
 
 
 class ForkRefused(Message, frozen=True, kw_only=True, tag="fork_refused"):
