@@ -239,6 +239,9 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     twin = bench.tierswap_cmd("tier0-pinned", tmp_path / "c")
     assert "--agent-cpus" in twin and "--worker-cpus" in twin and "--replicas" in twin
     assert "--plain" in bench.tierswap_cmd("plain-pinned", tmp_path / "d")
+    bare = bench.tierswap_cmd("memcpy-pinned", tmp_path / "e")
+    assert "--plain" in bare and "--memcpy" in bare and "--agent-cpus" in bare
+    assert "--memcpy" not in bench.tierswap_cmd("plain", tmp_path / "f")
     assert peers.tierswap_side("plain-pinned") and not peers.tierswap_side("torch-save")
     folder = tmp_path / "job"
     folder.mkdir()

@@ -37,8 +37,9 @@ def _overhead() -> dict[str, Any]:
         return {"step_s": _stats(step), "overhead": over, "stall_of_step": stall,
                 "copy_vs_memcpy": 1.2, "agents_vs_memcpy": 0.1}  # fmt: skip
 
+    tier0 = mode(0.41, _stats(0.03, 0.02, 0.04), 0.004) | {"copy_vs_bare": _stats(1.25, 1.2, 1.4)}
     return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
-            "tier0": mode(0.41, _stats(0.03, 0.02, 0.04), 0.004),
+            "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
             "tier01": mode(0.5, _stats(0.25), 0.2),
             "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004)}  # fmt: skip
 
@@ -76,6 +77,12 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert rows["step overhead, snapshot every step, tiers 0+1, unpinned"].endswith("**no** |")
     pinned = rows["step overhead, snapshot every step, tier 0, trainers and agents pinned"]
     assert pinned.endswith("| within noise |"), "a median below 0 whose spread passes 2 %"
+    floor = rows["floor: a bare memcpy of the state every step, unpinned"]
+    assert "+7.0 %" in floor and floor.endswith("| – | – |"), "the floor is no claim"
+    bare = rows["/ a bare memcpy's of the same state in the same training (same load)"]
+    assert "1.25" in bare and bare.endswith("| yes |"), "1.25x of the bare copy"
+    alone = rows["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core"]
+    assert alone.endswith("| yes |"), "1.2x"
     assert "**failed (1)**" in md and "Traceback: it broke" in md, "a failure shows its output"
     assert "## Recovery by state size" in md and "| 384 | worker |" in md
 

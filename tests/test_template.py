@@ -166,11 +166,25 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
     client.close()
 
 
-def test_a_kill_reaches_the_fork_named_never_a_process_that_took_its_pid() -> None:
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "no-pidfds"])
+def test_a_kill_reaches_the_fork_named_never_a_process_that_took_its_pid(
+    pidfds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The agent is not its forks' parent: once the template reaps one, its pid may be
     another process's before the agent hears of it. The kill is bound to the process the
-    template named (its pid and start time), so a stranger holding that pid lives on."""
+    template named (its pid and start time), so a stranger holding that pid lives on;
+    where the kernel has no pidfds, the start time is checked before the kill."""
+    import psutil
+
+    from tierswap.cluster import workers
     from tierswap.cluster.workers import Forked
+
+    if not pidfds:
+
+        def no_pidfds(pid: int) -> int:
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(workers.os, "pidfd_open", no_pidfds)
 
     def handle() -> Forked:
         return Forked(lambda code: None, lambda: pytest.fail("started alone"))
@@ -179,6 +193,8 @@ def test_a_kill_reaches_the_fork_named_never_a_process_that_took_its_pid() -> No
     try:
         start = tpl.start_time(stranger.pid)
         assert start is not None
+        born = psutil.boot_time() + start / os.sysconf("SC_CLK_TCK")
+        assert born == pytest.approx(psutil.Process(stranger.pid).create_time(), abs=0.02)
         reused = handle()
         reused.forked(stranger.pid, start - 1)  # the pid the template named, another process
         reused.kill()

@@ -40,8 +40,9 @@ from tierswap.tunables import COPY_CHUNK
 
 CHUNK = COPY_CHUNK
 """Bytes copied before they are hashed: small enough that they are still in the core's
-L2 cache when the hash reads them, large enough that the two calls per chunk cost little
-(the hash then reads at 60+ GiB/s instead of memory's 12)."""
+L2 cache when the hash reads them, large enough that the two calls per chunk cost little.
+The hash, not memory, is then what limits it: ``xxhash``'s xxh3 reads 28 GiB/s here even
+from L2 (``bench/hash_floor.py``), so the pass costs about 1.6x a memcpy of its bytes."""
 
 SMALL = 64 << 10
 """Below this many bytes a tensor is copied by torch and hashed from the slot: the ctypes

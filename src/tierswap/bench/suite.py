@@ -81,7 +81,8 @@ BUDGETED = frozenset({"peers"})
 its rounds (``bench peers`` ran 30 minutes and was killed on a slow day, 12-04)."""
 BUDGET_MARGIN_S = 240.0
 """Of a budgeted benchmark's deadline, what is kept for its last round running long and
-its summary: a round of ``bench peers`` at 384 MiB took 7 to 10 minutes."""
+its summary: a round of ``bench peers`` at 384 MiB took 7 to 10 minutes (12-04; the
+`memcpy` control added two jobs of about 15 s each on 12-06)."""
 
 LIMITS_MIB = (64, 384)
 """The bytes per pass of the machine's limits: a quick run's, a full run's."""

@@ -101,7 +101,7 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
         bare = over.get("memcpy" + pin, {})
         if mode.startswith("tier01") and "overhead" in bare:  # once per pinning
             # the floor: what moving the bytes alone, the barest way, costs the step
-            how = "trainers and copy pinned" if pin else "unpinned"
+            how = "trainers, agents and copy pinned" if pin else "unpinned"
             rows.append([f"  floor: a bare memcpy of the state every step, {how}",
                          _pct(bare["overhead"]), "–", "–"])  # fmt: skip
     if "copy_vs_memcpy" in over.get("tier0", {}):
@@ -279,7 +279,11 @@ def _peers_section(res: Res, limits: Res) -> list[str]:
             if "step_s" not in s:
                 continue
             stall = s.get("stall_s")
-            rows.append([name, _stats_cell(s["step_s"], 1e3, "ms", 0),
+            label = {
+                "plain": "plain (no checkpoint)",
+                "memcpy": "memcpy (a bare copy of the state: the floor)",
+            }.get(name, name)
+            rows.append([label, _stats_cell(s["step_s"], 1e3, "ms", 0),
                          "–" if not stall else _stats_cell(stall, 1e3, "ms", 1),
                          _pct(s["overhead"]) if s.get("overhead") else "–"])  # fmt: skip
         out += [
@@ -426,7 +430,8 @@ def plots(folder: Path, res: dict[str, Any]) -> dict[str, Path]:
         ax.set_xlabel("kill to next completed step (s), median, min – max")
         ax.grid(True, axis="x", alpha=0.3)
         out["peers_recovery"] = _save(fig, plt, folder / "peers-recovery.png")
-    ck = {k: s for k, s in peers.get("checkpoint", {}).items() if s.get("stall_s")}
+    ck = {k: s for k, s in peers.get("checkpoint", {}).items()
+          if s.get("stall_s") and k not in CONTROLS}  # fmt: skip
     if ck:
         fig, ax = plt.subplots(figsize=(7, 3.4), dpi=110)
         names = list(ck)

@@ -147,9 +147,12 @@ class Template:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 return p.ForkRefused(key=msg.key, why=f"cannot join process group: {e}")
+        start = start_time(pid)  # not reaped yet: it is there, unless /proc is not
+        if start is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return p.ForkRefused(key=msg.key, why=f"no start time of process {pid} in /proc")
         self.children[pid] = (fd, msg.key)
-        start = start_time(pid)  # not reaped yet: it is there
-        assert start is not None
         return p.Forked(key=msg.key, pid=pid, start=start)
 
     def _reap(self) -> None:
@@ -183,11 +186,10 @@ class Template:
 def start_time(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat``'s 22nd
     field), or None where there is no such process: with the pid, which process it is."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    try:  # bytes: a process's name may be any (it ends at the last ")")
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _cannot_fork() -> str:
@@ -246,8 +248,9 @@ def _no_stdin() -> None:
     """A worker reads nothing from stdin, as one started alone (``workers.py``): it is no
     terminal's, and reading one from its agent's background group would stop it."""
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    if null != 0:  # 0 was free: it is stdin now
+        os.dup2(null, 0)
+        os.close(null)
 
 
 def _die_with(template: int) -> None:

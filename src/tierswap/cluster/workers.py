@@ -268,12 +268,12 @@ class Templates:
         if self.template_pid is None:
             return True
         try:
-            stat = Path(f"/proc/{self.template_pid}/stat").read_text()
+            stat = Path(f"/proc/{self.template_pid}/stat").read_bytes()
         except FileNotFoundError:
             return False
         except OSError:
             return True
-        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+        return stat.rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
 
     def _run(self) -> None:
         try:

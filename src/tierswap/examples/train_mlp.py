@@ -27,6 +27,7 @@ from torch import nn
 
 import tierswap
 from tierswap import memcopy
+from tierswap.affinity import helper_cpus, pin_thread
 from tierswap.examples.mlp import batch, build, hidden_for, optimizer
 from tierswap.state import flatten
 
@@ -48,15 +49,19 @@ def parse() -> argparse.Namespace:
         "--memcpy", action="store_true",
         help="with --plain: memcpy the state on a thread every step, as a snapshot copies it",
     )  # fmt: skip
-    return p.parse_args()
+    args = p.parse_args()
+    if args.memcpy and not args.plain:
+        p.error("--memcpy is a control of --plain: give both")
+    return args
 
 
 class BareCopy:
     """The least a snapshot every step can cost: after each optimizer step, a thread
     memcpys every tensor of the state into a buffer of its own, overlapped with the next
-    forward and backward as the snapshot's copy is, and the next optimizer step waits for
-    it. No hash, no slot, no agent, no replica: what is left of a snapshot's cost once
-    everything but moving its bytes is gone."""
+    forward and backward as the snapshot's copy is, on the cores the snapshot's copy
+    runs on (``--agent-cpus``, pinned), and the next optimizer step waits for it. No hash,
+    no slot, no agent, no replica: what is left of a snapshot's cost once everything but
+    moving its bytes is gone."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         self.state = state
@@ -66,6 +71,7 @@ class BareCopy:
         """The last copy's CPU seconds (its thread's own)."""
         self.stall = 0.0
         """The last wait for a copy, seconds."""
+        self.error: BaseException | None = None
 
     def start(self) -> None:
         if not self.pairs:  # after the first optimizer step: its state exists now
@@ -75,9 +81,13 @@ class BareCopy:
         self.thread.start()
 
     def _copy(self) -> None:
+        pin_thread(helper_cpus())  # where the snapshot's copy thread runs (snapshot.py)
         cpu0 = time.thread_time()
-        for dst, src in self.pairs:
-            memcopy.memcpy(dst, src)
+        try:
+            for dst, src in self.pairs:
+                memcopy.memcpy(dst, src)
+        except BaseException as e:  # the trainer raises it: no round without its copy
+            self.error = e
         self.cpu = time.thread_time() - cpu0
 
     def wait(self) -> None:
@@ -86,6 +96,8 @@ class BareCopy:
             self.thread.join()
             self.thread = None
         self.stall = time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError("the bare memcpy failed") from self.error
 
 
 def train(job: tierswap.Job) -> None:
@@ -103,8 +115,6 @@ def train(job: tierswap.Job) -> None:
     opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
     times = open(args.times, "a", buffering=1) if args.times else None  # noqa: SIM115 (closed below)
-    if args.memcpy and not args.plain:
-        raise SystemExit("--memcpy is a control of --plain: give both")
     bare = BareCopy(state) if args.memcpy else None
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)
     for step in steps:
