@@ -29,6 +29,7 @@ from e2e import (
     leaked_segments,
     run_job,
 )
+from tierswap.cluster.workers import STARTS_ALONE
 from tierswap.examples import job_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -291,6 +292,7 @@ def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
     base = baseline(nodes=2, mode="ddp")
     code, run_dir, out = _job_joined_after_a_loss(tmp_path)
     assert code == 0, out
+    assert STARTS_ALONE not in out, "the joining host's agent forks from a template of its own"
     assert_same_bits(base, final_state(tmp_path, "wait"))
     (assigned,) = events(run_dir, "spare_assigned")
     assert assigned["node"] == 1 and assigned["host"] >= 2

@@ -18,6 +18,7 @@ import pytest
 from e2e import assert_hot_swapped, assert_same_bits, events, final_state, leaked_segments
 from tierswap.bench.netns import Host, Network, Unavailable
 from tierswap.cluster import multihost as mh
+from tierswap.cluster.workers import STARTS_ALONE
 from tierswap.control import protocol as p
 from tierswap.control.hosts import Hosts, refusal
 from tierswap.errors import UsageError
@@ -41,7 +42,8 @@ NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
 def train(job):
     seen = {n: os.environ.get(n) for n in NAMES}
     seen.update(device=str(job.device), local_rank=job.local_rank, node=job.node,
-                local_world_size=job.local_world_size, secret="TIERSWAP_SECRET" in os.environ)
+                local_world_size=job.local_world_size, secret="TIERSWAP_SECRET" in os.environ,
+                comm=Path("/proc/self/comm").read_text().strip())
     out = Path(os.environ["PROBE_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}-gen{job.generation}.json").write_text(json.dumps(seen))
@@ -337,6 +339,9 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
         assert env_of["MASTER_ADDR"] == "127.0.0.1" and env_of["MASTER_PORT"] != str(port)
         assert env_of["device"] == "cpu"
         assert env_of["secret"] is False  # the secret text reaches no worker
+        # forked from a template: the coordinator's host's launcher's, the other's agent's
+        assert env_of["comm"] == "tierswap-worker", (rank, env_of["comm"])
+    assert STARTS_ALONE not in out, out
     assert store["nodes"] == 2
 
 

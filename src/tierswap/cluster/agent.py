@@ -30,7 +30,13 @@ from tierswap.cluster.election import POLL_S, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.template import TEMPLATE_ENV
-from tierswap.cluster.workers import TEMPLATE_PID_ENV, Processes, templates
+from tierswap.cluster.workers import (
+    TEMPLATE_PID_ENV,
+    Processes,
+    own_template,
+    stop_template,
+    templates,
+)
 from tierswap.cluster.writer import PartWriter
 from tierswap.config import Config
 from tierswap.control import protocol as p
@@ -508,6 +514,25 @@ def _find_leader(env: Mapping[str, str]) -> tuple[Rendezvous, dict[str, Any]]:
 def main() -> None:
     env = os.environ
     secret = bytes.fromhex(env[KEY_ENV])
+    temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
+    run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
+    own = own_template(run_dir, secret)
+    try:
+        code = _serve(env, secret, run_dir)
+    finally:  # a refusal, an error: no template or folder of this agent's is left
+        if own is not None:
+            stop_template(*own)
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    # Everything is released by now (workers killed, segments unlinked); do not wait at exit
+    # for a replication thread whose peer is gone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
+    """Join the job, serve it as this host's agent until it ends; the exit code."""
     launch = HostLaunch.from_env(env)
     rdzv, leader = (None, None) if ETCD_ENV not in env else _find_leader(env)
     if leader is not None:
@@ -545,8 +570,6 @@ def main() -> None:
         except ValueError as e:
             raise SystemExit(f"tierswap run: {e}") from None
     _fence_on_silence(coord, cfg.lease)
-    temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
-    run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
     agent = Agent(
         host=w.host,
         coord=coord,
@@ -570,16 +593,9 @@ def main() -> None:
         agent.core.exit_code = 130
     except SystemExit as e:
         agent.core.exit_code = int(e.code or 0)
-    if temp is not None:
-        shutil.rmtree(temp, ignore_errors=True)
-    # Everything is released by now (workers killed, segments unlinked); do not wait at exit
-    # for a replication thread whose peer is gone.
-    code = agent.core.exit_code
     if agent.core.coordinator_gone and launch is not None:
         print("tierswap run: the coordinator is gone; this host stops", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return agent.core.exit_code
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from tierswap.cluster.address import import_env
 from tierswap.cluster.multihost import KEY_ENV, inherited
 from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV
-from tierswap.cluster.workers import TEMPLATE_PID_ENV
+from tierswap.cluster.workers import TEMPLATE_PID_ENV, start_template, stop_template
 from tierswap.config import Config
 from tierswap.errors import UsageError
 from tierswap.tiers import durable
@@ -55,10 +54,8 @@ class LocalNodes:
             return {}
         path = str(self.run_dir / f"template-{os.getpid()}.sock")
         if self.template is None:
-            env = import_env(dict(inherited(os.environ), **self.cfg.to_env()))
-            env.update({TEMPLATE_ENV: path, KEY_ENV: self.secret.hex()})
-            cmd = [sys.executable, "-m", "tierswap.cluster.template"]
-            self.template = subprocess.Popen(cmd, env=env, process_group=0)
+            env = dict(inherited(os.environ), **self.cfg.to_env())
+            self.template = start_template(path, self.secret, env)
         return {TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(self.template.pid)}
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
@@ -156,8 +153,7 @@ class LocalNodes:
             _killpg(proc.pid, signal.SIGKILL)  # workers of a SIGKILLed agent may still live
             proc.wait()
         if self.template is not None:
-            _killpg(self.template.pid, signal.SIGKILL)  # its group is its own
-            self.template.wait()
+            stop_template(self.template, str(self.run_dir / f"template-{os.getpid()}.sock"))
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

@@ -23,7 +23,9 @@ from typing import Any
 import msgspec
 
 from tierswap.affinity import WORKER_ENV, parse_cpus
-from tierswap.cluster.template import TEMPLATE_ENV, start_time
+from tierswap.cluster.address import import_env
+from tierswap.cluster.multihost import KEY_ENV
+from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV, start_time
 from tierswap.control import protocol as p
 from tierswap.control.agent_events import WorkerExited
 from tierswap.wire import Channel
@@ -354,6 +356,38 @@ def _pidfd(pid: int, start: int) -> tuple[int, int] | None:
             os.close(fd)
         return None
     return fd, start
+
+
+def start_template(path: str, secret: bytes, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start a worker template that listens at ``path`` for agents holding ``secret``: a
+    process group of its own (a signal to its starter's group does not reach it), with
+    ``env`` and what a process reads as it starts (``address.import_env``)."""
+    full = import_env(dict(env))
+    full.update({TEMPLATE_ENV: path, KEY_ENV: secret.hex()})
+    cmd = [sys.executable, "-m", "tierswap.cluster.template"]
+    return subprocess.Popen(cmd, env=full, process_group=0)
+
+
+def stop_template(proc: subprocess.Popen[bytes], path: str) -> None:
+    """End a template this process started, its forks with it, and remove its socket."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its group is its own
+    proc.wait()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def own_template(run_dir: Path, secret: bytes) -> tuple[subprocess.Popen[bytes], str] | None:
+    """Where no launcher on this machine started a template for this agent (a host of a
+    multi-host launch, one that joins, an etcd candidate's agent), the agent starts one of
+    its own, first thing, so that its imports overlap the agent's greeting; it points the
+    agent at it (``os.environ``). None where there is one, or templates are off."""
+    if TEMPLATE_ENV in os.environ or os.environ.get(TEMPLATE_OFF_ENV) == "0":
+        return None
+    path = str(run_dir / f"template-{os.getpid()}.sock")
+    proc = start_template(path, secret, os.environ)
+    os.environ.update({TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(proc.pid)})
+    return proc, path
 
 
 def templates(environ: Mapping[str, str], secret: bytes) -> Templates | None:
