@@ -7,6 +7,7 @@ spare serving the failed node's ranks, at most one step redone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from e2e import (
@@ -237,10 +239,12 @@ def _job_joined_after_a_loss(
     bind: tuple[str, ...] = (),
     joiner: tuple[str, ...] = (),
     secret: str | None = None,
+    forks: list[int] | None = None,
 ) -> tuple[int, Path, str]:
     """Kill node 1 with no spare and nobody revived (``wait``); once the job waits, a host
     joins with ``tierswap run --join`` (its command prefixed by ``joiner``), with the key
-    from the job's join.json, or with the ``secret`` the job was started with."""
+    from the job's join.json, or with the ``secret`` the job was started with. ``forks``
+    gets the most workers forked by the joining host's template seen at once."""
     run_dir = tmp_path / "wait"
     cmd = job_command(
         run_dir,
@@ -273,7 +277,11 @@ def _job_joined_after_a_loss(
                 start_new_session=True,
                 cwd=tmp_path,
             )
-            code = job.wait(180)
+            deadline = time.monotonic() + 180
+            while forks is not None and job.poll() is None and time.monotonic() < deadline:
+                forks.append(_forked_workers(proc.pid))  # its agent's pid (execve'd)
+                time.sleep(0.2)
+            code = job.wait(max(0.1, deadline - time.monotonic()))
             proc.wait(30)
         finally:
             for p in (job, proc):
@@ -288,11 +296,26 @@ def _job_joined_after_a_loss(
     return code, run_dir, log.read_text()
 
 
+def _forked_workers(agent: int) -> int:
+    """How many of the processes below ``agent`` are workers forked by a template."""
+    try:
+        below = psutil.Process(agent).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    named = 0
+    for proc in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            named += proc.name() == "tierswap-worker"
+    return named
+
+
 def test_no_spare_waits_until_a_node_joins(tmp_path: Path, baseline) -> None:
     base = baseline(nodes=2, mode="ddp")
-    code, run_dir, out = _job_joined_after_a_loss(tmp_path)
+    forks: list[int] = []
+    code, run_dir, out = _job_joined_after_a_loss(tmp_path, forks=forks)
     assert code == 0, out
-    assert STARTS_ALONE not in out, "the joining host's agent forks from a template of its own"
+    # the joining host's agent forks its worker from a template of its own
+    assert STARTS_ALONE not in out and max(forks, default=0) == 1, (forks, out)
     assert_same_bits(base, final_state(tmp_path, "wait"))
     (assigned,) = events(run_dir, "spare_assigned")
     assert assigned["node"] == 1 and assigned["host"] >= 2

@@ -278,3 +278,19 @@ def test_a_fork_dies_with_its_template_and_its_agent_starts_the_next_alone(
         assert later.done.wait(10) and later.alone, "a fork was asked of a dead template"
         client.close()
         chan.close()
+
+
+def test_a_template_whose_starter_is_gone_before_it_looks_ends_at_once(tmp_path: Path) -> None:
+    """A template reads its parent after its own imports: one whose starter died before
+    (its parent then another process) must not take the new one for its starter and
+    serve for good."""
+    path = tmp_path / "t.sock"
+    env = dict(os.environ, **{tpl.TEMPLATE_ENV: str(path), KEY_ENV: secrets.token_hex(16),
+                              tpl.TEMPLATE_PARENT_ENV: str(os.getpid() + 1)})  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "tierswap.cluster.template"], env=env)
+    try:
+        assert proc.wait(30) == 0, "it served a process that did not start it"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not path.exists(), "it listened"

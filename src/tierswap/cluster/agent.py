@@ -29,14 +29,8 @@ from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
-from tierswap.cluster.template import TEMPLATE_ENV
-from tierswap.cluster.workers import (
-    TEMPLATE_PID_ENV,
-    Processes,
-    own_template,
-    stop_template,
-    templates,
-)
+from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_PID_ENV
+from tierswap.cluster.workers import Processes, own_template, stop_own_template, templates
 from tierswap.cluster.writer import PartWriter
 from tierswap.config import Config
 from tierswap.control import protocol as p
@@ -514,14 +508,18 @@ def _find_leader(env: Mapping[str, str]) -> tuple[Rendezvous, dict[str, Any]]:
 def main() -> None:
     env = os.environ
     secret = bytes.fromhex(env[KEY_ENV])
+    # SIGTERM (a scheduler ending the job, a container stopping, a candidate stopping its
+    # host) and Ctrl-C unwind: the loop's shutdown stops the workers and frees this host's
+    # memory, and then the template and folder made here go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
     run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
-    own = own_template(run_dir, secret)
+    own = own_template(secret)
     try:
         code = _serve(env, secret, run_dir)
-    finally:  # a refusal, an error: no template or folder of this agent's is left
+    finally:  # a refusal, an error, a SIGTERM: no template or folder of this agent's is left
         if own is not None:
-            stop_template(*own)
+            stop_own_template(own)
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit
@@ -584,9 +582,6 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
         rendezvous=rdzv,
         leader_id=None if leader is None else leader["id"],
     )
-    # SIGTERM (a scheduler ending the job, a container stopping) and Ctrl-C unwind the
-    # loop, whose shutdown stops the workers and frees this host's memory
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         agent.run()
     except KeyboardInterrupt:

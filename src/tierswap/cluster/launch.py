@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from tierswap.cluster.multihost import KEY_ENV, inherited
-from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV
-from tierswap.cluster.workers import TEMPLATE_PID_ENV, start_template, stop_template
+from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV, TEMPLATE_PID_ENV
+from tierswap.cluster.workers import SOCKET_PATH_MAX, start_template, stop_template
 from tierswap.config import Config
 from tierswap.errors import UsageError
 from tierswap.tiers import durable
@@ -167,8 +167,7 @@ def new_job_id() -> str:
     return secrets.token_hex(4)
 
 
-UNIX_PATH_MAX = 107
-"""Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
+UNIX_PATH_MAX = SOCKET_PATH_MAX
 
 
 def check_socket_folder(folder: Path, what: str) -> None:

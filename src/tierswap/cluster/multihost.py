@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tierswap.cluster.address import interface_of
+from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_PID_ENV
 from tierswap.errors import UsageError
 from tierswap.wire import Listener
 
@@ -154,6 +155,8 @@ HOST_ENV = (
     "TIERSWAP_AGENT_TAG",
     LAUNCH_ENV,
     ETCD_ENV,
+    TEMPLATE_ENV,  # this machine's worker template: its starter's to say
+    TEMPLATE_PID_ENV,
 )
 """Variables that say which host an agent is: set by whoever starts it, never inherited
 (a stale one would be another host's), and the secret, which agents do not need."""

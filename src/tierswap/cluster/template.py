@@ -55,6 +55,13 @@ from tierswap.wire import Channel, Listener
 TEMPLATE_ENV = "TIERSWAP_TEMPLATE"
 """The Unix socket of this machine's worker template (set by the launcher for its agents)."""
 
+TEMPLATE_PID_ENV = "TIERSWAP_TEMPLATE_PID"
+"""The worker template's process id: an agent waits for its socket only while it lives."""
+
+TEMPLATE_PARENT_ENV = "TIERSWAP_TEMPLATE_PARENT"
+"""The pid of the process that started the template: one gone before the template looked
+(its parent then another) ends it at once, as one gone later does within ``PARENT_POLL_S``."""
+
 TEMPLATE_OFF_ENV = "TIERSWAP_WORKER_TEMPLATE"
 """``0``: no worker template; every worker is a process of its own (``python SCRIPT``)."""
 
@@ -333,6 +340,9 @@ def main() -> None:
     from tierswap.cluster.multihost import KEY_ENV
 
     parent = os.getppid()
+    starter = os.environ.pop(TEMPLATE_PARENT_ENV, None)
+    if starter is not None and int(starter) != parent:  # gone already: so is the job
+        return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     secret = bytes.fromhex(os.environ.pop(KEY_ENV))
     preload()

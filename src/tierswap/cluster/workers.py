@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,13 +27,16 @@ import msgspec
 from tierswap.affinity import WORKER_ENV, parse_cpus
 from tierswap.cluster.address import import_env
 from tierswap.cluster.multihost import KEY_ENV
-from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV, start_time
+from tierswap.cluster.template import (
+    TEMPLATE_ENV,
+    TEMPLATE_OFF_ENV,
+    TEMPLATE_PARENT_ENV,
+    TEMPLATE_PID_ENV,
+    start_time,
+)
 from tierswap.control import protocol as p
 from tierswap.control.agent_events import WorkerExited
 from tierswap.wire import Channel
-
-TEMPLATE_PID_ENV = "TIERSWAP_TEMPLATE_PID"
-"""The worker template's process id: an agent waits for its socket only while it lives."""
 
 STARTS_ALONE = "workers start as processes of their own, not from the worker template"
 
@@ -361,9 +366,10 @@ def _pidfd(pid: int, start: int) -> tuple[int, int] | None:
 def start_template(path: str, secret: bytes, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     """Start a worker template that listens at ``path`` for agents holding ``secret``: a
     process group of its own (a signal to its starter's group does not reach it), with
-    ``env`` and what a process reads as it starts (``address.import_env``)."""
+    ``env`` and what a process reads as it starts (``address.import_env``). It ends with
+    this process, also one that is gone before the template looked (``TEMPLATE_PARENT_ENV``)."""
     full = import_env(dict(env))
-    full.update({TEMPLATE_ENV: path, KEY_ENV: secret.hex()})
+    full.update({TEMPLATE_ENV: path, KEY_ENV: secret.hex(), TEMPLATE_PARENT_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "tierswap.cluster.template"]
     return subprocess.Popen(cmd, env=full, process_group=0)
 
@@ -377,17 +383,38 @@ def stop_template(proc: subprocess.Popen[bytes], path: str) -> None:
         os.unlink(path)
 
 
-def own_template(run_dir: Path, secret: bytes) -> tuple[subprocess.Popen[bytes], str] | None:
+SOCKET_PATH_MAX = 107
+"""Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
+
+
+def own_template(secret: bytes) -> tuple[subprocess.Popen[bytes], str] | None:
     """Where no launcher on this machine started a template for this agent (a host of a
     multi-host launch, one that joins, an etcd candidate's agent), the agent starts one of
     its own, first thing, so that its imports overlap the agent's greeting; it points the
-    agent at it (``os.environ``). None where there is one, or templates are off."""
-    if TEMPLATE_ENV in os.environ or os.environ.get(TEMPLATE_OFF_ENV) == "0":
+    agent at it (``os.environ``). Its socket is in a folder of its own on this machine (a
+    run folder may be shared by hosts whose pids are the same). None where there is one,
+    templates are off, or it cannot start (the workers then start alone)."""
+    if os.environ.get(TEMPLATE_ENV) or os.environ.get(TEMPLATE_OFF_ENV) == "0":
         return None
-    path = str(run_dir / f"template-{os.getpid()}.sock")
-    proc = start_template(path, secret, os.environ)
+    folder = tempfile.mkdtemp(prefix="tierswap-t-")
+    path = os.path.join(folder, "template.sock")
+    try:
+        if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+            raise OSError(f"{path}: longer than a socket path may be (TMPDIR)")
+        proc = start_template(path, secret, os.environ)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"tierswap agent: {STARTS_ALONE} (no template: {e})", file=sys.stderr, flush=True)
+        return None
     os.environ.update({TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(proc.pid)})
     return proc, path
+
+
+def stop_own_template(own: tuple[subprocess.Popen[bytes], str]) -> None:
+    """End the agent's own template (:func:`own_template`) and remove its folder."""
+    proc, path = own
+    stop_template(proc, path)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def templates(environ: Mapping[str, str], secret: bytes) -> Templates | None:
