@@ -294,3 +294,44 @@ def test_a_template_whose_starter_is_gone_before_it_looks_ends_at_once(tmp_path:
         proc.kill()
         proc.wait()
     assert not path.exists(), "it listened"
+
+
+def test_an_agent_no_launcher_started_forks_from_its_own_template_and_ends_it(
+    tmp_path: Path,
+) -> None:
+    """An agent started alone (as `--join` and the hosts of a multi-host launch start it)
+    starts a template of its own before it greets the coordinator; a SIGTERM while it
+    still waits for one ends it with 143, its template and its temporary folder gone."""
+    import psutil
+
+    from tierswap.cluster.multihost import LAUNCH_ENV, HostLaunch
+
+    port = socket_free_port()  # nobody listens: a host of a launch waits for its coordinator
+    launch = HostLaunch(nnodes=2, nproc_per_node=1).to_env()
+    env = dict(os.environ, TMPDIR=str(tmp_path), TIERSWAP_COORD=f"127.0.0.1:{port}")
+    env.update({KEY_ENV: secrets.token_hex(16), LAUNCH_ENV: launch})
+    for name in (tpl.TEMPLATE_ENV, tpl.TEMPLATE_PID_ENV, "TIERSWAP_RUN_DIR"):
+        env.pop(name, None)
+    agent = subprocess.Popen([sys.executable, "-m", "tierswap.cluster.agent", "x.py"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("tierswap-agent-*/template-*.sock")):
+            assert time.monotonic() < deadline and agent.poll() is None, "no template listened"
+            time.sleep(0.05)
+        (template,) = psutil.Process(agent.pid).children()
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 143
+    finally:
+        agent.kill()
+        agent.wait()
+    assert _gone(template.pid, 5), "the agent's template outlived it"
+    assert not list(tmp_path.iterdir()), "the agent's folder is left"
+
+
+def socket_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

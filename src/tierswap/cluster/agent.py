@@ -30,7 +30,7 @@ from tierswap.cluster.election import POLL_S, wait_for_leader
 from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_PID_ENV
-from tierswap.cluster.workers import Processes, own_template, stop_own_template, templates
+from tierswap.cluster.workers import Processes, own_template, stop_template, templates
 from tierswap.cluster.writer import PartWriter
 from tierswap.config import Config
 from tierswap.control import protocol as p
@@ -512,14 +512,17 @@ def main() -> None:
     # host) and Ctrl-C unwind: the loop's shutdown stops the workers and frees this host's
     # memory, and then the template and folder made here go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    temp = None if env.get("TIERSWAP_RUN_DIR") else tempfile.mkdtemp(prefix="tierswap-agent-")
-    run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
-    own = own_template(secret)
+    temp = own = None
     try:
+        if not env.get("TIERSWAP_RUN_DIR"):
+            temp = tempfile.mkdtemp(prefix="tierswap-agent-")
+        run_dir = Path(temp or env["TIERSWAP_RUN_DIR"])
+        own = own_template(run_dir, secret)
         code = _serve(env, secret, run_dir)
     finally:  # a refusal, an error, a SIGTERM: no template or folder of this agent's is left
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and a second SIGTERM stops no cleanup
         if own is not None:
-            stop_own_template(own)
+            stop_template(*own)
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     # Everything is released by now (workers killed, segments unlinked); do not wait at exit

@@ -168,6 +168,7 @@ def new_job_id() -> str:
 
 
 UNIX_PATH_MAX = SOCKET_PATH_MAX
+"""Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
 
 
 def check_socket_folder(folder: Path, what: str) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import secrets
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -387,34 +386,26 @@ SOCKET_PATH_MAX = 107
 """Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
 
 
-def own_template(secret: bytes) -> tuple[subprocess.Popen[bytes], str] | None:
+def own_template(run_dir: Path, secret: bytes) -> tuple[subprocess.Popen[bytes], str] | None:
     """Where no launcher on this machine started a template for this agent (a host of a
     multi-host launch, one that joins, an etcd candidate's agent), the agent starts one of
     its own, first thing, so that its imports overlap the agent's greeting; it points the
-    agent at it (``os.environ``). Its socket is in a folder of its own on this machine (a
-    run folder may be shared by hosts whose pids are the same). None where there is one,
-    templates are off, or it cannot start (the workers then start alone)."""
+    agent at it (``os.environ``). Its socket is in ``run_dir`` (the job's, or the agent's
+    own temporary folder) under a name of its own: hosts may share a run folder, and
+    their pids may be the same. None where there is one, templates are off, or it cannot
+    start (the workers then start alone)."""
     if os.environ.get(TEMPLATE_ENV) or os.environ.get(TEMPLATE_OFF_ENV) == "0":
         return None
-    folder = tempfile.mkdtemp(prefix="tierswap-t-")
-    path = os.path.join(folder, "template.sock")
+    path = str(run_dir / f"template-{secrets.token_hex(4)}.sock")
     try:
         if len(os.fsencode(path)) > SOCKET_PATH_MAX:
-            raise OSError(f"{path}: longer than a socket path may be (TMPDIR)")
+            raise OSError(f"{path}: longer than a socket path may be")
         proc = start_template(path, secret, os.environ)
     except OSError as e:
-        shutil.rmtree(folder, ignore_errors=True)
         print(f"tierswap agent: {STARTS_ALONE} (no template: {e})", file=sys.stderr, flush=True)
         return None
     os.environ.update({TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(proc.pid)})
     return proc, path
-
-
-def stop_own_template(own: tuple[subprocess.Popen[bytes], str]) -> None:
-    """End the agent's own template (:func:`own_template`) and remove its folder."""
-    proc, path = own
-    stop_template(proc, path)
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def templates(environ: Mapping[str, str], secret: bytes) -> Templates | None:
