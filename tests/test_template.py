@@ -296,7 +296,7 @@ def test_a_template_whose_starter_is_gone_before_it_looks_ends_at_once(tmp_path:
     assert not path.exists(), "it listened"
 
 
-def test_an_agent_no_launcher_started_forks_from_its_own_template_and_ends_it(
+def test_an_agent_no_launcher_started_starts_a_template_of_its_own_and_ends_it(
     tmp_path: Path,
 ) -> None:
     """An agent started alone (as `--join` and the hosts of a multi-host launch start it)
