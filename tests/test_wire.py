@@ -565,3 +565,26 @@ def test_bulk_bytes_from_a_peer_that_goes_silent_give_up_after_the_idle_limit(pi
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, ConnectionResetError])
+def test_a_handshake_past_its_deadline_is_a_timeout_but_a_signals_exit_stays_itself(
+    raised: type[BaseException], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline's cut makes the handshake's read fail: that error reads as the
+    timeout. A Ctrl-C or a SIGTERM's exit that lands then is not turned into one (a
+    caller that retries on timeouts would swallow it)."""
+    from tierswap import wire
+
+    def slow(*args: object) -> None:
+        time.sleep(0.3)  # past the deadline: it has cut the socket
+        raise raised()
+
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT", 0.1)
+    monkeypatch.setattr(wire, "_client_handshake", slow)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        expected = TimeoutError if issubclass(raised, Exception) else raised
+        with pytest.raises(expected):
+            wire.Channel.connect(server.getsockname(), b"k" * 16, None)

@@ -357,7 +357,8 @@ class Channel:
             sock.settimeout(None)
         except BaseException as e:
             sock.close()
-            if deadline.expired and not isinstance(e, TimeoutError):
+            # an error the cut caused reads as the timeout; a signal's exit stays itself
+            if deadline.expired and isinstance(e, Exception) and not isinstance(e, TimeoutError):
                 raise TimeoutError(
                     f"the handshake with {address} took longer than {HANDSHAKE_TIMEOUT:g} s"
                 ) from None
