@@ -46,17 +46,17 @@ class LocalNodes:
         self.reported: set[int] = set()
         self.template: subprocess.Popen[bytes] | None = None
         """This machine's worker template, once an agent was started."""
+        self.template_path = str(run_dir / f"template-{os.getpid()}.sock")
 
     def _template_env(self) -> dict[str, str]:
         """What points an agent at this machine's worker template (started on first need;
         none where ``TIERSWAP_WORKER_TEMPLATE=0``)."""
         if os.environ.get(TEMPLATE_OFF_ENV) == "0":
             return {}
-        path = str(self.run_dir / f"template-{os.getpid()}.sock")
         if self.template is None:
             env = dict(inherited(os.environ), **self.cfg.to_env())
-            self.template = start_template(path, self.secret, env)
-        return {TEMPLATE_ENV: path, TEMPLATE_PID_ENV: str(self.template.pid)}
+            self.template = start_template(self.template_path, self.secret, env)
+        return {TEMPLATE_ENV: self.template_path, TEMPLATE_PID_ENV: str(self.template.pid)}
 
     def start(self, host: int, coord_address: tuple[str, int]) -> None:
         old = self.procs.pop(host, None)
@@ -153,7 +153,7 @@ class LocalNodes:
             _killpg(proc.pid, signal.SIGKILL)  # workers of a SIGKILLed agent may still live
             proc.wait()
         if self.template is not None:
-            stop_template(self.template, str(self.run_dir / f"template-{os.getpid()}.sock"))
+            stop_template(self.template, self.template_path)
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
@@ -167,19 +167,15 @@ def new_job_id() -> str:
     return secrets.token_hex(4)
 
 
-UNIX_PATH_MAX = SOCKET_PATH_MAX
-"""Bytes a Unix socket's path may have (Linux's sun_path, less its terminating zero)."""
-
-
 def check_socket_folder(folder: Path, what: str) -> None:
     """Refuse a folder too long for the agents' Unix sockets inside it, naming the fix
     (the agent would die at start with "AF_UNIX path too long")."""
     longest = folder / "agent-99999-4194304.sock"  # the largest host index and pid
     n = len(os.fsencode(str(longest)))
-    if n > UNIX_PATH_MAX:
+    if n > SOCKET_PATH_MAX:
         raise SystemExit(
             f"{what} {str(folder)!r} is too long for the agents' Unix sockets in it ({n} "
-            f"bytes of the {UNIX_PATH_MAX} a socket path may have): give a shorter folder"
+            f"bytes of the {SOCKET_PATH_MAX} a socket path may have): give a shorter folder"
         )
 
 
