@@ -276,6 +276,7 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
         assert res[key]["copy_vs_bare"]["median"] > 0
+        assert res[key]["gate_s"]["median"] >= 0 and res[key]["stall_s"]["median"] >= 0
     for key in ("memcpy", "memcpy_pinned"):
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"
         assert res[key]["agents_cpu_s_per_gib"]["median"] == 0, "no snapshot: no GiB"
@@ -291,7 +292,7 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     from tierswap.bench import overhead
 
     def job(step: float, agents: float = 0.0, copy: float = 0.2) -> dict[str, float]:
-        return {"step_s": step, "stall_s": 0.01, "copy_cpu_s_per_gib": copy,
+        return {"step_s": step, "stall_s": 0.01, "gate_s": 0.0, "copy_cpu_s_per_gib": copy,
                 "agents_cpu_s": agents, "agents_sampled": 2.0,
                 "agents_cpu_s_per_gib": agents}  # fmt: skip
 

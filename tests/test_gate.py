@@ -63,6 +63,9 @@ def test_the_step_waits_until_tier1_is_done_with_the_last_snapshot(gated) -> Non
     t.join(5)
     assert not t.is_alive()
     assert snap.stats.tier1_waits[-1] >= 0.25
+    snap._end_step(0.001)  # as the next take does: the step's stall, its tier-1 part apart
+    assert snap.stats.last_gate() == snap.stats.tier1_waits[-1]
+    assert snap.stats.last_stall() == pytest.approx(snap.stats.last_gate() + 0.001)
     t0 = time.monotonic()
     opt.step()  # a second optimizer in the same step: already through
     assert time.monotonic() - t0 < 0.2

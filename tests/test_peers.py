@@ -17,7 +17,7 @@ from tierswap.bench import peers
 
 
 def note(rank: int, step: int, t: float, stall: float = 0.0) -> dict[str, Any]:
-    return {"rank": rank, "step": step, "t": t, "stall": stall, "copy_cpu": 0.0}
+    return {"rank": rank, "step": step, "t": t, "stall": stall, "gate": 0.0, "copy_cpu": 0.0}
 
 
 def test_recovery_runs_from_the_victims_step_8_to_the_last_ranks_next_step() -> None:
@@ -245,7 +245,7 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     assert peers.tierswap_side("plain-pinned") and not peers.tierswap_side("torch-save")
     folder = tmp_path / "job"
     folder.mkdir()
-    notes = [{"rank": 0, "step": s, "t": 0.5 * s, "stall": 0.01, "copy_cpu": 0.0}
+    notes = [{"rank": 0, "step": s, "t": 0.5 * s, "stall": 0.01, "gate": 0.004, "copy_cpu": 0.0}
              for s in range(peers.STEPS)]  # fmt: skip
     (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
     entered: list[Path] = []
@@ -260,6 +260,8 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     costs, figures = bench.checkpoint("tier0", sample=True)
     assert costs is not None and costs["step_s"] == pytest.approx(0.5)
     assert figures is not None and figures["step_s"] == pytest.approx(0.5), "sampled"
+    # the trainer's own stall is kept apart from its wait for tier 1
+    assert figures["stall_s"] == pytest.approx(0.006) and figures["gate_s"] == pytest.approx(0.004)
     assert entered == [folder / "run"] and "tierswap" not in bench.references
     assert bench.checkpoint("torch-save")[1] is None and len(entered) == 1, "not sampled"
     bench.checkpoint("tier01", reference="tierswap")

@@ -40,7 +40,7 @@ def _overhead() -> dict[str, Any]:
     tier0 = mode(0.41, _stats(0.03, 0.02, 0.04), 0.004) | {"copy_vs_bare": _stats(1.25, 1.2, 1.4)}
     return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
             "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
-            "tier01": mode(0.5, _stats(0.25), 0.2),
+            "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03},
             "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004)}  # fmt: skip
 
 
@@ -77,6 +77,12 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert rows["step overhead, snapshot every step, tiers 0+1, unpinned"].endswith("**no** |")
     pinned = rows["step overhead, snapshot every step, tier 0, trainers and agents pinned"]
     assert pinned.endswith("| within noise |"), "a median below 0 whose spread passes 2 %"
+    # tier 1's wait is its own row, no claim, and not in the trainer's stall (fixture 20 %)
+    own = "trainer's stall (fence wait + synchronous part), % of its step"
+    stall = rows[f"{own} (tiers 0+1, unpinned)"]
+    assert "20.00 %" in stall and stall.endswith("| **no** |")
+    gate = rows["trainer's wait for tier 1 (--max-redo 1), % of its step (tiers 0+1, unpinned)"]
+    assert "3.00 %" in gate and gate.endswith("| – | – |")
     floor = rows["floor: a bare memcpy of the state every step, unpinned"]
     assert "+7.0 %" in floor and floor.endswith("| – | – |"), "the floor is no claim"
     bare = rows["/ a bare memcpy's of the same state in the same training (same load)"]

@@ -197,6 +197,12 @@ class Job:
         fence), for tier 1 (``--max-redo``), and the synchronous part of its snapshot."""
         return self._snap.stats.last_stall() if self._snap is not None else 0.0
 
+    @property
+    def tier1_wait(self) -> float:
+        """The part of :attr:`stall` that waited for tier 1 (``--max-redo``): the wait a
+        node failure's bound on lost work asks for, not a copy's."""
+        return self._snap.stats.last_gate() if self._snap is not None else 0.0
+
     def report(self, step: int, **metrics: float) -> None:
         """Show metrics of a step on the launcher's console and in the event log."""
         clean = {k: float(v) for k, v in metrics.items()}

@@ -110,8 +110,12 @@ class Stats:
     stalls: list[float] = field(default_factory=list)
     """Per step (from one ``take`` to the next): every wait for a copy or for tier 1, and
     the synchronous part of the ``take`` that ends it; zeros included."""
+    gates: list[float] = field(default_factory=list)
+    """Per step, as ``stalls``: the part of its stall that waited for tier 1."""
     waited: float = 0.0
     """Waits of the step under way, so far."""
+    gated: float = 0.0
+    """The part of ``waited`` that waited for tier 1."""
 
     LIMIT = 100_000
     """Samples kept per list: a long run must not grow without bound."""
@@ -124,6 +128,10 @@ class Stats:
     def last_stall(self) -> float:
         """The stall of the newest step whose snapshot was taken."""
         return self.stalls[-1] if self.stalls else 0.0
+
+    def last_gate(self) -> float:
+        """The part of :meth:`last_stall` that waited for tier 1 (``--max-redo``)."""
+        return self.gates[-1] if self.gates else 0.0
 
 
 @dataclass(slots=True)
@@ -248,7 +256,8 @@ class Snapshotter:
 
     def _end_step(self, sync: float) -> None:
         self.stats.record(self.stats.stalls, self.stats.waited + sync)
-        self.stats.waited = 0.0
+        self.stats.record(self.stats.gates, self.stats.gated)
+        self.stats.waited = self.stats.gated = 0.0
 
     def _slot(self, step: int, alloc: _Allocation, retry: bool = False) -> int | None:
         """A slot for ``step``, or None to skip it; while the agent is still making the
@@ -307,6 +316,7 @@ class Snapshotter:
         waited = time.monotonic() - t0
         self.stats.record(self.stats.tier1_waits, waited)
         self.stats.waited += waited
+        self.stats.gated += waited
         if not done:
             self.chan.send(p.Lagging(rank=self.rank, step=target, seconds=waited))
 

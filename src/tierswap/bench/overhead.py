@@ -21,9 +21,11 @@ The jobs are ``tierswap bench peers``' own: its rounds run these six beside the 
 (``bench all`` takes the figures from there); this command runs only them.
 
 Per run, from the trainers' own step times (``--times``): the median step (steps 4 to
-the second last: the first snapshot allocates its slots), the stall per step (fence,
-synchronous part, tier-1 wait), the copy threads' CPU seconds per GiB, and the agents'
-CPU seconds per GiB snapshotted in that window, sampled from ``/proc``; beside them the
+the second last: the first snapshot allocates its slots), the trainer's stall per step
+(its fence wait and the synchronous part), apart from its wait for tier 1 (``--max-redo``
+1: step t's optimizer step waits for tier 1 to commit step t - 1), the copy threads' CPU
+seconds per GiB, and the agents' CPU seconds per GiB snapshotted in that window, sampled
+from ``/proc``; beside them the
 CPU seconds per GiB of a plain memcpy on this machine, alone (``bench/limits.py``), and
 of the ``memcpy`` run's copy thread, under the same training load.
 """
@@ -123,7 +125,11 @@ def job_costs(
     step_s = [ends[s] - ends[s - 1] for s in window if s in ends and s - 1 in ends]
     if not step_s or FIRST - 1 not in ends or steps - 2 not in ends:
         raise ValueError(f"no step ends of rank 0 in steps {FIRST - 1} to {steps - 2}")
-    stall = [float(n["stall"]) for n in notes if n["step"] in window]
+    # the trainer's own stall (fence wait and the synchronous part) apart from its wait
+    # for tier 1 (--max-redo), which bounds the work a node failure loses, not a copy's
+    mine = [n for n in notes if n["step"] in window]
+    gate = [float(n["gate"]) for n in mine]
+    stall = [float(n["stall"]) - g for n, g in zip(mine, gate, strict=True)]
     copy_cpu = [float(n["copy_cpu"]) for n in notes if n["step"] in window]
     state = size_mib * 2**20
     snapshotted = 2 * state * (steps - 1 - FIRST) if snapshots else 0  # both ranks
@@ -131,6 +137,7 @@ def job_costs(
     return {
         "step_s": statistics.median(step_s),
         "stall_s": statistics.median(stall),
+        "gate_s": statistics.median(gate),
         "copy_cpu_s_per_gib": statistics.median(copy_cpu) / (state / 2**30),  # plain's: 0
         "agents_cpu_s": agents,
         "agents_sampled": float(len(sampler.samples)),
@@ -161,6 +168,7 @@ def summarize(
         entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ok[0]}
         entry["overhead"] = stats([r["step_s"] / b["step_s"] - 1 for r, b in pairs])
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
+        entry["gate_of_step"] = entry["gate_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
         bare = runs.get("memcpy" + pin, [])
@@ -209,7 +217,7 @@ def report(res: dict[str, Any]) -> None:
     )
     table = Table(title=title)
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
-                "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
+                "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
                 "vs memcpy (agents)"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
@@ -218,7 +226,7 @@ def report(res: dict[str, Any]) -> None:
         e = res[key]
         if "step_s" not in e:
             table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
-                          f"{e['unpaired']}", "", "", "", "", "", "", "")  # fmt: skip
+                          f"{e['unpaired']}", "", "", "", "", "", "", "", "")  # fmt: skip
             continue
         o = e["overhead"]
         table.add_row(
@@ -229,6 +237,7 @@ def report(res: dict[str, Any]) -> None:
             else f"{o['median'] * 100:+.1f} % ({o['min'] * 100:+.1f} – {o['max'] * 100:+.1f})",
             f"<= {TARGETS[key] * 100:.0f} %" if key in TARGETS else "",
             f"{e['stall_of_step'] * 100:.2f} %",
+            f"{e['gate_of_step'] * 100:.2f} %" if key.startswith("tier01") else "",
             f"{e['copy_cpu_s_per_gib']['median']:.3f}",
             _ratio(e.get("copy_vs_bare")),
             f"{e['agents_cpu_s_per_gib']['median']:.3f}",

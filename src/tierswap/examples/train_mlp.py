@@ -133,11 +133,11 @@ def train(job: tierswap.Job) -> None:
         if times is not None:  # job.stall: the stall of the step before this one
             stats = job.snapshot_stats
             cpu = stats.copy_cpu[-1] if stats is not None and stats.copy_cpu else 0.0
-            stall = job.stall
+            stall, gate = job.stall, job.tier1_wait  # gate: the part that waited for tier 1
             if bare is not None:  # the copy before this step's: as the snapshot's figures
-                cpu, stall = bare.cpu, bare.stall
+                cpu, stall, gate = bare.cpu, bare.stall, 0.0
             note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": stall,
-                    "copy_cpu": cpu}  # fmt: skip
+                    "gate": gate, "copy_cpu": cpu}  # fmt: skip
             times.write(json.dumps(note) + "\n")
     if bare is not None:
         bare.wait()
