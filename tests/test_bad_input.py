@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
-from tierswap.tiers import durable
+from tierswap.tiers import catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -32,7 +32,7 @@ def test_corrupt_durable_part_is_skipped_for_an_older_step(tmp_path: Path, basel
     base = baseline(nodes=2, mode="ddp")
     code, _, out = run_job(tmp_path, "first", steps=12, extra=("--persist", str(persist), *PERSIST))
     assert code == 0, out
-    newest = durable.committed_steps(str(persist))[-1]
+    newest = catalog.committed_steps(str(persist))[-1]
     part = persist / f"step-{newest:09d}" / "rank-00001.safetensors"
     data = bytearray(part.read_bytes())
     data[-5] ^= 0xFF

@@ -37,7 +37,7 @@ from tierswap.examples import FOLDER, load_final
 from tierswap.examples.gpt import GPTConfig, batch, build_model
 from tierswap.examples.train_gpt import Counter
 from tierswap.state import TensorEntry, flatten
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 from tierswap.tiers.export import HF_INDEX, HF_WEIGHTS, export_hf, parse_size
 
 CFG = GPTConfig(n_layer=2)
@@ -296,7 +296,7 @@ def test_init_from_a_plain_dcp_run_carries_it_on_bit_for_bit(jobs: dict[str, Any
     (init,) = events(run_dir, "initialized")
     assert init["step"] == 12 and init["missing"] == ["counter.tokens_seen"]
     assert "goes on at step 13" in log and "counter.tokens_seen" in log
-    assert durable.committed_steps(str(tmp / "ddp-root")) == [13, 15], "its first step is 13"
+    assert catalog.committed_steps(str(tmp / "ddp-root")) == [13, 15], "its first step is 13"
     # the plain run's own step 15: what tierswap's steps 13..15 must have made
     model, opt, sd = _fresh()
     dcp_load(sd, checkpoint_id=str(tmp / "plain" / "step-15"), no_dist=True)
@@ -332,7 +332,7 @@ def test_fsdp2_step_out_to_dcp_and_hf_loads_the_same_bits(jobs: dict[str, Any]) 
     _, _, final = jobs["fsdp"]
     want = _expected(final, "fsdp")
     root = str(tmp / "fsdp-root")
-    assert durable.committed_steps(root)[-1] == 5
+    assert catalog.committed_steps(root)[-1] == 5
     export_dcp(root, 5, str(tmp / "fsdp-dcp"))
     model, opt, sd = _fresh()
     dcp_load(sd, checkpoint_id=str(tmp / "fsdp-dcp"), no_dist=True)
@@ -367,7 +367,7 @@ def test_fsdp2_job_resumed_at_4_ranks_then_at_2_from_tier_2(jobs: dict[str, Any]
     assert len(started) == 4
     _same(_expected(started, "fsdp"), before)
     # the 2-rank steps stay: a resume at 2 ranks must still take the newer 4-rank step 7
-    assert durable.committed_steps(root) == [0, 5, 6, 7]
+    assert catalog.committed_steps(root) == [0, 5, 6, 7]
     code, run_dir, log = run_job(
         tmp, "fsdp2", nodes=2, steps=9, mode="fsdp", extra=("--persist", root, "--keep", "4"),
         train_args=("--out-start", str(tmp / "fsdp2-start")),

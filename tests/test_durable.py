@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tierswap.checksum import checksum_chunks
 from tierswap.errors import CorruptPartError
 from tierswap.state import Flat, Layout, TensorEntry, dtype_code, make_layout, tensor_view
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 from tierswap.tiers.durable import PartInfo
 from tierswap.tiers.export import export
 
@@ -112,7 +112,7 @@ def test_round_trip_same_bytes(root: str) -> None:
         layout, tree, buf = durable.read_part(root, 100, rank, expected=committed[rank])
         _assert_same(layout, buf, _tensors())
         assert tree["epoch"] == 3 and len(buf) == layout.data_nbytes == parts[rank].nbytes
-    assert durable.verify(root) == []
+    assert catalog.verify(root) == []
     fs, path = fsspec.core.url_to_fs(root)
     assert fs.cat_file(f"{path}/LATEST").decode().strip() == "100"
 
@@ -137,7 +137,7 @@ def test_truncated_and_flipped_parts_are_named(tmp_path: Path) -> None:
     with pytest.raises(CorruptPartError) as err:
         durable.read_part(root, 1, 1)
     assert err.value.where.endswith("rank-00001.safetensors")
-    problems = durable.verify(root)
+    problems = catalog.verify(root)
     assert len(problems) == 1 and "rank-00001.safetensors" in problems[0]
 
     _write(root, 2)
@@ -147,7 +147,7 @@ def test_truncated_and_flipped_parts_are_named(tmp_path: Path) -> None:
     part0.write_bytes(bytes(raw))
     with pytest.raises(CorruptPartError, match="data checksum mismatch"):
         durable.read_part(root, 2, 0)
-    problems = durable.verify(root, 2)
+    problems = catalog.verify(root, 2)
     assert len(problems) == 1 and "step-000000002/rank-00000.safetensors" in problems[0]
 
 
@@ -160,7 +160,7 @@ def test_missing_and_mismatched_parts(tmp_path: Path) -> None:
     other = PartInfo(1, "0" * 16, parts[1].json, parts[1].nbytes)
     with pytest.raises(CorruptPartError, match="COMMIT"):
         durable.read_part(root, 3, 1, expected=other)
-    assert any("rank-00000.json: missing" in p for p in durable.verify(root))
+    assert any("rank-00000.json: missing" in p for p in catalog.verify(root))
 
 
 class _Evil:
@@ -187,21 +187,21 @@ def test_pickle_payloads_never_run(tmp_path: Path) -> None:
     (folder / "rank-00000.safetensors").write_bytes(payload)
     with pytest.raises(CorruptPartError):
         durable.read_part(root, 5, 0)
-    assert durable.verify(root) and not marker.exists()
+    assert catalog.verify(root) and not marker.exists()
 
 
 def test_list_steps_shows_uncommitted(root: str) -> None:
-    assert durable.list_steps(root + "/nowhere") == []
+    assert catalog.list_steps(root + "/nowhere") == []
     _write(root, 10)
     _write(root, 20, commit=False)
-    steps = durable.list_steps(root)
+    steps = catalog.list_steps(root)
     assert [(s.step, s.committed, s.present_ranks) for s in steps] == [
         (10, True, [0, 1]),
         (20, False, [0, 1]),
     ]
     assert steps[0].world_size == 2 and steps[0].nbytes > 0 and not steps[1].parts
-    assert durable.committed_steps(root) == [10]
-    assert durable.verify(root, 20) and durable.verify(root) == []
+    assert catalog.committed_steps(root) == [10]
+    assert catalog.verify(root, 20) and catalog.verify(root) == []
 
 
 def test_retain_keeps_newest_committed(root: str) -> None:
@@ -210,19 +210,19 @@ def test_retain_keeps_newest_committed(root: str) -> None:
     _write(root, 4, world=1, commit=False)
     _write(root, 7, world=1, commit=False)
     with pytest.raises(ValueError, match="keep"):
-        durable.retain(root, 0)
-    assert durable.retain(root, 2) == [1, 2, 3, 4]
-    assert [s.step for s in durable.list_steps(root)] == [5, 6, 7]
-    assert durable.retain(root, 1) == [5]
-    assert durable.committed_steps(root) == [6]
-    assert durable.retain(root, 1) == []
+        catalog.retain(root, 0)
+    assert catalog.retain(root, 2) == [1, 2, 3, 4]
+    assert [s.step for s in catalog.list_steps(root)] == [5, 6, 7]
+    assert catalog.retain(root, 1) == [5]
+    assert catalog.committed_steps(root) == [6]
+    assert catalog.retain(root, 1) == []
 
 
 def test_write_commit_refuses_missing_ranks(tmp_path: Path) -> None:
     parts = _write(str(tmp_path), 1, world=2, commit=False)
     with pytest.raises(ValueError, match=r"missing \[1\]"):
         durable.write_commit(str(tmp_path), 1, 2, {0: parts[0]})
-    assert durable.committed_steps(str(tmp_path)) == []
+    assert catalog.committed_steps(str(tmp_path)) == []
 
 
 def test_export_merges_shards_and_dedups(tmp_path: Path) -> None:
@@ -258,11 +258,11 @@ def test_export_merges_shards_and_dedups(tmp_path: Path) -> None:
 
 
 def test_probe_writable(tmp_path: Path) -> None:
-    assert durable.probe_writable(str(tmp_path / "new" / "dir")) is None
+    assert catalog.probe_writable(str(tmp_path / "new" / "dir")) is None
     assert os.listdir(tmp_path / "new" / "dir") == []
     (tmp_path / "file").write_text("x")
-    assert durable.probe_writable(str(tmp_path / "file" / "sub")) is not None
-    assert durable.probe_writable(f"memory://probe-{uuid.uuid4().hex}") is None
+    assert catalog.probe_writable(str(tmp_path / "file" / "sub")) is not None
+    assert catalog.probe_writable(f"memory://probe-{uuid.uuid4().hex}") is None
 
 
 # ---------------------------------------------------------------- incremental tier 2
@@ -302,10 +302,10 @@ def test_delta_parts_rebuild_bit_for_bit_and_are_listed_with_their_base(root: st
         layout, tree, buf = durable.read_part(root, 12, rank, expected=parts[rank])
         _assert_same(layout, buf, _changed(12))
         assert tree["epoch"] == 3
-    assert durable.verify(root) == []
-    (s10, s12) = durable.list_steps(root)
+    assert catalog.verify(root) == []
+    (s10, s12) = catalog.list_steps(root)
     assert s10.restorable and s12.restorable and s12.bases == {10} and s12.present_ranks == [0, 1]
-    assert durable.restorable_steps(root) == [10, 12]
+    assert catalog.restorable_steps(root) == [10, 12]
 
 
 def test_a_delta_whose_base_is_gone_is_never_restorable(tmp_path: Path) -> None:
@@ -313,13 +313,13 @@ def test_a_delta_whose_base_is_gone_is_never_restorable(tmp_path: Path) -> None:
     _write(root, 10)
     _write_delta(root, 12, base_step=10)
     (tmp_path / "ckpt" / "step-000000010" / "COMMIT").unlink()
-    (_, s12) = durable.list_steps(root)
+    (_, s12) = catalog.list_steps(root)
     assert s12.committed and not s12.restorable and s12.missing_bases == (10,)
-    assert durable.restorable_steps(root) == []
+    assert catalog.restorable_steps(root) == []
     from tierswap.control.ports import DurableRoot
 
     assert DurableRoot(root).restorable_steps(2) == frozenset(), "the planner never sees it"
-    problems = durable.verify(root, 12)
+    problems = catalog.verify(root, 12)
     assert problems and all("its base, step 10, is gone" in p for p in problems)
     with pytest.raises(CorruptPartError, match="is gone"):
         durable.read_part(root, 12, 0)
@@ -333,7 +333,7 @@ def test_a_corrupt_delta_part_is_named(tmp_path: Path) -> None:
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     path.write_bytes(bytes(raw))
-    (problem,) = durable.verify(root, 12)
+    (problem,) = catalog.verify(root, 12)
     assert "rank-00001.delta" in problem and "delta checksum mismatch" in problem
 
 
@@ -342,9 +342,9 @@ def test_retain_keeps_the_bases_kept_deltas_need(root: str) -> None:
     _write_delta(root, 12, base_step=10)
     _write_delta(root, 14, base_step=10)
     _write(root, 16, commit=False)
-    assert durable.retain(root, keep=1) == [12]
-    assert [s.step for s in durable.list_steps(root)] == [10, 14, 16]
-    assert durable.restorable_steps(root) == [10, 14]
+    assert catalog.retain(root, keep=1) == [12]
+    assert [s.step for s in catalog.list_steps(root)] == [10, 14, 16]
+    assert catalog.restorable_steps(root) == [10, 14]
 
 
 def test_export_of_a_delta_step_equals_the_full_one(tmp_path: Path) -> None:

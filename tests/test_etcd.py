@@ -22,7 +22,7 @@ from tierswap.control.ports import FencedRoot
 from tierswap.errors import Deposed
 from tierswap.examples import job_command
 from tierswap.shm import remove_job_segments
-from tierswap.tiers import durable
+from tierswap.tiers import catalog
 
 pytest.importorskip("etcd3gw", reason="--rdzv-backend etcd needs etcd3gw (the etcd extra)")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="no etcd server here (apt etcd-server)")
@@ -70,7 +70,7 @@ def test_a_deposed_leader_can_change_nothing(etcd: Etcd, tmp_path: Path) -> None
             a.lost.clear()
             with pytest.raises(Deposed, match="another coordinator leads"):
                 act()
-        assert not durable.list_steps(root)
+        assert not catalog.list_steps(root)
         assert b.done() is None
         b.write_state({"generation": 5})  # the leader's own writes go on
         b.finish(0)

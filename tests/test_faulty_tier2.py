@@ -14,7 +14,7 @@ from tierswap.control import protocol as p
 from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot
 from tierswap.state import flatten
-from tierswap.tiers import durable, faulty
+from tierswap.tiers import catalog, durable, faulty
 from tierswap.tiers.durable import PartInfo
 
 ROOT = "faulty://ckpt"
@@ -41,7 +41,7 @@ def test_a_full_store_fails_the_part_and_leaves_no_half_file(faults: faulty.Faul
     names = [n.rsplit("/", 1)[-1] for n in faulty.FaultyFileSystem().find("/ckpt")]
     assert all(".tmp" not in n for n in names), f"a temporary file was left: {names}"
     assert not any(n.startswith("rank-00001") for n in names), "a half part is visible"
-    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == []
+    assert [s.step for s in catalog.list_steps(ROOT) if s.committed] == []
 
 
 def _coordinator(keep: int = 1) -> CoordinatorCore:
@@ -81,15 +81,15 @@ def test_a_commit_that_cannot_be_written_is_reported_and_the_older_step_kept(
     logged = _persist(core, 1)
     failing = [e for e in logged if e["event"] == "durability_failing"]
     assert failing and "COMMIT not written" in str(failing[0]["reason"])
-    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [0], "step 0 is kept"
+    assert [s.step for s in catalog.list_steps(ROOT) if s.committed] == [0], "step 0 is kept"
     assert core.persister.committed == 0
     # the parts of step 1, which never got their COMMIT, are gone at once
     assert {"event": "step_discarded", "step": 1, "tier": 2} in logged
-    assert [s.step for s in durable.list_steps(ROOT)] == [0]
+    assert [s.step for s in catalog.list_steps(ROOT)] == [0]
     faults.fail_names = ()
     logged = _persist(core, 2)
     assert {"event": "snapshot_committed", "tier": 2, "step": 2, "deleted": [0]} in logged
-    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [2]
+    assert [s.step for s in catalog.list_steps(ROOT) if s.committed] == [2]
 
 
 def test_a_store_that_went_away_leaves_training_on_the_memory_tiers(
@@ -120,7 +120,7 @@ def test_a_full_root_leaves_no_half_step_and_tier_2_moves_on(faults: faulty.Faul
     core = _coordinator(keep=2)
     _persist(core, 0)
     _persist(core, 1)
-    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [0, 1]
+    assert [s.step for s in catalog.list_steps(ROOT) if s.committed] == [0, 1]
     fs = faulty.FaultyFileSystem()
     faults.capacity = fs.used() + (fs.used() // 4) * 3 // 2  # one more part, not two
 
@@ -139,11 +139,11 @@ def test_a_full_root_leaves_no_half_step_and_tier_2_moves_on(faults: faulty.Faul
         logged += core.handle(cc.AgentMessage(host + 1, p.Envelope(0, msg), 0), 0)
     events = {c.event: c.fields for c in logged if isinstance(c, cc.Log)}
     assert events["durable_root_full"] == {"step": 2, "discarded": True, "deleted": [0]}
-    assert [s.step for s in durable.list_steps(ROOT)] == [1], "no half step, step 1 kept"
+    assert [s.step for s in catalog.list_steps(ROOT)] == [1], "no half step, step 1 kept"
 
     logged = _persist(core, 3)  # there is room for one step now
     assert {"event": "snapshot_committed", "tier": 2, "step": 3, "deleted": []} in logged
-    assert [s.step for s in durable.list_steps(ROOT) if s.committed] == [1, 3]
+    assert [s.step for s in catalog.list_steps(ROOT) if s.committed] == [1, 3]
 
 
 class _SlowRoot:

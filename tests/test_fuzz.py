@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_durable import _write
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,11 +96,11 @@ def test_commit_garbage_is_a_bad_step_and_hides_no_other(root: Path, data: st.Da
     valid = path.read_bytes()
     try:
         path.write_bytes(data.draw(_mutations(valid)))
-        steps = {s.step: s for s in durable.list_steps(str(root))}
+        steps = {s.step: s for s in catalog.list_steps(str(root))}
         assert steps[1].committed, "a bad COMMIT hid another step"
         if not steps[2].committed:
             assert steps[2].problem
-            assert durable.verify(str(root)), "verify passed a step it cannot read"
+            assert catalog.verify(str(root)), "verify passed a step it cannot read"
     finally:
         _restore(path, valid)
 
@@ -115,7 +115,7 @@ def test_latest_garbage_is_ignored(root: Path, raw: bytes) -> None:
         fs, base = durable.url_fs(str(root))
         got = durable._read_latest(fs, base)
         assert got is None or isinstance(got, int)
-        assert [s.step for s in durable.list_steps(str(root)) if s.committed] == [1, 2]
+        assert [s.step for s in catalog.list_steps(str(root)) if s.committed] == [1, 2]
     finally:
         _restore(path, valid)
 

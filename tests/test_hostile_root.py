@@ -15,7 +15,7 @@ import pytest
 
 from test_durable import _write
 from tierswap.errors import CorruptPartError
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,17 +31,17 @@ def test_a_symlinked_step_folder_is_never_read_written_or_cleaned(tmp_path: Path
         _write(str(root), s)
     _write(str(outside), 0)  # a step of another root: its COMMIT must survive
     os.symlink(_step(outside, 0), _step(root, 0))
-    steps = {s.step: s for s in durable.list_steps(str(root))}
+    steps = {s.step: s for s in catalog.list_steps(str(root))}
     assert not steps[0].committed and "symbolic link" in str(steps[0].problem)
     assert [s for s in steps if steps[s].committed] == [1, 2, 3]
-    assert durable.retain(str(root), keep=1) == [1, 2]
+    assert catalog.retain(str(root), keep=1) == [1, 2]
     assert (_step(outside, 0) / "COMMIT").is_file(), "retention deleted a file outside the root"
     assert os.path.islink(_step(root, 0))
     before = sorted(p.name for p in _step(outside, 0).iterdir())
     with pytest.raises(OSError, match="writes only inside its root"):
         _write(str(root), 0)
     assert sorted(p.name for p in _step(outside, 0).iterdir()) == before, "wrote outside"
-    assert any("symbolic link" in p for p in durable.verify(str(root)))
+    assert any("symbolic link" in p for p in catalog.verify(str(root)))
 
 
 def test_a_dangling_link_among_the_steps_hides_no_committed_step(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_a_dangling_link_among_the_steps_hides_no_committed_step(tmp_path: Path)
     for s in (6, 7):
         _write(str(root), s)
     os.symlink(tmp_path / "nowhere", _step(root, 8))
-    steps = durable.list_steps(str(root))
+    steps = catalog.list_steps(str(root))
     assert [s.step for s in steps if s.committed] == [6, 7], "committed progress ignored"
     (bad,) = [s for s in steps if s.problem]
     assert bad.step == 8
@@ -94,10 +94,10 @@ def test_a_hostile_commit_is_a_bad_step_not_a_crash_or_a_hang(tmp_path: Path, ki
     else:
         commit.write_text("{not json")
     t0 = time.monotonic()
-    steps = {s.step: s for s in durable.list_steps(str(root))}
+    steps = {s.step: s for s in catalog.list_steps(str(root))}
     assert steps[3].committed and not steps[5].committed
     assert steps[5].problem and "COMMIT" in steps[5].problem
-    problems = durable.verify(str(root))
+    problems = catalog.verify(str(root))
     assert problems and all("step-000000005" in p for p in problems), problems
     assert time.monotonic() - t0 < 10, "a reader blocked or read the whole thing"
 
@@ -193,7 +193,7 @@ def test_a_step_committed_by_another_job_is_never_restored(tmp_path: Path) -> No
         durable.write_commit(root, step, 2, parts, job=name)
         claim.release()
     shutil.copytree(_step(Path(theirs), 9), _step(Path(mine), 9))
-    steps = {s.step: s for s in durable.list_steps(mine)}
+    steps = {s.step: s for s in catalog.list_steps(mine)}
     assert steps[3].committed and not steps[9].committed
     assert "committed by job 'theirs'" in str(steps[9].problem)
     assert DurableRoot(mine, "mine").restorable_steps(2) == frozenset({3})

@@ -14,7 +14,7 @@ import pytest
 
 from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
 from tierswap.examples import job_command
-from tierswap.tiers import durable
+from tierswap.tiers import catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -84,7 +84,7 @@ def test_fsdp2_node_killed_restores_from_durable_bit_exact(tmp_path: Path, basel
         if e["tier"] == 2 and e["step"] == restored["step"]
     ]
     assert written.get("delta_parts") == 2, "restored through base + delta"
-    assert durable.verify(str(persist)) == []
+    assert catalog.verify(str(persist)) == []
     assert restored["tiers"]["0"] in (0, 2), "a survivor takes its fastest tier holding the step"
 
 

@@ -20,7 +20,7 @@ import torch
 from e2e import assert_same_bits, events, final_state, kill_job, leaked_segments, run_job
 from tierswap.examples import job_command
 from tierswap.state import flatten
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 from tierswap.tiers.files import url_fs
 
 pytest.importorskip("s3fs", reason="tier 2 on S3 needs s3fs: pip install 'tierswap[s3]'")
@@ -112,13 +112,13 @@ def test_parts_over_several_chunks_commit_written_last_and_read_back(
         assert "-" in etag, f"{name} was not a multipart upload ({etag})"
         assert fs.info(name)["size"] > 2 * CHUNK
     assert not any(n.endswith("/COMMIT") for n in names), "COMMIT before the step's commit"
-    (listed,) = durable.list_steps(root)
+    (listed,) = catalog.list_steps(root)
     assert listed.step == 4 and not listed.committed
     durable.write_commit(root, 4, 2, parts)
-    (listed,) = durable.list_steps(root)
+    (listed,) = catalog.list_steps(root)
     assert listed.committed and listed.world_size == 2
     assert durable.read_commit(root, 4) == (2, parts)  # COMMIT read back as written
-    assert durable.verify(root) == []
+    assert catalog.verify(root) == []
 
     ls = _cli("ls", root)
     assert ls.returncode == 0 and "committed" in ls.stdout, ls.stdout + ls.stderr
@@ -212,6 +212,6 @@ def test_a_job_persists_to_s3_and_a_new_one_resumes_from_it(
     for due in range(restored["step"] + 1, 12):
         if due % 2 == 0:
             assert due in durable_steps or due in said, (due, durable_steps, said)
-    listed = durable.list_steps(root)
+    listed = catalog.list_steps(root)
     assert listed and all(s.committed for s in listed), listed
     assert not leaked_segments(tmp_path)

@@ -12,7 +12,7 @@ from e2e import events, final_state, leaked_segments, run_job
 from tierswap.dcp import load_full
 from tierswap.examples import load_final
 from tierswap.examples.gpt import GPTConfig, build_model
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 
 
 def _named(rank_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -91,5 +91,5 @@ def test_a_job_shrinks_when_no_spare_is_left_and_grows_back(tmp_path: Path) -> N
         assert got and set(got) <= set(want_t), set(got) - set(want_t)
         bad = [k for k, v in got.items() if not torch.equal(v, want_t[k])]
         assert not bad, f"rank {rank}: {bad[:3]}"
-    assert durable.verify(str(root)) == []
+    assert catalog.verify(str(root)) == []
     assert not leaked_segments(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 
 from e2e import assert_same_bits, events, final_state, leaked_segments, run_job
 from tierswap.bench.hostmem import node_memory
-from tierswap.tiers import durable
+from tierswap.tiers import catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -240,7 +240,7 @@ def test_corrupt_replica_is_detected_and_not_used(
             (served,) = events(run_dir, "replica_served")
             assert served["kind"] == "delta+durable", "rebuilt on the base read back from disk"
         else:  # tier 2 holds the step itself: one read of its part is cheaper
-            assert restored["step"] in durable.restorable_steps(str(persist))
+            assert restored["step"] in catalog.restorable_steps(str(persist))
         assert (persist / "memory-bases").is_dir()
         return
     rejected = events(run_dir, "replica_rejected")

@@ -206,9 +206,9 @@ def _ls(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tierswap.tiers import durable
+    from tierswap.tiers import catalog
 
-    steps = durable.list_steps(args.url)
+    steps = catalog.list_steps(args.url)
     if not steps:
         print(f"{args.url}: no steps")
         return 0
@@ -232,9 +232,9 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from tierswap.tiers import durable
+    from tierswap.tiers import catalog
 
-    problems = durable.verify(args.url, args.step)
+    problems = catalog.verify(args.url, args.step)
     for p in problems:
         print(f"BAD {p}")
     if problems:
@@ -244,12 +244,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tierswap.tiers import durable
+    from tierswap.tiers import catalog
     from tierswap.tiers.export import export, export_hf, parse_size
 
     step = args.step
     if step is None:
-        steps = durable.restorable_steps(args.url)
+        steps = catalog.restorable_steps(args.url)
         if not steps:
             raise UsageError(f"{args.url} holds no committed step to export (tierswap ls)")
         step = steps[-1]

@@ -64,7 +64,7 @@ from tierswap.state import (
     tensor_view,
     torch_dtype,
 )
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class View:
     def __init__(self, root: str, step: int | None = None) -> None:
         self.root = root
         if step is None:
-            steps = durable.restorable_steps(root)
+            steps = catalog.restorable_steps(root)
             if not steps:
                 raise FileNotFoundError(
                     f"{root} holds no committed step (`tierswap ls {root}` lists its steps)"
@@ -401,7 +401,7 @@ class StorageReader(_StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            return bool(durable.committed_steps(str(checkpoint_id)))
+            return bool(catalog.committed_steps(str(checkpoint_id)))
         except (OSError, ValueError, ImportError):
             return False
 

@@ -21,7 +21,7 @@ from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_OFF_ENV, TEMPLATE_P
 from tierswap.cluster.workers import SOCKET_PATH_MAX, start_template, stop_template
 from tierswap.config import Config
 from tierswap.errors import UsageError
-from tierswap.tiers import durable
+from tierswap.tiers import catalog
 from tierswap.tiers.files import url_fs
 
 
@@ -235,7 +235,7 @@ def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
         return None, None
     check_shared(cfg.persist)
     try:
-        restorable = [s for s in durable.list_steps(cfg.persist) if s.restorable]
+        restorable = [s for s in catalog.list_steps(cfg.persist) if s.restorable]
     except OSError as e:
         return f"cannot list it: {e}", None
     others = [s for s in restorable if s.world_size != cfg.world_size]
@@ -245,4 +245,4 @@ def check_durable(cfg: Config) -> tuple[str | None, tuple[int, int] | None]:
         reshard = (others[-1].step, others[-1].world_size)
     if cfg.init_from is not None and not restorable:
         check_init_from(cfg)  # only read where no step of the job is there to resume
-    return durable.probe_writable(cfg.persist), reshard
+    return catalog.probe_writable(cfg.persist), reshard

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from tierswap.tiers import durable
+from tierswap.tiers import catalog, durable
 from tierswap.tiers.durable import PartInfo
 
 
@@ -47,7 +47,7 @@ class DurableRoot:
     def restorable_steps(self, world_size: int) -> frozenset[int]:
         return frozenset(
             s.step
-            for s in durable.list_steps(self.url)
+            for s in catalog.list_steps(self.url)
             if s.restorable and s.world_size == world_size
         )
 
@@ -58,10 +58,10 @@ class DurableRoot:
         durable.write_commit(self.url, step, world_size, parts, job=self.job)
 
     def retain(self, keep: int) -> list[int]:
-        return durable.retain(self.url, keep)
+        return catalog.retain(self.url, keep)
 
     def discard(self, step: int) -> bool:
-        return durable.discard(self.url, step)
+        return catalog.discard(self.url, step)
 
 
 class FencedRoot(DurableRoot):

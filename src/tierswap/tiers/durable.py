@@ -19,9 +19,10 @@ Every file is written to a temporary name, synced and renamed, so a crash leaves
 the old file or the new one. Readers trust a step only once its COMMIT is there, and never
 unpickle anything: the format is safetensors and JSON.
 
-The temporary-name writes and exact reads live in :mod:`tierswap.tiers.files`; export to
-one plain safetensors file lives in :mod:`tierswap.tiers.export`, which builds on this
-module (and this one knows nothing of it).
+The temporary-name writes and exact reads live in :mod:`tierswap.tiers.files`; what a
+root holds as a whole (listing its steps, verifying, retention) in
+:mod:`tierswap.tiers.catalog`; export to one plain safetensors file in
+:mod:`tierswap.tiers.export`. Both build on this module, which knows nothing of them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import logging
 import os
 import posixpath
 import re
-import secrets
 import struct
 import time
 from collections.abc import Mapping
@@ -71,8 +71,8 @@ MAX_JSON = 256 << 20
 """The largest part .json read (its tree is the state's non-tensor values)."""
 MAX_COMMIT = 64 << 20
 """The largest COMMIT read (a few hundred bytes per rank)."""
-_STEP_RE = re.compile(r"step-(\d{9,})")
-_PART_RE = re.compile(r"rank-(\d{5,})\.(safetensors|delta)")
+STEP_RE = re.compile(r"step-(\d{9,})")
+PART_RE = re.compile(r"rank-(\d{5,})\.(safetensors|delta)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,48 +99,19 @@ class PartInfo:
         return PartInfo(rank, str(d["data"]), str(d["json"]), int(d["bytes"]), base)
 
 
-@dataclass(frozen=True, slots=True)
-class StepInfo:
-    """What one step folder holds."""
-
-    step: int
-    committed: bool
-    world_size: int | None
-    """From COMMIT; None if the step is not committed."""
-    parts: dict[int, PartInfo]
-    """From COMMIT; empty if the step is not committed."""
-    present_ranks: list[int]
-    """Ranks whose .json and data file (.safetensors, or .delta) are both in the folder."""
-    nbytes: int
-    """Bytes of all files in the folder."""
-    restorable: bool = False
-    """Committed, and every delta part's base is a committed step with a full part."""
-    missing_bases: tuple[int, ...] = ()
-    """Base steps its delta parts need that are not committed any more."""
-    problem: str | None = None
-    """Why the entry is not a step one can read (a symbolic link, a file, a folder that
-    cannot be listed, a COMMIT that cannot be read, another job's); None for a sound one."""
-    job: str | None = None
-    """The job that committed it (COMMIT's ``job``; None for one that names none)."""
-
-    @property
-    def bases(self) -> set[int]:
-        return {p.base for p in self.parts.values() if p.base is not None}
-
-
 # ---------------------------------------------------------------- paths
 
 
-def _step_dir(base: str, step: int) -> str:
+def step_dir(base: str, step: int) -> str:
     return f"{base}/step-{step:09d}"
 
 
-def _new_step_dir(root: str, step: int) -> tuple[Any, str]:
+def _newstep_dir(root: str, step: int) -> tuple[Any, str]:
     """The filesystem and folder of ``step`` under ``root``, created if missing. Raises
     OSError if the name is taken by anything but a folder of the root's own (a symbolic
     link above all: tier 2 writes nothing outside its root)."""
     fs, base = url_fs(root)
-    folder = _step_dir(base, step)
+    folder = step_dir(base, step)
     if fs.exists(folder) or (is_local(fs) and os.path.islink(folder)):
         if not is_folder(fs, folder):
             raise OSError(
@@ -212,7 +183,7 @@ def write_part(
 
     ``data_checksum`` is ``checksum_chunks(layout.chunks(buf))``, known from the slot.
     """
-    fs, folder = _new_step_dir(root, step)
+    fs, folder = _newstep_dir(root, step)
     mv = memoryview(buf).cast("B")
     if len(mv) < layout.nbytes:
         raise ValueError(f"buffer of {len(mv)} bytes is smaller than its layout ({layout.nbytes})")
@@ -252,7 +223,7 @@ def write_delta_part(
     data checksum is ``base_checksum``."""
     if base_step >= step:
         raise ValueError(f"step {step}: a delta's base must be an older step, not {base_step}")
-    fs, folder = _new_step_dir(root, step)
+    fs, folder = _newstep_dir(root, step)
     write_atomic(fs, f"{folder}/{_part(rank, 'delta')}", [delta_bytes])
     extra = {
         "base": base_step,
@@ -266,7 +237,7 @@ def write_delta_part(
 def remove_part(root: str, step: int, rank: int) -> None:
     """Delete one rank's files of ``step`` (and the step's folder once empty)."""
     fs, base = url_fs(root)
-    folder = _step_dir(base, step)
+    folder = step_dir(base, step)
     for ext in ("json", "safetensors", "delta"):  # the json first: no half part is listed
         path = f"{folder}/{_part(rank, ext)}"
         if fs.exists(path):
@@ -354,7 +325,7 @@ def _read(
     fs: Any, base: str, step: int, rank: int, expected: PartInfo | None, keep: bool
 ) -> tuple[Layout, dict[str, Any], memoryview]:
     """Read and check one part; without ``keep`` only check it (the data is streamed)."""
-    folder = _step_dir(base, step)
+    folder = step_dir(base, step)
     meta_path = f"{folder}/{_part(rank, 'json')}"
     layout, tree, want, meta = _read_meta(fs, meta_path, step, rank, expected)
     if layout != _file_layout(layout):
@@ -403,7 +374,7 @@ def _read_delta(
     expected: PartInfo | None,
 ) -> memoryview:
     """A delta part's data section, rebuilt from its base's full part (checked on the way)."""
-    path = f"{_step_dir(root, step)}/{_part(rank, 'delta')}"
+    path = f"{step_dir(root, step)}/{_part(rank, 'delta')}"
     base_step = meta.get("base")
     if expected is not None and expected.base != base_step:
         raise CorruptPartError(path, f"base {base_step} differs from COMMIT's {expected.base}")
@@ -442,13 +413,19 @@ def read_part(
     return _read(fs, base, step, rank, expected, keep=True)
 
 
+def check_part(fs: Any, base: str, step: int, rank: int, expected: PartInfo) -> None:
+    """Read one rank's part of ``step`` under ``base`` and check it against ``expected``
+    without keeping its bytes (CorruptPartError naming the file and what is wrong)."""
+    _read(fs, base, step, rank, expected, keep=False)
+
+
 def read_meta(
     root: str, step: int, rank: int, expected: PartInfo | None = None
 ) -> tuple[Layout, dict[str, Any]]:
     """One rank's layout and tree, without its tensor bytes (checked against ``expected``,
     its entry in COMMIT, as :func:`read_part` does)."""
     fs, base = url_fs(root)
-    layout, tree, _, _ = _read_meta(fs, f"{_step_dir(base, step)}/{_part(rank, 'json')}", step,
+    layout, tree, _, _ = _read_meta(fs, f"{step_dir(base, step)}/{_part(rank, 'json')}", step,
                                     rank, expected)  # fmt: skip
     return layout, tree
 
@@ -479,7 +456,7 @@ def write_commit(
         "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
         **({"job": job} if job is not None else {}),
     }
-    fs, folder = _new_step_dir(root, step)  # refuses a folder that is not the root's own
+    fs, folder = _newstep_dir(root, step)  # refuses a folder that is not the root's own
     base = posixpath.dirname(folder)
     write_atomic(fs, f"{folder}/COMMIT", [json.dumps(body).encode()])
     if is_local(fs):
@@ -503,13 +480,13 @@ def _read_latest(fs: Any, base: str) -> int | None:
 
 
 def _read_commit(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo]]:
-    world_size, parts, _ = _read_commit_job(fs, base, step)
+    world_size, parts, _ = read_commit_job(fs, base, step)
     return world_size, parts
 
 
-def _read_commit_job(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo], str | None]:
+def read_commit_job(fs: Any, base: str, step: int) -> tuple[int, dict[int, PartInfo], str | None]:
     """World size, parts, and the job that wrote it (None for a COMMIT that names none)."""
-    path = f"{_step_dir(base, step)}/COMMIT"
+    path = f"{step_dir(base, step)}/COMMIT"
     raw = read_small(fs, path, MAX_COMMIT)
     body = parse_json(path, raw)
     try:
@@ -533,179 +510,3 @@ def read_commit(root: str, step: int) -> tuple[int, dict[int, PartInfo]]:
     """The world size and parts recorded in ``step``'s COMMIT (CorruptPartError if none)."""
     fs, base = url_fs(root)
     return _read_commit(fs, base, step)
-
-
-def _step_info(fs: Any, base: str, step: int) -> StepInfo:
-    folder = _step_dir(base, step)
-    if not is_folder(fs, folder):
-        why = "is a symbolic link or a file, not a folder of the root: never read or deleted"
-        return StepInfo(step, False, None, {}, [], 0, problem=why)
-    try:
-        files = fs.ls(folder, detail=True)
-    except OSError as e:
-        return StepInfo(step, False, None, {}, [], 0, problem=f"cannot be listed: {e}")
-    regular = [f for f in files if f.get("type") == "file" and not f.get("islink")]
-    sizes = {posixpath.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in regular}
-    present = sorted(
-        {
-            int(m.group(1))
-            for name in sizes
-            if (m := _PART_RE.fullmatch(name)) and f"rank-{m.group(1)}.json" in sizes
-        }
-    )
-    world_size: int | None = None
-    parts: dict[int, PartInfo] = {}
-    problem, job = None, None
-    if any(posixpath.basename(f["name"].rstrip("/")) == "COMMIT" for f in files):
-        try:
-            world_size, parts, job = _read_commit_job(fs, base, step)
-        except CorruptPartError as e:
-            log.warning("step %d is not committed: %s", step, e)
-            problem = f"its COMMIT cannot be read: {e.why}"
-    return StepInfo(
-        step, world_size is not None, world_size, parts, present, sum(sizes.values()),
-        problem=problem, job=job,
-    )  # fmt: skip
-
-
-def list_steps(root: str) -> list[StepInfo]:
-    """Every step folder under ``root``, oldest first ([] if ``root`` does not exist)."""
-    fs, base = url_fs(root)
-    try:
-        names = fs.ls(base, detail=False)
-    except FileNotFoundError:
-        return []
-    owner = root_job(fs, base)
-    steps = []
-    for name in names:  # each entry is judged alone: a bad one never hides the others
-        m = _STEP_RE.fullmatch(posixpath.basename(str(name).rstrip("/")))
-        if m:
-            steps.append(_step_info(fs, base, int(m.group(1))))
-    for i, s in enumerate(steps):  # a step another job committed is not this root's
-        if owner is not None and s.committed and s.job is not None and s.job != owner:
-            why = f"committed by job {s.job!r}, and this root is job {owner!r}'s: never restored"
-            steps[i] = dataclasses.replace(s, committed=False, world_size=None, parts={},
-                                           problem=why)  # fmt: skip
-    full = {s.step: {r for r, p in s.parts.items() if p.base is None} for s in steps}
-    out = []
-    for s in sorted(steps, key=lambda s: s.step):
-        missing = sorted(
-            {
-                p.base
-                for r, p in s.parts.items()
-                if p.base is not None and r not in full.get(p.base, ())
-            }
-        )
-        out.append(
-            dataclasses.replace(
-                s, restorable=s.committed and not missing, missing_bases=tuple(missing)
-            )
-        )
-    return out
-
-
-JOB_FILE = "JOB"
-"""At the root: the name of the job whose steps it holds (``ownership.py``)."""
-
-
-def root_job(fs: Any, base: str) -> str | None:
-    """The job the root at ``base`` belongs to, from its JOB file (None without one)."""
-    path = f"{base}/{JOB_FILE}"
-    try:
-        body = parse_json(path, read_small(fs, path, 1 << 16))
-    except CorruptPartError as e:
-        if e.why != "missing":
-            log.warning("ignoring %s: %s", path, e.why)
-        return None
-    name = body.get("job") if isinstance(body, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def committed_steps(root: str) -> list[int]:
-    """Steps with a readable COMMIT, oldest first."""
-    return [s.step for s in list_steps(root) if s.committed]
-
-
-def restorable_steps(root: str) -> list[int]:
-    """Committed steps whose delta parts' bases are there too, oldest first."""
-    return [s.step for s in list_steps(root) if s.restorable]
-
-
-def verify(root: str, step: int | None = None) -> list[str]:
-    """Check every part of every committed step (or of ``step``): [] if all are sound.
-
-    Each problem names the file and what is wrong with it.
-    """
-    fs, base = url_fs(root)
-    listed = list_steps(root)
-    problems = [
-        f"{_step_dir(base, s.step)}: {s.problem}"
-        for s in listed
-        if s.problem is not None and step in (None, s.step)
-    ]
-    steps = [step] if step is not None else [s.step for s in listed if s.committed]
-    if not steps:
-        return problems or [f"{root}: no committed step"]
-    for s in steps:
-        try:
-            world_size, parts = _read_commit(fs, base, s)
-        except CorruptPartError as e:
-            problems.append(str(e))
-            continue
-        for rank in range(world_size):
-            try:
-                _read(fs, base, s, rank, parts[rank], keep=False)
-            except CorruptPartError as e:
-                problems.append(str(e))
-    return problems
-
-
-def retain(root: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` restorable steps (and the newest committed one),
-    keeping every base step their delta parts need, and uncommitted folders older than the
-    newest committed step. Returns the deleted steps."""
-    if keep < 1:
-        raise ValueError(f"retain(keep={keep}): keep at least 1 (the newest committed step)")
-    steps = list_steps(root)
-    committed = [s.step for s in steps if s.committed]
-    if not committed:
-        return []
-    restorable = [s for s in steps if s.restorable]
-    kept = {committed[-1], *(s.step for s in restorable[-keep:])}
-    kept |= {b for s in steps if s.step in kept for b in s.bases}  # never a needed base
-    doomed = [s.step for s in steps if s.step not in kept and s.step < committed[-1]]
-    fs, base = url_fs(root)
-    for s in list(doomed):
-        folder = _step_dir(base, s)
-        if not is_folder(fs, folder):  # a symbolic link or a file: never followed, left
-            doomed.remove(s)
-            continue
-        if fs.exists(f"{folder}/COMMIT"):
-            fs.rm(f"{folder}/COMMIT")  # first, so a half-deleted step is never "committed"
-        fs.rm(folder, recursive=True)
-    return doomed
-
-
-def discard(root: str, step: int) -> bool:
-    """Delete what was written of ``step`` if it has no COMMIT (a step that failed half
-    way: its parts would take room for nothing). A committed step, or a folder that is a
-    link or a file, is left. True when something was deleted."""
-    fs, base = url_fs(root)
-    folder = _step_dir(base, step)
-    if not is_folder(fs, folder) or fs.exists(f"{folder}/COMMIT"):
-        return False
-    fs.rm(folder, recursive=True)
-    return True
-
-
-def probe_writable(root: str) -> str | None:
-    """None if a small file can be written to (and removed from) ``root``, else why not."""
-    try:
-        fs, base = url_fs(root)
-        fs.makedirs(base, exist_ok=True)
-        path = f"{base}/.probe-{os.getpid()}-{secrets.token_hex(4)}"
-        write_atomic(fs, path, [b"tierswap write probe\n"])
-        fs.rm(path)
-    except Exception as e:  # any backend's error means "not writable": the caller reports it
-        return f"{root} is not writable: {type(e).__name__}: {e}"
-    return None

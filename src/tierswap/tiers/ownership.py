@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from tierswap.errors import CorruptPartError, UsageError
-from tierswap.tiers.durable import JOB_FILE, root_job
+from tierswap.tiers.catalog import JOB_FILE, root_job
 from tierswap.tiers.files import parse_json, read_small, url_fs, write_atomic
 
 LOCK_FILE = "LOCK"
