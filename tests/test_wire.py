@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from tierswap import wire
+from tierswap import handshake, wire
 from tierswap.control import protocol as p
-from tierswap.wire import Channel, Listener, reader, serve
+from tierswap.serving import Server, reader, serve
+from tierswap.wire import Channel, Listener
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -282,7 +283,7 @@ class _Tap:
     and what the test writes to ``wire_out`` is what ``b`` reads."""
 
     def __init__(self) -> None:
-        server_keys, client_keys = wire.frame_keys(
+        server_keys, client_keys = handshake.frame_keys(
             secrets.token_bytes(32), secrets.token_bytes(32), secrets.token_bytes(32)
         )
         x, self.wire_in = socket.socketpair()
@@ -475,7 +476,7 @@ def test_a_client_trickling_its_handshake_is_cut_off_at_the_deadline(
         with socket.create_connection(listener.tcp_address) as s:
             t0 = time.monotonic()
             cut = False
-            for byte in wire.MAGIC * 4:
+            for byte in handshake.MAGIC * 4:
                 try:
                     s.sendall(bytes([byte]))
                     time.sleep(0.3)  # under 0.5 s between bytes
@@ -491,7 +492,7 @@ def test_a_client_trickling_its_handshake_is_cut_off_at_the_deadline(
         stop()
 
 
-class _Echo(wire.Server):
+class _Echo(Server):
     incoming = Requests
     name = "tierswap-test-echo"
 
@@ -542,7 +543,9 @@ def _tls_pipe() -> tuple[Channel, Channel]:
     t.start()
     c = tls.client_context(secret).wrap_socket(client)
     t.join(10)
-    keys = wire.frame_keys(secrets.token_bytes(32), b"n" * wire.NONCE, b"m" * wire.NONCE)
+    keys = handshake.frame_keys(
+        secrets.token_bytes(32), b"n" * handshake.NONCE, b"m" * handshake.NONCE
+    )
     return Channel(c, Replies, keys[1]), Channel(done[0], Requests, keys[0])
 
 
@@ -581,7 +584,7 @@ def test_a_handshake_past_its_deadline_is_a_timeout_but_a_signals_exit_stays_its
         raise raised()
 
     monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT", 0.1)
-    monkeypatch.setattr(wire, "_client_handshake", slow)
+    monkeypatch.setattr(handshake, "as_client", slow)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)

@@ -13,7 +13,8 @@ import threading
 import time
 
 from tierswap.control import protocol as p
-from tierswap.wire import Channel, Server
+from tierswap.serving import Server
+from tierswap.wire import Channel
 
 INT64 = (-(2**63), 2**63 - 1)
 LONGEST_WAIT_S = 3600.0

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from tierswap.control import protocol as p
+from tierswap.handshake import AuthenticationError, HandshakeCut
 from tierswap.keystore import StoreServer
-from tierswap.wire import Address, AuthenticationError, Channel, HandshakeCut
+from tierswap.wire import Address, Channel
 
 __all__ = ["StoreClient", "StoreServer"]
 

@@ -1,18 +1,20 @@
 """Messages between workers, agents and the coordinator over authenticated sockets.
 
-A connection starts with a handshake in which each end proves it knows the job's secret
-(HMAC-SHA256 over both ends' fresh nonces), so a process outside the job cannot connect.
-The same nonces give each direction its own frame key: every frame after the handshake
-carries a MAC over its bytes and its sequence number in that direction, so a frame that
-was injected, altered, replayed, reordered or reflected back to its sender is refused and
-the connection dropped. Payloads are the typed messages of ``control/protocol.py``
-(msgpack, never pickle); a channel decodes the messages of the union it is made for, and
-anything else is a ``ProtocolError``.
+A connection is opened by the handshake of ``handshake.py``, in which each end proves it
+knows the job's secret and which gives each direction its own frame key. Every frame
+after the handshake carries a MAC over its bytes and its sequence number in that
+direction, so a frame that was injected, altered, replayed, reordered or reflected back
+to its sender is refused and the connection dropped. Payloads are the typed messages of
+``control/protocol.py`` (msgpack, never pickle); a channel decodes the messages of the
+union it is made for, and anything else is a ``ProtocolError``.
 
 Bulk bytes (``send_raw``) follow a message that announced their length and checksum; they
 carry no MAC of their own (a MAC would cost a pass over every replica): an xxh3 checksum
 finds corruption, not forgery, so bulk traffic between hosts is trusted only as far as
 the network it crosses.
+
+The threads that accept and serve connections (``serve``, ``Server``, ``reader``) are in
+``serving.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import contextlib
 import errno
 import hashlib
 import hmac
-import logging
-import multiprocessing
 import os
 import secrets
 import select
@@ -30,13 +30,13 @@ import socket
 import ssl
 import struct
 import threading
-import time
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from tierswap import handshake
 from tierswap import tls as _tls
 from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolError, tag_of
+from tierswap.handshake import NONCE, frame_keys, recv_exact
 from tierswap.interrupt import own_call
 
 Address = str | tuple[str, int]
@@ -46,50 +46,21 @@ BULK_IDLE_S = 30.0
 """A replica server takes a sender that sends nothing for this long mid-transfer for gone:
 the transfer is cut and the slot it was filling freed (the sender's side gives up after
 as long, ``SEND_LIMIT_S``)."""
-log = logging.getLogger(__name__)
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a connecting process has to prove it knows the job's secret."""
+BACKLOG = 1024
+"""Connections the kernel queues for a listener (a burst of hosts connecting at a job's
+start must not be dropped)."""
+MAX_FRAME = 64 << 20
+"""The largest frame a channel reads (bytes); a longer one closes it unread (bulk bytes
+go raw, outside frames)."""
 
-MAGIC = b"tierswap wire 1\n"
-"""What a server says first: the protocol and its version."""
-NONCE = 32
 TAG = 16
 """Bytes of each frame's MAC."""
 HEADER = 4
 """Bytes of each frame's length (big-endian), before its payload and MAC."""
 _SEQ = struct.Struct(">Q")
 """A frame's sequence number in its MAC."""
-
-
-class AuthenticationError(multiprocessing.AuthenticationError):
-    """The other end does not know the job's secret (or is not a tierswap endpoint)."""
-
-
-class HandshakeCut(AuthenticationError, ConnectionError):
-    """The other end closed (or reset) the connection before proving itself: a peer that
-    died, or one that speaks another protocol or another ``--tls``. An ``OSError``, so
-    that callers which fall back on a dead peer fall back on this one too."""
-
-
-class _Deadline:
-    """The whole handshake of one connection within ``seconds``: a peer that trickles a
-    byte just inside each read's timeout is cut off all the same (a watchdog shuts the
-    socket down; a blocked read then ends)."""
-
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
-        self.expired = False
-        self._watch = socket.socket(fileno=os.dup(sock.fileno()))  # outlives a TLS wrap
-        self._timer = threading.Timer(seconds, self._cut)
-        self._timer.daemon = True
-        sock.settimeout(seconds)  # and each read on its own, as a backstop
-        self._timer.start()
-
-    def _cut(self) -> None:
-        self.expired = True
-        with contextlib.suppress(OSError):
-            self._watch.shutdown(socket.SHUT_RDWR)
-
-    def end(self) -> None:
-        self._timer.cancel()
-        self._watch.close()
 
 
 class Direction:
@@ -116,101 +87,16 @@ class Direction:
         return (len(payload) + TAG).to_bytes(HEADER, "big") + payload + self.tag(payload)
 
 
-def frame_keys(
-    secret: bytes, server_nonce: bytes, client_nonce: bytes
-) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
-    """(server's (send, receive) keys, client's (send, receive) keys) of one connection."""
-    base = hmac.digest(secret, b"tierswap frames" + server_nonce + client_nonce, "sha256")
-    to_client = hmac.digest(base, b"server to client", "sha256")
-    to_server = hmac.digest(base, b"client to server", "sha256")
-    return (to_client, to_server), (to_server, to_client)
-
-
-def _proof(secret: bytes, who: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.digest(secret, b"tierswap " + who + server_nonce + client_nonce, "sha256")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 1 << 24))
-        if k == 0:
-            raise EOFError(f"peer closed after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def _server_handshake(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
-    """Prove each other; the (send, receive) keys of the server's end. The client speaks
-    first, so a server that expects something else (TLS, another protocol) closes at once
-    instead of both ends waiting for the other."""
-    hello = _recv_exact(sock, len(MAGIC) + NONCE)
-    if not hello.startswith(MAGIC):
-        raise AuthenticationError("a client that is not a tierswap endpoint of this version")
-    nc, ns = bytes(hello[len(MAGIC) :]), secrets.token_bytes(NONCE)
-    sock.sendall(MAGIC + ns)
-    proof = bytes(_recv_exact(sock, 32))
-    if not hmac.compare_digest(proof, _proof(secret, b"client", ns, nc)):
-        sock.sendall(b"\0" * 32)  # a refusal the client can name, never a valid proof
-        raise AuthenticationError("a client's proof does not match the job's secret")
-    sock.sendall(_proof(secret, b"server", ns, nc))
-    return frame_keys(secret, ns, nc)[0]
-
-
-def _client_handshake(sock: socket.socket, secret: bytes, address: Address) -> tuple[bytes, bytes]:
-    nc = secrets.token_bytes(NONCE)
-    try:
-        sock.sendall(MAGIC + nc)
-        hello = _recv_exact(sock, len(MAGIC) + NONCE)
-    except (EOFError, ConnectionResetError, BrokenPipeError):
-        raise HandshakeCut(
-            f"{address} closed the connection in the handshake: it died, it is not a tierswap "
-            "endpoint of this version, or it runs with another --tls"
-        ) from None
-    if not hello.startswith(MAGIC):
-        raise AuthenticationError(
-            f"{address} is not a tierswap endpoint of this version (it said {bytes(hello)[:24]!r})"
-        )
-    ns = bytes(hello[len(MAGIC) :])
-    try:
-        sock.sendall(_proof(secret, b"client", ns, nc))
-        proof = bytes(_recv_exact(sock, 32))
-    except (EOFError, ConnectionResetError, BrokenPipeError):
-        raise HandshakeCut(f"{address} closed the connection before proving itself") from None
-    if not hmac.compare_digest(proof, _proof(secret, b"server", ns, nc)):
-        raise AuthenticationError(
-            f"{address} refused this process, or does not know the job's secret: both ends "
-            "must be given the same secret (TIERSWAP_SECRET or --secret-file)"
-        )
-    return frame_keys(secret, ns, nc)[1]
-
-
 def _host(address: Address) -> str | None:
     return None if isinstance(address, str) else address[0]
 
 
-def _family(address: Address) -> socket.AddressFamily:
+def family(address: Address) -> socket.AddressFamily:
+    """The socket family that reaches ``address``: Unix for a path, IPv6 for a host with a
+    colon, IPv4 otherwise."""
     if isinstance(address, str):
         return socket.AF_UNIX
     return socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-
-
-def _start_tls(sock: socket.socket, secret: bytes, address: Address) -> ssl.SSLSocket:
-    try:
-        return _tls.client_context(secret).wrap_socket(sock)
-    except ssl.SSLCertVerificationError as e:
-        raise AuthenticationError(
-            f"{address} presented a TLS certificate that is not this job's: it does not "
-            f"know the job's secret ({e.verify_message})"
-        ) from None
-    except (ssl.SSLError, ConnectionResetError) as e:
-        why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
-        raise HandshakeCut(
-            f"TLS with {address} failed ({why or e}): both ends must run with the same "
-            "--tls, and the server must be a tierswap endpoint"
-        ) from None
 
 
 class Listener:
@@ -232,7 +118,7 @@ class Listener:
                 f"Unix socket path {address!r} is over the 107 bytes allowed: use a shorter "
                 "folder (--run-dir)",
             )
-        self._sock: socket.socket | None = socket.socket(_family(address), socket.SOCK_STREAM)
+        self._sock: socket.socket | None = socket.socket(family(address), socket.SOCK_STREAM)
         try:
             if not isinstance(address, str):
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -257,12 +143,12 @@ class Listener:
         """Authenticate an accepted connection within ``HANDSHAKE_TIMEOUT`` in all; its
         channel. Raises (AuthenticationError, OSError, EOFError) for a client that cannot,
         with the connection closed."""
-        deadline = _Deadline(sock, HANDSHAKE_TIMEOUT)
+        deadline = handshake.Deadline(sock, HANDSHAKE_TIMEOUT)
         try:
             peer = sock.getpeername()
             if _tls.wanted(self.tls, peer[0] if isinstance(peer, tuple) else None):
                 sock = _tls.server_context(self.secret).wrap_socket(sock, server_side=True)
-            keys = _server_handshake(sock, self.secret)
+            keys = handshake.as_server(sock, self.secret)
             sock.settimeout(None)
         except BaseException:
             sock.close()  # the TLS socket, once wrapped: the plain one is detached then
@@ -342,18 +228,18 @@ class Channel:
     def connect(cls, address: Address, secret: bytes, incoming: Any, tls: str = "off") -> Channel:
         """Connect to a server of the job and prove it (within ``HANDSHAKE_TIMEOUT``);
         over TLS where ``tls`` (``tls.MODES``) wants it for this address."""
-        sock = socket.socket(_family(address), socket.SOCK_STREAM)
+        sock = socket.socket(family(address), socket.SOCK_STREAM)
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             sock.connect(address)
         except BaseException:
             sock.close()
             raise
-        deadline = _Deadline(sock, HANDSHAKE_TIMEOUT)
+        deadline = handshake.Deadline(sock, HANDSHAKE_TIMEOUT)
         try:
             if _tls.wanted(tls, _host(address)):
-                sock = _start_tls(sock, secret, address)
-            keys = _client_handshake(sock, secret, address)
+                sock = handshake.start_tls(sock, secret, address)
+            keys = handshake.as_client(sock, secret, address)
             sock.settimeout(None)
         except BaseException as e:
             sock.close()
@@ -395,14 +281,14 @@ class Channel:
         with own_call(), self._recv_lock:
             if self._refused:
                 raise ProtocolError(self._refused)
-            n = int.from_bytes(_recv_exact(self.sock, HEADER), "big")
+            n = int.from_bytes(recv_exact(self.sock, HEADER), "big")
             if n > MAX_FRAME:
                 self._refused = f"bad message length: a frame of {n} bytes, over the bound"
                 raise OSError(self._refused)
             if n < TAG:
                 self._refused = f"a frame of {n} bytes is shorter than its MAC"
                 raise ProtocolError(self._refused)
-            frame = _recv_exact(self.sock, n)
+            frame = recv_exact(self.sock, n)
             payload = memoryview(frame)[:-TAG]
             if not hmac.compare_digest(self._in.tag(payload), frame[-TAG:]):
                 self._refused = (
@@ -518,169 +404,3 @@ def pair(a_incoming: Any, b_incoming: Any) -> tuple[Channel, Channel]:
         secrets.token_bytes(32), secrets.token_bytes(NONCE), secrets.token_bytes(NONCE)
     )
     return Channel(x, a_incoming, server), Channel(y, b_incoming, client)
-
-
-def serve(
-    listener: Listener, on_channel: Callable[[Channel], None], name: str, incoming: Any
-) -> Callable[[], None]:
-    """Accept connections in a daemon thread, one ``on_channel`` call each (a channel that
-    receives ``incoming``). Returns the function that stops it: closing a listener does
-    not wake a thread blocked in accept."""
-    stopped = threading.Event()
-
-    pending = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
-    """Connections still proving they know the secret. When that many are, accepting
-    waits (the kernel's backlog holds the next ones): a flood of silent strangers costs
-    a client at most a handshake timeout, never every descriptor and thread."""
-
-    def handshake(sock: socket.socket) -> None:
-        # on its own thread, with a deadline: one silent client must not block the others
-        try:
-            chan = listener.handshake(sock, incoming)
-        except Exception:  # wrong secret, silence, a wake-up, no descriptor left: refused
-            sock.close()
-            return
-        finally:
-            pending.release()
-        if stopped.is_set():
-            chan.close()
-            return
-        on_channel(chan)
-
-    def loop() -> None:
-        backoff = 0.0
-        while not stopped.is_set():
-            if listener.closed:  # shutting down
-                return
-            if not pending.acquire(timeout=0.5):
-                continue  # every handshake slot is taken: wait for one
-            try:
-                sock = listener.accept()
-            except OSError as e:
-                pending.release()
-                if stopped.is_set() or listener.closed:
-                    return  # closed while waiting
-                # no descriptor left (EMFILE, ENFILE), a connection reset before it was
-                # accepted, memory: this server goes on, after a short wait so that a flood
-                # does not spin it
-                backoff = min(ACCEPT_BACKOFF_MAX, max(0.01, backoff * 2))
-                log.warning("%s: accept failed (%s); retrying in %.2f s", name, e, backoff)
-                time.sleep(backoff)
-                continue
-            backoff = 0.0
-            try:
-                threading.Thread(
-                    target=handshake, args=(sock,), daemon=True, name=f"{name}-handshake"
-                ).start()
-            except RuntimeError:  # no thread can be started: turned away as well
-                pending.release()
-                sock.close()
-
-    thread = threading.Thread(target=loop, name=name, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        stopped.set()
-        address = listener.address
-        try:
-            with socket.socket(_family(address), socket.SOCK_STREAM) as wake:
-                wake.connect(address)
-        except OSError:
-            pass
-        listener.close()
-        thread.join(timeout=5)
-
-    return stop
-
-
-HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a connecting process has to prove it knows the job's secret."""
-MAX_UNAUTHENTICATED = 64
-"""Connections a server lets prove themselves at once; the next wait to be accepted."""
-BACKLOG = 1024
-"""Connections the kernel queues for a listener (a burst of hosts connecting at a job's
-start must not be dropped)."""
-ACCEPT_BACKOFF_MAX = 0.5
-"""The longest wait before accepting again after accept failed (no descriptor left)."""
-MAX_FRAME = 64 << 20
-"""The largest frame a channel reads (bytes); a longer one closes it unread (bulk bytes
-go raw, outside frames)."""
-
-
-class Server:
-    """A TCP server of the job on ``(bind, port 0)``: each authenticated connection is
-    served by ``handle`` on a thread of its own, and closed when it returns or the peer
-    goes (EOF, a reset, a message not of ``incoming``). ``close`` stops accepting and
-    cuts the connections still open, so that their threads end with it."""
-
-    incoming: Any
-    """The union of messages its connections receive."""
-    name = "tierswap-server"
-    close_wait_s = 5.0
-    """How long ``close`` waits for the threads of the connections it cut (one may be
-    between two reads, in a call of its own, as a replica waits for room)."""
-
-    def __init__(self, bind: str, secret: bytes, tls: str = "off") -> None:
-        self._lock = threading.Lock()
-        self._open: dict[Channel, threading.Thread] = {}
-        self._closed = False
-        self.listener = Listener((bind, 0), secret, tls=tls)
-        self._stop = serve(self.listener, self._start, f"{self.name}-accept", self.incoming)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.listener.tcp_address
-
-    @property
-    def closed(self) -> bool:
-        """``close`` was called: a handler waiting in a loop of its own gives up."""
-        return self._closed
-
-    def close(self) -> None:
-        self._stop()
-        with self._lock:
-            self._closed = True
-            cut = dict(self._open)
-        for chan in cut:  # a client that keeps its connection open (or a relay that
-            chan.close()  # never passes on its close) would hold a thread for ever
-        deadline = time.monotonic() + self.close_wait_s
-        for thread in cut.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    def handle(self, chan: Channel) -> None:
-        raise NotImplementedError
-
-    def _start(self, chan: Channel) -> None:
-        thread = threading.Thread(target=self._run, args=(chan,), daemon=True, name=self.name)
-        with self._lock:
-            if self._closed:
-                chan.close()
-                return
-            self._open[chan] = thread
-        thread.start()
-
-    def _run(self, chan: Channel) -> None:
-        try:
-            self.handle(chan)
-        except (EOFError, OSError, ValueError):  # ProtocolError is a ValueError
-            pass
-        finally:
-            chan.close()
-            with self._lock:
-                self._open.pop(chan, None)
-
-
-def reader(chan: Channel, deliver: Callable[[Envelope[Any] | None], None], name: str) -> None:
-    """Read ``chan`` in a daemon thread; ``deliver(None)`` once when it closes, or when it
-    sends something that is not a message of its channel (the peer is then cut off)."""
-
-    def loop() -> None:
-        try:
-            while True:
-                env = chan.recv()
-                if env is not None:
-                    deliver(env)
-        except (EOFError, OSError, ValueError):  # ProtocolError is a ValueError
-            deliver(None)
-
-    threading.Thread(target=loop, name=name, daemon=True).start()

@@ -58,13 +58,15 @@ from tierswap.control.agent_events import (
     WritePart,
 )
 from tierswap.control.workers import Kill, Spawn, Tell
+from tierswap.handshake import AuthenticationError, HandshakeCut
+from tierswap.serving import reader, serve
 from tierswap.shm import SegmentPool
 from tierswap.tiers.delta_sender import BaseKeeper
 from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.peer import ReplicaServer
 from tierswap.tiers.replicas import PeerStore
-from tierswap.wire import AuthenticationError, Channel, HandshakeCut, Listener, reader, serve
+from tierswap.wire import Channel, Listener
 
 if TYPE_CHECKING:
     from tierswap.cluster.election import Rendezvous

@@ -53,9 +53,10 @@ from tierswap.control.ports import DurableRoot, FencedRoot
 from tierswap.errors import Deposed
 from tierswap.events import EventLog, Progress
 from tierswap.keystore import StoreServer
+from tierswap.serving import reader, serve
 from tierswap.shm import remove_job_segments
 from tierswap.tiers.ownership import LEASE_S, RootClaim
-from tierswap.wire import Channel, Listener, reader, serve
+from tierswap.wire import Channel, Listener
 
 if TYPE_CHECKING:
     from tierswap.cluster.election import Rendezvous

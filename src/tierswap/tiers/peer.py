@@ -19,10 +19,11 @@ from tierswap.checksum import checksum_chunks
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
+from tierswap.serving import Server
 from tierswap.shm import populated
 from tierswap.tiers import parity
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING
-from tierswap.wire import BULK_IDLE_S, Address, Channel, Server
+from tierswap.wire import BULK_IDLE_S, Address, Channel
 
 if TYPE_CHECKING:
     from tierswap.tiers.deltas import Base
