@@ -6,6 +6,11 @@ worker, a worker's exit, a checksum computed, a replica sent) and returns what t
 (``control/agent_events.py``). The rings hold shared-memory segments made by an injected
 factory, so the simulation runs the same core on plain memory.
 
+The core keeps the door, the coordinator's messages, the stop and its report, and the
+commits; its workers' requests, exits and leases are ``control/agent_workers.py``, and a
+snapshot's way on from tier 0 (checksum, replication, the replica server's requests, the
+tier-2 parts) is ``control/agent_tiers.py``, each a set of functions of the core.
+
 Workers start parked (script imported, no rank) and are assigned ranks by the
 coordinator's ``Start``; a ``Stop`` ends their generation without ending their processes.
 A spare is an agent with parked workers and no node yet.
@@ -13,18 +18,16 @@ A spare is an agent with parked workers and no node yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from tierswap.config import Config
+from tierswap.control import agent_tiers, agent_workers
 from tierswap.control import protocol as p
 from tierswap.control.agent_events import (
     AgentEvent,
-    AnswerAsk,
     Ask,
     Boot,
     Checked,
-    Checksum,
     ConfigureReplication,
     CoordinatorClosed,
     FromCoordinator,
@@ -34,7 +37,6 @@ from tierswap.control.agent_events import (
     Rejoined,
     Replicated,
     ReplicationFailed,
-    Reply,
     SegmentMade,
     Shutdown,
     Tick,
@@ -42,34 +44,16 @@ from tierswap.control.agent_events import (
     WarmRefused,
     WarmSegments,
     WorkerExited,
-    WritePart,
 )
+from tierswap.control.agent_tiers import PendingParts
 from tierswap.control.holds import Holds
 from tierswap.control.replication_queue import ReplicationQueue
-from tierswap.control.states import AGENT_PHASES, AgentPhase, Machine, WorkerState
-from tierswap.control.workers import Kill, Worker, WorkerTable
-from tierswap.errors import UsageError
+from tierswap.control.states import AGENT_PHASES, AgentPhase, Machine
+from tierswap.control.workers import WorkerTable
 from tierswap.faults import FaultPlan
 from tierswap.shm import SHM_DIR
-from tierswap.tiers.durable_deltas import Part
-from tierswap.tiers.memory import NodeRings, Slot
+from tierswap.tiers.memory import NodeRings
 from tierswap.tiers.replicas import PeerStore
-
-
-@dataclass(slots=True)
-class PendingParts:
-    """This node's parts of one tier-2 step, as they are written."""
-
-    step: int
-    ranks: set[int]
-    parts: dict[int, Any] = field(default_factory=dict)
-    """rank -> its PartInfo, once written."""
-    errors: dict[int, str] = field(default_factory=dict)
-
-
-BOOT_RETRIES = 3
-"""Replacement workers of one place that may die before they attach, in a row, before the
-agent takes the script for broken and the job stops."""
 
 
 def _unread(asked: list[int] | None, read: list[int] | None) -> list[int] | None:
@@ -155,31 +139,24 @@ class AgentCore:
             return []
         match event:
             case FromWorker():
-                self._from_worker(event, now)
+                agent_workers.from_worker(self, event, now)
             case FromCoordinator(env=env):
                 if self.door.admit(env):
                     self._from_coordinator(env, now)
             case Checked():
-                self._checked(event)
-            case Replicated(rank=rank, step=step, slot=slot, generation=gen, sent=sent):
-                self.rings.unlease(slot)
-                if sent is not None:
-                    stats = p.ReplicaSent(
-                        rank=rank, step=step, kind=sent.kind, nbytes=sent.nbytes,
-                        full=sent.full, encode_s=sent.encode_s,
-                    )  # fmt: skip
-                    self._tell(stats)
-                self._add(self.queue.done(rank, step, gen, self.rings[rank]))
+                agent_tiers.checked(self, event)
+            case Replicated():
+                agent_tiers.replicated(self, event)
             case ReplicationFailed(rank=rank, step=step, peer=to, error=error, generation=gen):
                 self._tell(p.ReplicateFailed(rank=rank, step=step, peer=to, error=error), gen)
             case PartWritten():
-                self._part_written(event)
+                agent_tiers.part_written(self, event)
             case Ask():
-                self._ask(event)
+                agent_tiers.ask(self, event)
             case WorkerExited(local=local, incarnation=incarnation, code=code):
-                self._exited(local, incarnation, code, now)
+                agent_workers.exited(self, local, incarnation, code, now)
             case Tick():
-                self._watch(now)
+                agent_workers.watch(self, now)
             case SegmentMade():
                 self._segment_made(event)
             case WarmRefused(why=why):  # the spare makes them when it takes a node
@@ -295,11 +272,11 @@ class AgentCore:
                 self.workers.settled(step)
                 self.peers.settled(step)
             case p.Persist():
-                self._persist(env.msg)
+                agent_tiers.persist(self, env.msg)
             case p.Warm(segments=sizes) if self.node is None:
                 self.warm = bool(sizes)
                 self.out.append(WarmSegments(tuple(sizes)))
-                self._reserve(tuple(sizes))
+                agent_workers.reserve(self, tuple(sizes))
             case p.Warm():
                 pass  # a member already: it made its own
             case p.Exit(code=code):
@@ -399,290 +376,3 @@ class AgentCore:
             self.rings.peer_committed(step)
             self.workers.settled(step)
         self.holds.committed(tier, step)
-
-    # ---------------------------------------------------------------- workers
-
-    def _from_worker(self, event: FromWorker, now: float) -> None:
-        msg, conn = event.env.msg, event.conn
-        match msg:
-            case p.Attach(local=local, incarnation=incarnation, pid=pid):
-                self.boot_failures.pop(local, None)
-                if self.workers.attach(conn, local, incarnation, pid, event.at):
-                    pids = sorted(w.pid for w in self.workers.procs.values() if w.pid)
-                    self.ready = p.Ready(replica=self.replica_address, workers=pids)
-                    self._tell(self.ready)
-                return
-            case p.Beat():
-                if (w := self.workers.of(conn)) is not None:
-                    w.seen = max(w.seen, event.at)
-                return
-            case p.Parked():
-                if (w := self.workers.of(conn)) is not None:
-                    w.seen = max(w.seen, event.at)
-                    self._parked(w, msg)
-                return
-        rank = getattr(msg, "rank", -1)
-        w = self.workers.by_rank.get(rank)
-        current = self.door.admit(event.env)
-        if not current or w is None or w.state not in (WorkerState.ASSIGNED, WorkerState.LEAVING):
-            if msg.call:  # from a worker of a stopped generation: its slots were reclaimed
-                self._reply(conn, p.Error(message=f"generation {event.env.gen} has ended"))
-            return
-        try:
-            self._request(conn, w, msg, now)
-        except (ValueError, KeyError, OSError) as e:  # UsageError is a ValueError
-            if msg.call:
-                self._reply(conn, p.Error(message=f"{type(e).__name__}: {e}"))
-            else:
-                self._tell(p.AgentError(rank=rank, request=p.tag_of(msg), error=str(e)))
-
-    def _reply(self, conn: int, msg: p.Message) -> None:
-        self.out.append(Reply(conn, msg, self.generation))
-
-    def _request(self, conn: int, w: Worker, msg: p.Message, now: float) -> None:
-        match msg:
-            case p.Alloc():
-                self._alloc(conn, msg)
-            case p.SlotRequest():
-                self._slot(conn, msg)
-            case p.Written():
-                self._written(msg)
-            case p.PlanRequest(rank=rank):
-                self._reply(conn, self._plan(rank))
-            case p.Restored(rank=rank):
-                self.rings.restored(rank)
-                self._tell(msg)
-            case p.Initialized():
-                self._tell(msg)
-            case p.Finished():
-                w.move(WorkerState.FINISHED)
-                self._tell(msg)
-                self._reply(conn, p.Ack())
-                self._maybe_stopped()  # a stop that came first counted on it to leave
-            case p.Fatal() | p.Corrupt() | p.InjectFired():
-                self._tell(msg)
-                self._reply(conn, p.Ack())
-            case p.Stepped(rank=rank):
-                self._tell(msg)
-                self.workers.first_step(rank, now)
-            case p.Report() | p.Joined() | p.Lagging():
-                self._tell(msg)
-            case _:
-                raise ValueError(f"unexpected request {p.tag_of(msg)!r}")
-
-    def _parked(self, w: Worker, msg: p.Parked) -> None:
-        if w.state not in (WorkerState.ASSIGNED, WorkerState.LEAVING):
-            return  # a worker parks once per generation it was given
-        leaving = w.state is WorkerState.LEAVING
-        w.move(WorkerState.PARKED)
-        if self.workers.reserve_bytes:  # its state is gone: memory for the next restore
-            self.workers.tell_reserve(w)
-        if not leaving and msg.generation == self.generation:
-            # it left on its own: a collective failed under it, or its source is bad
-            self._tell(p.Left(rank=msg.rank, reason=msg.reason, why=msg.why))
-        self._maybe_stopped()
-
-    def _alloc(self, conn: int, msg: p.Alloc) -> None:
-        msg.layout.check()
-        ring = self.rings[msg.rank]
-        try:  # the first slot now, the others on a thread (the first snapshot needs one)
-            alloc = ring.allocate(msg.layout, now=1)
-        except OSError as e:
-            why = f"{e} (slots of {msg.layout.nbytes:,} bytes)"
-            raise UsageError(self._no_room(0, msg.rank, why)) from e
-        self.holds.lost()  # the layout changed: steps of the old slots are gone
-        sizes = [msg.layout.nbytes] * len(alloc.names)
-        self._tell(p.Memory(rank=msg.rank, tier=0, nbytes=ring.nbytes(), segments=sizes))
-        self._reply(conn, p.Allocated(alloc=alloc.id, segments=list(alloc.names)))
-        self._reserve()
-
-    def _reserve(self, sizes: tuple[int, ...] = ()) -> None:
-        """What parked workers hold ready for a restore: the largest state of this node's
-        ranks (or, on a spare host, of the segments a node holds, ``sizes``)."""
-        if not self.cfg.warm_spares:
-            return
-        ranks = [r.alloc.layout.nbytes for _, r in self.rings.items() if r.alloc is not None]
-        self.workers.reserve(max((*ranks, *sizes), default=0))
-
-    def _slot(self, conn: int, msg: p.SlotRequest) -> None:
-        if self.phase != AgentPhase.SERVING:
-            raise ValueError(f"generation {self.generation} is ending: no new snapshots")
-        ring = self.rings[msg.rank]
-        slot, _ = ring.begin_write(msg.step, msg.alloc)
-        filling = slot is None and msg.wait and ring.filling()  # it asks again: no skip
-        self._reply(conn, p.SlotGranted(slot=slot, filling=filling))
-        if ring.gave_way is not None:  # that step's snapshot is gone before it committed
-            self._tell(p.Skipped(rank=msg.rank, step=ring.gave_way))
-        if ring.hold_in_way is not None:
-            self.holds.ask_to_let_go(ring.hold_in_way)
-        if filling:
-            return
-        if slot is None and not msg.retry and self.last_skipped.get(msg.rank) != msg.step:
-            self.last_skipped[msg.rank] = msg.step
-            self._tell(p.Skipped(rank=msg.rank, step=msg.step))
-
-    def _written(self, msg: p.Written) -> None:
-        ring = self.rings[msg.rank]
-        slot = ring.written(msg.slot, msg.step, msg.alloc, msg.tree)
-        self.checks += 1
-        if msg.checksum:  # hashed by the worker's copy as it wrote: no second read here
-            self._checked(Checked(msg.rank, msg.step, slot, msg.checksum))
-        else:
-            self.out.append(Checksum(msg.rank, msg.step, slot, ring.layout()))
-        if msg.step > self.progress_step or msg.rank == 0:
-            self.progress_step = max(self.progress_step, msg.step)
-            stall = msg.stall if msg.rank == 0 else None
-            self._tell(p.Progress(step=msg.step, stall=stall))
-
-    def _plan(self, rank: int) -> p.PlanReply:
-        plan = self.plans.get(rank, p.RankPlan(step=None))
-        if plan.step is None:
-            return p.PlanReply(step=None, init=self.init)
-        if not isinstance(plan.source, p.FromMemory):
-            assert plan.source is not None
-            return p.PlanReply(step=plan.step, source=plan.source)
-        slot = self.rings.lease_for_restore(rank, plan.step)
-        if slot is None:
-            raise ValueError(f"rank {rank}: tier 0 no longer holds step {plan.step}")
-        source = p.FromSlot(
-            segment=slot.segment.path.name,
-            layout=self.rings[rank].layout(),
-            tree=slot.tree,
-            checksum=slot.checksum,
-        )
-        return p.PlanReply(step=plan.step, source=source)
-
-    def _tier0_lease(self, rank: int, step: int) -> Slot | None:
-        """A tier-0 snapshot read by a peer's worker rebuilding a rank of its parity set;
-        given back with ``tier0_unlease``."""
-        ring = self.rings.by_rank.get(rank)
-        return None if ring is None else ring.lease(step)
-
-    def _exited(self, local: int, incarnation: int, code: int, now: float) -> None:
-        w = self.workers.procs.get(local)
-        if w is None or w.incarnation != incarnation:
-            return
-        if w.state is WorkerState.FINISHED:  # its state is saved; a crash at exit is reported
-            if code != 0 and w.rank is not None:
-                self._tell(p.ExitedAfterFinish(rank=w.rank, code=code))
-            return
-        if w.state is WorkerState.STARTING:  # it never attached
-            failures = self.boot_failures[local] = self.boot_failures.get(local, 0) + 1
-            if not self.workers.all_attached or failures > BOOT_RETRIES:
-                self._tell(p.StartFailed(local=local, code=code))  # the script itself fails
-                return
-            # a replacement killed while it imported (the node's first workers did attach):
-            # another one, a few times, before this counts as the script failing
-            self.workers.spawn(local, now)
-            return
-        running = w.state in (WorkerState.ASSIGNED, WorkerState.LEAVING)
-        if running and w.generation == self.generation and w.rank is not None:
-            self.workers.spent.add(w.rank)
-            self._tell(p.Exited(rank=w.rank, code=code))
-        elif self.node is None or w.rank is None:
-            self._tell(p.SpareWorkerExited(local=local, code=code))
-        self.workers.replace(local, now)  # a fresh parked worker, for this rank or a spare
-        self._maybe_stopped()
-
-    def _watch(self, now: float) -> None:
-        """Kill a worker that is silent past its lease (a hang) or that does not leave its
-        generation in time; its exit is then handled as a crash. After a pause of this
-        process (ticks far apart) its workers get fresh leases instead."""
-        gap, self.last_tick = now - self.last_tick, now
-        if gap > self.cfg.lease / 2:
-            self._tell(p.Paused(seconds=gap))
-            for w in self.workers.procs.values():
-                w.seen = max(w.seen, now)
-                w.deadline += gap
-        for w, why in self.workers.overdue(now, self.cfg.lease):
-            self._tell(p.Hung(rank=-1 if w.rank is None else w.rank, pid=w.pid or -1, why=why))
-            self.out.append(Kill(w.local, w.incarnation))
-            w.deadline = w.seen = float("inf")
-
-    # ---------------------------------------------------------------- background results
-
-    def _checked(self, event: Checked) -> None:
-        self.checks -= 1
-        ring = self.rings[event.rank]
-        if event.error is not None:  # the snapshot is not kept: its slot is free again
-            ring.abandon(event.slot)
-            why = f"checksum of step {event.step}: {event.error}"
-            self._tell(p.AgentError(rank=event.rank, request="written", error=why))
-            self._maybe_stopped()
-            return
-        ring.checked(event.slot, event.checksum)
-        self._add(self.queue.offer(event.rank, ring))
-        self.holds.maybe(0)
-        if self.peers.parity:  # a parity complete before its step was in tier 0 here
-            self.holds.maybe(1)
-        self._maybe_stopped()
-
-    def _persist(self, msg: p.Persist) -> None:
-        if msg.token in self.persisting:
-            return  # the same request again: its parts are being written
-        lost = sorted(r for r, node in msg.replicas.items() if node == self.node)
-        pending = PendingParts(msg.step, {*self.ranks, *lost})
-        self.persisting[msg.token] = pending
-        if self.faults.fails_persist(msg.step):
-            pending.errors = {r: "tier-2 write refused (injected)" for r in pending.ranks}
-        for rank in [] if pending.errors else sorted(pending.ranks):
-            # a lost node's rank is written from the replica this node holds (full only)
-            ring = self.peers.rings.get(rank) if rank in lost else self.rings.by_rank.get(rank)
-            slot = None if ring is None else ring.lease(msg.step)
-            if slot is None or ring is None:
-                where = "tier 1 (full replicas)" if rank in lost else "tier 0"
-                pending.errors[rank] = f"{where} no longer holds it"
-                continue
-            part = Part(msg.root, msg.step, rank, msg.world_size, ring.layout(), slot, msg.token)
-            self.out.append(WritePart(part, msg.bases, self.faults.persist_delay()))
-        self._maybe_parts(msg.token)
-
-    def _part_written(self, event: PartWritten) -> None:
-        if not self.rings.unlease(event.slot):  # a lost rank's part, from a replica
-            self.peers.unlease(event.rank, event.slot)
-        pending = self.persisting.get(event.token)
-        if pending is None:
-            return  # asked before a restart: not wanted any more
-        if event.part is not None:
-            pending.parts[event.rank] = event.part
-        else:
-            pending.errors[event.rank] = event.error or "not written"
-        self._maybe_parts(event.token)
-
-    def _maybe_parts(self, token: int) -> None:
-        pending = self.persisting[token]
-        if len(pending.parts) + len(pending.errors) < len(pending.ranks):
-            return
-        del self.persisting[token]
-        parts = [pending.parts[r] for r in sorted(pending.parts)]
-        msg = p.Parts(token=token, step=pending.step, parts=parts, errors=pending.errors)
-        self._tell(msg)
-
-    def _ask(self, event: Ask) -> None:
-        """A replica-server thread's request, run here where the replica store lives."""
-        handlers: dict[str, Any] = {
-            "replica_slot": self.peers.slot,
-            "replica_received": self.peers.received,
-            "replica_written": self.peers.written,
-            "replica_lease": self.peers.lease,
-            "replica_unlease": self.peers.unlease,
-            "replica_base": self.peers.base,
-            "replica_delta_written": self.peers.delta_written,
-            "parity_slot": self.peers.parity_slot,
-            "parity_added": self.peers.parity_added,
-            "parity_checked": self.peers.parity_checked,
-            "tier0_lease": self._tier0_lease,
-            "tier0_unlease": self.rings.unlease,
-        }
-        if event.op == "replica_served":
-            self._tell(p.ReplicaServed(**event.fields))
-            self.out.append(AnswerAsk(event.answer, None))
-            return
-        try:
-            value = handlers[event.op](**event.fields)
-        except Exception as e:  # handed to the asking thread, which fails its transfer
-            self.out.append(AnswerAsk(event.answer, None, e))
-            return
-        self.out.append(AnswerAsk(event.answer, value))
-        self.holds.lost()
-        self.holds.maybe(1)
