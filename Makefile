@@ -63,12 +63,13 @@ bench-peers: $(STAMP)
 # $OUT/gpu-check.json where OUT is set (the device tool's output folder), else here.
 GPU_PY ?= python3
 GPU_SITE := /tmp/tierswap-gpu-site
-GPU_WHEELS := msgspec==0.22.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+GPU_WHEELS := msgspec==0.22.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
+  setproctitle==1.3.8
 
 # (every third-party module the check and its jobs import, tried first: one that only a
 # job's worker imports, cryptography say, would otherwise fail minutes in)
 GPU_IMPORTS := msgspec, zstandard, cryptography.x509, xxhash, safetensors.torch, psutil, \
-  fsspec, rich, numpy, pytest, pytest_timeout
+  fsspec, rich, numpy, pytest, pytest_timeout, setproctitle
 
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PY) -m pip install -q --no-index --no-deps \

@@ -31,7 +31,8 @@ with open(out, "w") as f:
     json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "pgid": os.getpgid(0),
                "env": os.environ.get("ONLY_HERE"), "main": __name__,
                "torch": "torch" in sys.modules, "stdin": os.readlink("/proc/self/fd/0"),
-               "name": open("/proc/self/comm").read().strip()}, f)
+               "name": open("/proc/self/comm").read().strip(),
+               "cmdline": open("/proc/self/cmdline").read().rstrip("\\0")}, f)
 class Kept:
     pass
 if code == 0:  # what the interpreter ends at its exit, a fork ends too
@@ -153,8 +154,10 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
         seen = json.loads((tmp_path / f"{code}.json").read_text())
         assert seen == {"argv": [str(tmp_path / f"{code}.json"), str(code)], "cwd": str(tmp_path),
                         "pgid": os.getpgid(0), "env": "yes", "main": "__main__",
-                        "torch": True, "stdin": os.devnull,
-                        "name": "tierswap-worker"}, seen  # fmt: skip
+                        "torch": True, "stdin": os.devnull, "name": "tierswap-worker",
+                        # what ps shows of a worker started alone, not the template's
+                        "cmdline": f"{sys.executable} {script} {tmp_path / f'{code}.json'} {code}",
+                        }, seen  # fmt: skip
     assert (tmp_path / "0.json.tail").read_text() == "flushed at exit"
     assert (tmp_path / "0.json.late").exists(), "a thread at exit did not see the script's __main__"
     asked, handle = _fork(client, script, tmp_path / "slow.json", 98, tmp_path)

@@ -49,6 +49,8 @@ from importlib.machinery import SourceFileLoader
 from pathlib import Path
 from typing import NoReturn
 
+import setproctitle
+
 from tierswap.control import protocol as p
 from tierswap.wire import Channel, Listener
 
@@ -235,6 +237,7 @@ def _child(
         os.environ.update(msg.env)
         if msg.cpus:
             os.sched_setaffinity(0, msg.cpus)
+        _title(msg.argv)
         code = _run_script(msg.argv)
     except BaseException:
         traceback.print_exc()
@@ -266,10 +269,19 @@ def _die_with(template: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        # its name in ps, top (its command line stays the template's)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))
     if os.getppid() != template:  # the template died before the line above
         os._exit(1)
+
+
+def _title(argv: list[str]) -> None:
+    """The fork's command line becomes the one a worker started alone has (``python
+    SCRIPT ARGS``: what ``ps``, ``pgrep -f`` and a cluster's monitoring look for, not the
+    template's), and its process name ``tierswap-worker`` (``/proc/PID/comm``, in ``top``
+    and ``ps -e``)."""
+    setproctitle.setproctitle(" ".join([sys.executable, *argv]))
+    with contextlib.suppress(OSError, AttributeError):  # after: setproctitle sets it too
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))
 
 
 PR_SET_PDEATHSIG = 1
@@ -339,6 +351,9 @@ def preload() -> None:
 def main() -> None:
     from tierswap.cluster.multihost import KEY_ENV
 
+    # setproctitle finds the room for a fork's command line (_title) through the
+    # environment this process started with: it looks now, before anything changes that
+    setproctitle.getproctitle()
     parent = os.getppid()
     starter = os.environ.pop(TEMPLATE_PARENT_ENV, None)
     if starter is not None and int(starter) != parent:  # gone already: so is the job
