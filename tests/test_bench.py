@@ -277,6 +277,7 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
         assert res[key]["copy_vs_bare"]["median"] > 0
         assert res[key]["gate_s"]["median"] >= 0 and res[key]["stall_s"]["median"] >= 0
+        assert res[key]["agents_vs_tcp"] > 0, "replication's CPU against TCP's"
     for key in ("memcpy", "memcpy_pinned"):
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"
         assert res[key]["agents_cpu_s_per_gib"]["median"] == 0, "no snapshot: no GiB"
@@ -302,8 +303,11 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
         "plain_pinned": [job(4.0), None, job(4.0)],
         "tier0_pinned": [job(4.4, 0.2), job(4.0, 0.2), job(4.0, 0.2)],
         "memcpy": [job(1.05, copy=0.1), job(2.0, copy=0.16), job(1.2, copy=0.25)],
+        "tier01": [job(1.4, 1.0), job(2.8, 1.2), job(1.4, 0.8)],
     }
-    res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14)
+    res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14, tcp_cpu=0.5)
+    assert res["tier01"]["agents_vs_tcp"] == pytest.approx(2.0), "its agents' median, 1.0"
+    assert "agents_vs_tcp" not in res["tier0"], "tier 0 sends nothing"
     assert res["memcpy"]["overhead"]["samples"] == pytest.approx([0.05, 0.0, 0.2])
     assert res["tier0"]["copy_vs_bare"]["samples"] == pytest.approx([2.0, 0.8]), (
         "each round's copy against that round's bare memcpy; round 2 failed"
@@ -333,7 +337,7 @@ def test_limits_measured_round_by_round_pool_into_one_set_of_stats(tmp_path: Pat
     two = limits.measure(1 << 20, 2, tmp_path)
     pooled = limits.pooled([one, two])
     assert pooled["nbytes"] == 1 << 20
-    for name in ("memcpy", "xxh3", "tcp", "write_fsync"):
+    for name in ("memcpy", "xxh3", "tcp", "write_fsync", "tcp_cpu"):
         samples = one[name]["samples"] + two[name]["samples"]
         assert pooled[name]["samples"] == samples and len(samples) == 3
         assert pooled[name]["median"] == sorted(samples)[1]

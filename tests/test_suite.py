@@ -40,7 +40,7 @@ def _overhead() -> dict[str, Any]:
     tier0 = mode(0.41, _stats(0.03, 0.02, 0.04), 0.004) | {"copy_vs_bare": _stats(1.25, 1.2, 1.4)}
     return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
             "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
-            "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03},
+            "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03, "agents_vs_tcp": 1.1},
             "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004)}  # fmt: skip
 
 
@@ -50,7 +50,8 @@ def _folder(tmp_path: Path, benches: dict[str, tuple[str, Any]]) -> Path:
     folder.mkdir()
     index: dict[str, Any] = {"machine": suite.machine(), "quick": False, "wall_s": 60.0,
                              "limits": {"nbytes": 1 << 20, "memcpy": _stats(8 * 2**30),
-                                        "tcp": _stats(2 * 2**30)}, "benches": {}}  # fmt: skip
+                                        "tcp": _stats(2 * 2**30), "tcp_cpu": _stats(0.4)},
+                             "benches": {}}  # fmt: skip
     for name, (status, res) in benches.items():
         index["benches"][name] = {"what": name, "args": ["--repeats", "1"], "status": status,
                                   "seconds": 3.0, "log": f"{name}.log"}  # fmt: skip
@@ -83,6 +84,9 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert "20.00 %" in stall and stall.endswith("| **no** |")
     gate = rows["trainer's wait for tier 1 (--max-redo 1), % of its step (tiers 0+1, unpinned)"]
     assert "3.00 %" in gate and gate.endswith("| – | – |")
+    tcp = rows["agents' CPU per GiB / one loopback TCP stream's, both ends (tiers 0+1, unpinned)"]
+    assert "1.10x" in tcp and tcp.endswith("| – | – |")
+    assert "| one loopback TCP stream's CPU, both ends | 0.400 CPU-s/GiB" in md
     floor = rows["floor: a bare memcpy of the state every step, unpinned"]
     assert "+7.0 %" in floor and floor.endswith("| – | – |"), "the floor is no claim"
     bare = rows["/ a bare memcpy's of the same state in the same training (same load)"]

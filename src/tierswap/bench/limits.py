@@ -1,9 +1,9 @@
 """What this machine can move at most, measured in the run that compares against it: a
 plain memcpy (libc's, the fastest plain copy: torch's ``copy_`` of the same bytes,
 measured beside it, takes 1.8x as long here), an xxh3 pass (the checksum every tier
-uses), one loopback TCP stream, and a sequential write with fsync. Each a median over
-interleaved repetitions, in bytes per second; a phase's floor is its bytes over the limit
-of the way they move."""
+uses), one loopback TCP stream (and its CPU, both ends), and a sequential write with
+fsync. Each a median over interleaved repetitions, in bytes per second; a phase's floor
+is its bytes over the limit of the way they move."""
 
 from __future__ import annotations
 
@@ -62,11 +62,14 @@ class _Sink:
                 conn.sendall(b"k")
 
     def once(self, data: memoryview) -> Sample:
-        t0 = time.monotonic()
+        """Its speed, and the CPU seconds per GiB both ends spent (this process's: the
+        sender here, the sink's thread, and the kernel's work on their behalf)."""
+        t0, cpu0 = time.monotonic(), time.process_time()
         self.sock.sendall(data)
         if self.sock.recv(1) != b"k":
             raise EOFError("the bench's loopback sink closed")
-        return {"bps": len(data) / (time.monotonic() - t0)}
+        cpu = time.process_time() - cpu0
+        return {"bps": len(data) / (time.monotonic() - t0), "cpu": cpu / (len(data) / 2**30)}
 
     def close(self) -> None:
         self.sock.close()
@@ -104,8 +107,10 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
     """The four limits at ``nbytes``: ``{"memcpy": stats, "xxh3": ..., "tcp": ...,
     "write_fsync": ...}`` (the stats of bytes per second), each on one core, as the jobs
-    compared against them run (one torch thread per worker); and ``"torch_copy"``, torch's
-    ``copy_`` of the same bytes, beside the memcpy it is not."""
+    compared against them run (one torch thread per worker); ``"tcp_cpu"``, the CPU
+    seconds per GiB of the TCP stream, both ends (the floor of a replica's cost: sent
+    once, received once); and ``"torch_copy"``, torch's ``copy_`` of the same bytes,
+    beside the memcpy it is not."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -131,4 +136,5 @@ def _measure(nbytes: int, repeats: int, folder: Path) -> dict[str, Any]:
         res = interleave(methods, repeats, lambda: None, alternate=True)
     finally:
         sink.close()
-    return {"nbytes": nbytes, **{name: r["bps"] for name, r in res.items()}}
+    return {"nbytes": nbytes, **{name: r["bps"] for name, r in res.items()},
+            "tcp_cpu": res["tcp"]["cpu"]}  # fmt: skip

@@ -147,16 +147,20 @@ def job_costs(
 
 def summarize(
     runs: Mapping[str, Sequence[dict[str, float] | None]], memcpy_bps: float, size_mib: int,
-    steps: int,
+    steps: int, tcp_cpu: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Per run key (``tier0``, ``tier01_pinned``, ...) the stats of its figures, its
     overhead against the plain run of the same pinning in the same round (a round where
     either failed is left out), its CPU per GiB against a one-core memcpy alone, and its
-    copy's CPU against the ``memcpy`` run's of the same pinning, round by round."""
+    copy's CPU against the ``memcpy`` run's of the same pinning, round by round; with
+    ``tcp_cpu`` (one loopback TCP stream's CPU seconds per GiB, both ends) tier 1's
+    agents' CPU against it: each GiB snapshotted is sent once and received once."""
     memcpy_cpu = 2**30 / memcpy_bps  # one core: CPU seconds per GiB
     out: dict[str, Any] = {"size_mib": size_mib, "steps": steps,
                            "cpus": len(os.sched_getaffinity(0)),
                            "memcpy_cpu_s_per_gib": memcpy_cpu}  # fmt: skip
+    if tcp_cpu:
+        out["tcp_cpu_s_per_gib"] = tcp_cpu
     for key, rs in runs.items():
         pin = "_pinned" if key.endswith("_pinned") else ""
         base = runs.get("plain" + pin, [])
@@ -171,6 +175,8 @@ def summarize(
         entry["gate_of_step"] = entry["gate_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
+        if tcp_cpu and key.startswith("tier01"):
+            entry["agents_vs_tcp"] = entry["agents_cpu_s_per_gib"]["median"] / tcp_cpu
         bare = runs.get("memcpy" + pin, [])
         same = [(r["copy_cpu_s_per_gib"], b["copy_cpu_s_per_gib"])
                 for r, b in zip(rs, bare, strict=False)
@@ -218,7 +224,7 @@ def report(res: dict[str, Any]) -> None:
     table = Table(title=title)
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
                 "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
-                "vs memcpy (agents)"):  # fmt: skip
+                "vs memcpy (agents)", "vs TCP (agents)"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
@@ -226,7 +232,7 @@ def report(res: dict[str, Any]) -> None:
         e = res[key]
         if "step_s" not in e:
             table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
-                          f"{e['unpaired']}", "", "", "", "", "", "", "", "")  # fmt: skip
+                          f"{e['unpaired']}", "", "", "", "", "", "", "", "", "")  # fmt: skip
             continue
         o = e["overhead"]
         table.add_row(
@@ -242,9 +248,12 @@ def report(res: dict[str, Any]) -> None:
             _ratio(e.get("copy_vs_bare")),
             f"{e['agents_cpu_s_per_gib']['median']:.3f}",
             f"{e['agents_vs_memcpy']:.2f}x" if key.startswith("tier") else "",
+            f"{e['agents_vs_tcp']:.2f}x" if "agents_vs_tcp" in e else "",
         )
     Console(width=180).print(table)
-    print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB")
+    print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")
+    tcp = res.get("tcp_cpu_s_per_gib")
+    print(f"; one loopback TCP stream, both ends: {tcp:.3f} CPU-s/GiB" if tcp else "")
 
 
 def _ratio(s: dict[str, Any] | None) -> str:

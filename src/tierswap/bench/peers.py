@@ -639,8 +639,8 @@ def run(cfg: Config) -> dict[str, Any]:
         lim = limits.pooled(lims) if lims else {}
         kinds: list[str] = [k for k in ("worker", "node") if k in bench.accounts]
         if ov:
-            memcpy = lim["memcpy"]["median"]
-            out["overhead"] = overhead.summarize(ov, memcpy, cfg.size_mib, cfg.steps)
+            memcpy, tcp_cpu = lim["memcpy"]["median"], lim["tcp_cpu"]["median"]
+            out["overhead"] = overhead.summarize(ov, memcpy, cfg.size_mib, cfg.steps, tcp_cpu)
         if bench.accounts:  # bench recovery's figures at this size, from the same jobs
             runs: dict[str, list[dict[str, Any]]] = {k: bench.accounts[k] for k in kinds}
             out["recovery_curve"] = {str(cfg.size_mib): recovery.size_entry(runs, lim)}

@@ -101,14 +101,12 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
                      f"{100 * o['stall_of_step']:.2f} %", f"≤ {100 * stall_goal:g} %",
                      _met(o["stall_of_step"] <= stall_goal)])  # fmt: skip
         if mode.startswith("tier01") and "gate_of_step" in o:  # counted in the overhead
-            rows.append(
-                [
-                    f"  trainer's wait for tier 1 (--max-redo 1), % of its step ({_mode(mode)})",
-                    f"{100 * o['gate_of_step']:.2f} %",
-                    "–",
-                    "–",
-                ]
-            )
+            gate = f"{100 * o['gate_of_step']:.2f} %"
+            rows.append([f"  trainer's wait for tier 1 (--max-redo 1), % of its step "
+                         f"({_mode(mode)})", gate, "–", "–"])  # fmt: skip
+        if "agents_vs_tcp" in o:  # replication's CPU against the network stack's floor
+            rows.append([f"  agents' CPU per GiB / one loopback TCP stream's, both ends "
+                         f"({_mode(mode)})", f"{o['agents_vs_tcp']:.2f}x", "–", "–"])  # fmt: skip
         pin = mode.removeprefix("tier01").removeprefix("tier0")
         bare = over.get("memcpy" + pin, {})
         if mode.startswith("tier01") and "overhead" in bare:  # once per pinning
@@ -193,6 +191,9 @@ def _limits_section(index: Res) -> list[str]:
         "write_fsync": "sequential write + fsync",
     }
     rows = [[names[k], _stats_cell(lim[k], 1 / GIB, "GiB/s")] for k in names if k in lim]
+    if "tcp_cpu" in lim:  # CPU, not speed: the floor of what a replica costs the agents
+        rows.append(["one loopback TCP stream's CPU, both ends",
+                     _stats_cell(lim["tcp_cpu"], 1, "CPU-s/GiB", 3)])  # fmt: skip
     size = lim.get("nbytes", 0) / MIB
     return [f"### The machine's limits ({size:.0f} MiB per pass)", "",
             *_table(["limit", "median (min – max)"], rows)]  # fmt: skip
