@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tierswap.bench import peers
+from tierswap.bench import peerjobs, peeroutput, peers, peersummary
 
 
 def note(rank: int, step: int, t: float, stall: float = 0.0) -> dict[str, Any]:
@@ -24,55 +24,55 @@ def test_recovery_runs_from_the_victims_step_8_to_the_last_ranks_next_step() -> 
     notes = [note(0, 7, 1.0), note(1, 7, 1.1), note(1, 8, 2.0), note(0, 8, 2.05)]
     # the restarted attempt appends: rank 1 first, rank 0's next step later
     notes += [note(1, 9, 9.0), note(0, 9, 9.5), note(0, 10, 10.0), note(1, 10, 10.1)]
-    assert peers.recovery_seconds(notes) == pytest.approx(7.5)
+    assert peeroutput.recovery_seconds(notes) == pytest.approx(7.5)
 
 
 def test_recovery_takes_a_rank_whose_pre_kill_step_8_ends_after_the_kill() -> None:
     # rank 0 finishes step 8 just after rank 1 died: its recovery is its step 9, not 8
     notes = [note(1, 8, 2.0), note(0, 8, 2.01), note(1, 9, 5.0), note(0, 9, 5.2)]
-    assert peers.recovery_seconds(notes) == pytest.approx(3.2)
+    assert peeroutput.recovery_seconds(notes) == pytest.approx(3.2)
 
 
 def test_recovery_redone_steps_count_as_the_first_step_after_the_kill() -> None:
     # a restart from step 7's checkpoint redoes step 8 on every rank
     notes = [note(0, 8, 2.0), note(1, 8, 2.0), note(0, 8, 6.0), note(1, 8, 6.1)]
-    assert peers.recovery_seconds(notes) == pytest.approx(4.1)
+    assert peeroutput.recovery_seconds(notes) == pytest.approx(4.1)
 
 
 def test_recovery_with_a_kill_time_when_the_victims_notes_died_with_it() -> None:
     # a buffered times file: the victim's notes are gone, its replacement redoes step 8
     notes = [note(0, 7, 1.0), note(0, 8, 2.0), note(1, 8, 3.0), note(1, 9, 3.5)]
     notes += [note(0, 8, 3.1), note(0, 9, 3.6)]
-    assert peers.recovery_seconds(notes, kill_t=2.5) == pytest.approx(0.6)
+    assert peeroutput.recovery_seconds(notes, kill_t=2.5) == pytest.approx(0.6)
 
 
 def test_recovery_names_what_is_missing() -> None:
     with pytest.raises(ValueError, match="rank 1 wrote no step-8 entry"):
-        peers.recovery_seconds([note(0, 8, 1.0), note(1, 7, 1.0)])
+        peeroutput.recovery_seconds([note(0, 8, 1.0), note(1, 7, 1.0)])
     with pytest.raises(ValueError, match=r"ranks \[0\] completed no step after the kill"):
-        peers.recovery_seconds([note(0, 8, 1.0), note(1, 8, 1.0), note(1, 9, 3.0)])
+        peeroutput.recovery_seconds([note(0, 8, 1.0), note(1, 8, 1.0), note(1, 9, 3.0)])
 
 
 def test_checkpoint_costs_take_rank_0s_steps_and_the_longest_stall_of_each_step() -> None:
     notes = []
     for s in range(14):
         notes += [note(0, s, 0.5 * s, stall=0.1), note(1, s, 0.5 * s, stall=0.2 if s > 3 else 9)]
-    costs = peers.checkpoint_costs(notes)
+    costs = peeroutput.checkpoint_costs(notes)
     assert costs["step_s"] == pytest.approx(0.5)
     assert costs["stall_s"] == pytest.approx(0.2)  # steps 0-3 left out
 
 
 def test_summaries_give_exactness_and_per_round_ratios_with_a_failed_round() -> None:
     runs: dict[str, list[dict[str, Any] | None]] = {
-        peers.BASE_RECOVERY: [_rec(0.5, True), _rec(1.0, True), _rec(0.5, True)],
+        peersummary.BASE_RECOVERY: [_rec(0.5, True), _rec(1.0, True), _rec(0.5, True)],
         "torchft-heal": [_rec(5.0, False), None, _rec(10.0, False)],
     }
-    s = peers.summarize_recovery(runs)
+    s = peersummary.summarize_recovery(runs)
     ft = s["torchft-heal"]
-    assert peers.exactness(ft["exact"]) == "0/2"
+    assert peersummary.exactness(ft["exact"]) == "0/2"
     assert ft["failed"] == 1
-    assert ft[f"vs_{peers.BASE_RECOVERY}"]["samples"] == [10.0, 20.0]  # round 2 left out
-    assert peers.exactness(s[peers.BASE_RECOVERY]["exact"]) == "3/3"
+    assert ft[f"vs_{peersummary.BASE_RECOVERY}"]["samples"] == [10.0, 20.0]  # round 2 left out
+    assert peersummary.exactness(s[peersummary.BASE_RECOVERY]["exact"]) == "3/3"
 
 
 def _rec(seconds: float, exact: bool) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def test_checkpoint_overhead_is_against_the_plain_run_of_the_same_round() -> Non
         "tier0": [{"step_s": 1.1, "stall_s": 0.01}, {"step_s": 2.2, "stall_s": 0.01}],
         "torch-save": [{"step_s": 1.5, "stall_s": 0.5}, {"step_s": 3.0, "stall_s": 0.5}],
     }
-    s = peers.summarize_checkpoint(runs)
+    s = peersummary.summarize_checkpoint(runs)
     assert s["torch-save"]["overhead"]["samples"] == pytest.approx([0.5, 0.5])
     assert s["torch-save"]["stall_vs_tier0"]["median"] == pytest.approx(50.0)
     assert "overhead" not in s["plain"]
@@ -152,9 +152,9 @@ def test_a_missing_peer_scripts_folder_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = tmp_path / "site" / "pkgs" / "tierswap" / "__init__.py"
-    monkeypatch.setattr(peers.tierswap, "__file__", str(fake))
+    monkeypatch.setattr(peerjobs.tierswap, "__file__", str(fake))
     with pytest.raises(FileNotFoundError, match="installed wheel has no bench/"):
-        peers.peers_folder()
+        peerjobs.peers_folder()
 
 
 def _ours_alive(prefix: str) -> list[str]:
@@ -195,7 +195,7 @@ def test_torchrun_dcp_and_hot_swap_recoveries_end_to_end_are_exact_and_leave_not
     args = _args(
         size_mib=[1], json=str(out), peers_python=sys.executable, only=["torchrun-dcp", *swaps]
     )
-    have_peers = all(peers._probe(None).get(lib) for lib in peers.PEER_LIBS)
+    have_peers = all(peerjobs.probe(None).get(lib) for lib in peerjobs.PEER_LIBS)
     assert peers.main(args) == 0
     res = json.loads(out.read_text())
     assert res["failures"] == []
@@ -227,26 +227,26 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     pinned twin is its system with tierswap's own work on a core of its own."""
     cfg = peers.Config(size_mib=1, repeats=1, peers_python=None, only=frozenset({"tier01"}))
     bench = peers.Bench(cfg, tmp_path, sys.executable, tmp_path)
-    assert "--out" in bench.tierswap_cmd("tier01", tmp_path / "a", out=True)
-    assert "--out" not in bench.tierswap_cmd("tier01", tmp_path / "b")
+    assert "--out" in bench.commands.tierswap_cmd("tier01", tmp_path / "a", out=True)
+    assert "--out" not in bench.commands.tierswap_cmd("tier01", tmp_path / "b")
     # DLRover's reference is round one's dlrover-memory job, which then writes its state
-    assert peers.OWN_REFERENCE["dlrover"] == "dlrover-memory"
-    assert peers.REFERENCE["dlrover-restart"] == "dlrover"
-    memory = bench.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint", out=True)
-    restart = bench.peer_cmd("dlrover", tmp_path / "d", "reference")
+    assert peerjobs.OWN_REFERENCE["dlrover"] == "dlrover-memory"
+    assert peerjobs.REFERENCE["dlrover-restart"] == "dlrover"
+    memory = bench.commands.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint", out=True)
+    restart = bench.commands.peer_cmd("dlrover", tmp_path / "d", "reference")
     assert "--out" in memory and memory == restart, "the same command as its own reference"
-    assert "--out" not in bench.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint")
-    twin = bench.tierswap_cmd("tier0-pinned", tmp_path / "c")
+    assert "--out" not in bench.commands.peer_cmd("dlrover-memory", tmp_path / "d", "checkpoint")
+    twin = bench.commands.tierswap_cmd("tier0-pinned", tmp_path / "c")
     assert "--agent-cpus" in twin and "--worker-cpus" in twin and "--replicas" in twin
-    assert "--plain" in bench.tierswap_cmd("plain-pinned", tmp_path / "d")
-    bare = bench.tierswap_cmd("memcpy-pinned", tmp_path / "e")
+    assert "--plain" in bench.commands.tierswap_cmd("plain-pinned", tmp_path / "d")
+    bare = bench.commands.tierswap_cmd("memcpy-pinned", tmp_path / "e")
     assert "--plain" in bare and "--memcpy" in bare and "--agent-cpus" in bare
-    assert "--memcpy" not in bench.tierswap_cmd("plain", tmp_path / "f")
-    assert peers.tierswap_side("plain-pinned") and not peers.tierswap_side("torch-save")
+    assert "--memcpy" not in bench.commands.tierswap_cmd("plain", tmp_path / "f")
+    assert peerjobs.tierswap_side("plain-pinned") and not peerjobs.tierswap_side("torch-save")
     folder = tmp_path / "job"
     folder.mkdir()
     notes = [{"rank": 0, "step": s, "t": 0.5 * s, "stall": 0.01, "gate": 0.004, "copy_cpu": 0.0}
-             for s in range(peers.STEPS)]  # fmt: skip
+             for s in range(peerjobs.STEPS)]  # fmt: skip
     (folder / "times.jsonl").write_text("\n".join(map(json.dumps, notes)))
     entered: list[Path] = []
 
@@ -282,16 +282,16 @@ def test_round_ones_dlrover_memory_job_is_dlrovers_reference_else_it_gets_one_of
     its final state written): no reference job of its own, and the restart is compared
     with that job's folder; where that job fails, the first recovery runs one."""
     have = {"dlrover": "0.6.1", "torchft": None, "torch": "2.13.0", "python": sys.executable}
-    monkeypatch.setattr(peers, "_probe", lambda python: have)
+    monkeypatch.setattr(peerjobs, "probe", lambda python: have)
     compared: list[Path] = []
 
     def same_bits(ref: Path, run: Path) -> tuple[list[str], list[str]]:
         compared.append(ref.parent)
         return [], []
 
-    monkeypatch.setattr(peers, "same_bits", same_bits)
+    monkeypatch.setattr(peeroutput, "same_bits", same_bits)
     notes = [{"rank": r, "step": s, "t": 0.5 * s + 0.01 * r, "stall": 0.01}
-             for s in range(peers.STEPS) for r in (0, 1)]  # fmt: skip
+             for s in range(peerjobs.STEPS) for r in (0, 1)]  # fmt: skip
     calls: list[tuple[str, str, bool, Path | None]] = []
     failing: set[tuple[str, str]] = set()
 
@@ -338,7 +338,7 @@ def test_a_recovery_whose_events_cannot_be_read_still_counts_its_seconds(
     a part of it (no ``restored`` here) keeps its recovery seconds, and says why it gave
     no account instead of ending the benchmark."""
     notes = [{"rank": r, "step": s, "t": 0.5 * s + 0.01 * r, "stall": 0.0}
-             for s in range(peers.STEPS) for r in (0, 1)]  # fmt: skip
+             for s in range(peerjobs.STEPS) for r in (0, 1)]  # fmt: skip
 
     def job(self: Any, system: str, kind: str, out: bool = False, watch: Any = None) -> Path:
         folder = tmp_path / f"{system}-{kind}"
@@ -350,7 +350,7 @@ def test_a_recovery_whose_events_cannot_be_read_still_counts_its_seconds(
         return folder
 
     monkeypatch.setattr(peers.Bench, "job", job)
-    monkeypatch.setattr(peers, "same_bits", lambda ref, run: ([], []))
+    monkeypatch.setattr(peeroutput, "same_bits", lambda ref, run: ([], []))
     cfg = peers.Config(size_mib=1, repeats=1, peers_python=None)
     bench = peers.Bench(cfg, tmp_path, sys.executable, tmp_path)
     got = bench.recovery("tierswap-worker-spare")
@@ -363,11 +363,11 @@ def test_a_recovery_whose_events_cannot_be_read_still_counts_its_seconds(
 def test_a_failed_jobs_text_keeps_the_childs_traceback_above_the_launchers_summary() -> None:
     child = "Traceback (most recent call last):\n  File x\nRuntimeError: attempt 1: no flash\n"
     summary = "launcher noise\n" * 200 + "ChildFailedError: rank 1 exitcode 1 (no traceback)\n"
-    text = peers.failure_text("starting\n" + child + "\n" + summary)
+    text = peeroutput.failure_text("starting\n" + child + "\n" + summary)
     assert "RuntimeError: attempt 1: no flash" in text and text.endswith(summary[-200:])
     short = "Traceback (most recent call last):\nValueError: bad\n"
-    assert peers.failure_text(short) == short, "all of it already at the end"
-    assert peers.failure_text("no traceback at all") == "no traceback at all"
+    assert peeroutput.failure_text(short) == short, "all of it already at the end"
+    assert peeroutput.failure_text("no traceback at all") == "no traceback at all"
 
 
 def test_a_jobs_leftovers_go_and_what_was_there_before_stays(tmp_path: Path) -> None:
@@ -380,13 +380,13 @@ def test_a_jobs_leftovers_go_and_what_was_there_before_stays(tmp_path: Path) -> 
     sock.mkdir()
     (shm / "someone_elses").write_bytes(b"x")
     (sock / "old.sock").write_bytes(b"")
-    before = peers._leftovers(dirs)
+    before = peerjobs.leftovers(dirs)
     (shm / "x_ckpt_shm_0").write_bytes(b"s")
     (shm / "another_programs_new").write_bytes(b"y")
     (sock / "new.sock").write_bytes(b"")
     (logs / "events").mkdir(parents=True)
     (logs / "events" / "log").write_text("e")
-    peers._clean(before, None, dirs)
+    peerjobs.clean(before, None, dirs)
     assert sorted(p.name for p in shm.iterdir()) == ["another_programs_new", "someone_elses"]
     assert [p.name for p in sock.iterdir()] == ["old.sock"]
     assert not logs.exists(), "a folder the job made goes with it"

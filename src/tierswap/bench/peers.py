@@ -5,7 +5,7 @@ The model is the reference MLP (``tierswap.examples.mlp``: 384 MiB of state per 
 default, DDP on 2 ranks, 1 torch thread each, batch 32); tierswap trains it with
 ``examples/train_mlp.py``, the peers with ``bench/peers/train_peer.py`` in the peers' own
 Python (``--peers-python``, made by ``make bench-peers``). Every job runs with torch's
-allocator on transparent huge pages (:func:`same_env`, tierswap's default for its
+allocator on transparent huge pages (``peerjobs.same_env``, tierswap's default for its
 workers). Rounds interleave every system, the order flipped every other round.
 
 A) a checkpoint every step, 14 steps: the median step (steps 4 to 12, rank 0's step ends),
@@ -32,6 +32,11 @@ tierswap's ``plain``, ``memcpy``, ``tier0`` and ``tier01`` jobs, and their pinne
 (tierswap's own work on a core of its own) interleaved with them, with the agents' CPU
 sampled. Its stall
 is the median over every rank's steps, the checkpoint table's the longest rank's per step.
+
+Modules: this one (the run's configuration, its rounds and one job's run), ``peerjobs``
+(the systems, their command lines and environment, the shared places a job is cleaned
+of), ``peeroutput`` (reading a job's times, kill and final state) and ``peersummary``
+(the summaries over the rounds and their tables).
 """
 
 from __future__ import annotations
@@ -40,185 +45,32 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tierswap
-from tierswap.bench import limits, overhead, recovery
-from tierswap.bench.common import Stats, run_bounded, stats
-from tierswap.cluster.address import HUGE_PAGES_ENV
+from tierswap.bench import limits, overhead, peerjobs, peeroutput, peersummary, recovery
+from tierswap.bench.peerjobs import (
+    ACCOUNTED,
+    CHECKPOINT,
+    CONTROLS,
+    FIRST,
+    KILL,
+    OVERHEAD,
+    OWN_REFERENCE,
+    PEER_LIBS,
+    PINNED,
+    RECOVERY,
+    REFERENCE,
+    STEPS,
+    VICTIM,
+)
 from tierswap.config import Config as TierswapConfig
-from tierswap.examples import FOLDER, differing, job_command, load_final
-from tierswap.shm import remove_job_segments
-from tierswap.tunables import TUNABLES_ENV, nt_tunables
-
-MLP = FOLDER / "train_mlp.py"
-STEPS, KILL, VICTIM = 14, 8, 1
-FIRST = 4
-"""Steps before this one are left out of step times and stalls: first saves allocate."""
-PEER_LIBS = {"dlrover": "dlrover.trainer.torch.flash_checkpoint.ddp", "torchft": "torchft"}
-"""What a system needs in the peers' Python, by the name ``not_run`` gives."""
-
-CHECKPOINT = ("plain", "memcpy", "tier0", "tier01", "tier012", "dlrover-memory", "dcp-async",
-              "torch-save")  # fmt: skip
-CONTROLS = ("plain", "memcpy")
-"""The checkpoint systems that are the others' yardsticks, not tools a user would pick."""
-RECOVERY = ("tierswap-worker-spare", "tierswap-node-spare", "tierswap-restart",
-            "dlrover-restart", "torchft-heal", "torchrun-dcp")  # fmt: skip
-TIERSWAP_RUN = {
-    "plain": ("--replicas", "0"),
-    "memcpy": ("--replicas", "0"),
-    "tier0": ("--replicas", "0"),
-    "tier01": (),
-    "tier012": ("--persist-every", "1"),  # and --persist <folder>
-    "tierswap-worker-spare":
-        ("--spare-workers", "1", "--inject", f"kill:rank={VICTIM}:step={KILL}"),
-    "tierswap-node-spare": ("--spares", "1", "--inject", f"kill:node={VICTIM}:step={KILL}"),
-    "tierswap-restart": ("--inject", f"kill:rank={VICTIM}:step={KILL}"),
-}  # fmt: skip
-"""``tierswap run`` options of each tierswap system (2 nodes of 1 rank each)."""
-PEER_SYSTEM = {
-    "dlrover-memory": "dlrover",
-    "dlrover-restart": "dlrover",
-    "torchft-heal": "torchft",
-    "torchrun-dcp": "torchrun-dcp",
-    "dcp-async": "dcp-async",
-    "torch-save": "torch-save",
-}
-"""``train_peer.py --system`` of each peer system."""
-REFERENCE = {s: "tierswap" for s in RECOVERY if s.startswith("tierswap")} | {
-    "dlrover-restart": "dlrover",
-    "torchft-heal": "torchft",
-    "torchrun-dcp": "torchrun-dcp",
-}
-"""The uninterrupted run each recovery is compared with, bit for bit."""
-OWN_REFERENCE = {"tierswap": "tier01", "dlrover": "dlrover-memory"}
-"""The checkpoint system whose first-round job is also that system's uninterrupted run
-for the recoveries (the same command with no kill; its final state written too), so the
-reference costs no job of its own where it runs."""
-ACCOUNTED = {"tierswap-worker-spare": "worker", "tierswap-node-spare": "node"}
-"""The recoveries whose events also give ``bench recovery``'s account of the way back
-(:func:`tierswap.bench.recovery.account`) at this size, by its kill's name there."""
-BASE_CKPT, BASE_RECOVERY = "tier0", "tierswap-worker-spare"
-"""The tierswap systems the peers' ratios are taken against."""
-PINNED = "-pinned"
-"""The suffix of a tierswap system's pinned twin (``tier0-pinned``: ``overhead.pin_args``)."""
-OVERHEAD = {s + pin: s + pin.replace("-", "_") for s in ("plain", "memcpy", "tier0", "tier01")
-            for pin in ("", PINNED)}  # fmt: skip
-"""The systems whose jobs also give ``bench overhead``'s figures, by their keys there."""
-
-
-def tierswap_side(system: str) -> bool:
-    """Whether ``system`` is trained by ``tierswap run`` (not a peer's launcher)."""
-    base = system.removesuffix(PINNED)
-    return base.startswith("tier") or base in (*CONTROLS, "tierswap")
-
-
-def peers_folder() -> Path:
-    """``bench/peers`` of the checkout tierswap runs from."""
-    folder = Path(tierswap.__file__).resolve().parents[2] / "bench" / "peers"
-    if not (folder / "train_peer.py").is_file():
-        raise FileNotFoundError(
-            f"{folder / 'train_peer.py'}: the peer scripts are missing. `tierswap bench peers` "
-            "runs from a checkout of the repository (an installed wheel has no bench/)"
-        )
-    return folder
-
-
-def recovery_seconds(
-    notes: Sequence[dict[str, Any]],
-    kill_t: float | None = None,
-    victim: int = VICTIM,
-    kill: int = KILL,
-) -> float:
-    """Seconds from the kill to the last rank's first step completed after it.
-
-    The kill is the victim's own end of step ``kill`` (its entry, written just before it
-    dies); per rank, the first entry after its own step-``kill`` entry, in file order (a
-    restarted process appends to the same file). Where the victim's entries died with it
-    (a script that buffers its times file), ``kill_t`` gives the moment from elsewhere;
-    then per rank the first entry later than it."""
-    if kill_t is None:
-        own = next((n for n in notes if n["rank"] == victim and n["step"] == kill), None)
-        if own is None:
-            raise ValueError(f"rank {victim} wrote no step-{kill} entry and no kill time is given")
-        kill_t = float(own["t"])
-        seen: set[int] = set()
-        after: dict[int, float] = {}
-        for n in notes:
-            rank = int(n["rank"])
-            if rank in seen and rank not in after:
-                after[rank] = float(n["t"])
-            elif n["step"] == kill:
-                seen.add(rank)
-        ranks = seen
-    else:
-        after = {}
-        for n in notes:
-            if float(n["t"]) > kill_t:
-                after.setdefault(int(n["rank"]), float(n["t"]))
-        ranks = {int(n["rank"]) for n in notes}
-    if missing := sorted(ranks - set(after)):
-        raise ValueError(f"ranks {missing} completed no step after the kill")
-    return max(after.values()) - kill_t
-
-
-def injected_kill(run_dir: Path) -> float | None:
-    """The ``time.monotonic()`` at which tierswap's injected kill fired (its
-    ``fault_injected`` event, wall clock, taken to the monotonic clock), or None."""
-    events = run_dir / "events.jsonl"
-    if not events.exists():
-        return None
-    offset = time.time() - time.monotonic()
-    for line in events.read_text().splitlines():
-        e = json.loads(line)
-        if e.get("event") == "fault_injected" and str(e.get("spec", "")).startswith("kill:"):
-            return float(e["time"]) - offset
-    return None
-
-
-def same_bits(ref: Path, run: Path) -> tuple[list[str], list[str]]:
-    """The model and optimizer tensors that differ between two ``--out`` folders, and
-    apart from them the RNG states that do (tierswap's script saves those too)."""
-    diff = differing(load_final(ref), load_final(run))
-    rng = [d for d in diff if "__rng__" in d]
-    return [d for d in diff if "__rng__" not in d], rng
-
-
-def checkpoint_costs(notes: Sequence[dict[str, Any]], steps: int = STEPS) -> dict[str, float]:
-    """The median step (rank 0's step ends) and the median stall per checkpoint (per step
-    the longest any rank spent in it), over steps ``FIRST`` to the second last."""
-    import statistics
-
-    window = range(FIRST, steps - 1)
-    ends = {n["step"]: float(n["t"]) for n in notes if n["rank"] == 0}
-    step_s = [ends[s] - ends[s - 1] for s in window if s in ends and s - 1 in ends]
-    stall: dict[int, float] = {}
-    for n in notes:
-        if n["step"] in window:
-            stall[n["step"]] = max(stall.get(n["step"], 0.0), float(n["stall"]))
-    if not step_s:
-        raise ValueError(f"no step ends of rank 0 in steps {FIRST} to {steps - 2}")
-    return {"step_s": statistics.median(step_s), "stall_s": statistics.median(stall.values())}
-
-
-def exactness(flags: Sequence[bool]) -> str:
-    """``k/n`` of the runs that ended bit for bit equal to the uninterrupted one."""
-    return f"{sum(flags)}/{len(flags)}"
-
-
-def ratios(ours: Sequence[float], theirs: Sequence[float]) -> Stats | None:
-    """Stats of ``theirs / ours`` round by round; ours is taken as at least a microsecond
-    (a stall that rounds to 0 is not left out, which would keep only our worst rounds)."""
-    rs = [t / max(o, 1e-6) for o, t in zip(ours, theirs, strict=False)]
-    return stats(rs) if rs else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -272,34 +124,6 @@ class Config:
             self.timeout_s = 180.0 + 1.5 * self.size_mib
 
 
-def default_peers_python() -> Path | None:
-    path = Path(tierswap.__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
-    return path if path.exists() else None
-
-
-def _probe(python: Path | None) -> dict[str, Any]:
-    """Versions of torch and the peers in ``python`` (None where a peer is missing)."""
-    code = (
-        "import importlib, importlib.metadata as m, json\n"
-        "out = {}\n"
-        f"for name, mod in {dict(PEER_LIBS, torch='torch')!r}.items():\n"
-        "    try:\n"
-        "        importlib.import_module(mod)\n"
-        "        out[name] = m.version(name)\n"
-        "    except Exception as e:\n"
-        "        out[name] = None\n"
-        "        out[name + '_error'] = repr(e)[:300]\n"
-        "print(json.dumps(out))\n"
-    )
-    exe = str(python) if python is not None else sys.executable
-    res = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
-    if res.returncode != 0:
-        raise RuntimeError(f"{exe} could not report its packages:\n{res.stderr[-2000:]}")
-    found: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
-    found["python"] = exe
-    return found
-
-
 @dataclass(slots=True)
 class Bench:
     """One run of the benchmark: its folder, Pythons, and what it collected."""
@@ -322,47 +146,15 @@ class Bench:
         found = [a[0]["rank_state_bytes"] for a in self.accounts.values() if a]
         return int(found[0]) if found else self.cfg.size_mib * 2**20
 
-    # --- commands -------------------------------------------------------------------
-    def _script_args(self, folder: Path, out: bool) -> list[str]:
-        args = [
-            "--steps",
-            str(self.cfg.steps),
-            "--size-mib",
-            str(self.cfg.size_mib),
-            "--times",
-            str(folder / "times.jsonl"),
-        ]
-        return [*args, "--out", str(folder / "out")] if out else args
-
-    def tierswap_cmd(self, system: str, folder: Path, out: bool = False) -> list[str]:
-        base = system.removesuffix(PINNED)
-        run_args = ["--nodes", "2", *TIERSWAP_RUN.get(base, ())]
-        if base == "tier012":
-            run_args += ["--persist", str(folder / "persist")]
-        if system.endswith(PINNED):
-            run_args += overhead.pin_args()
-        out = out or system in RECOVERY or system == "tierswap"
-        script = self._script_args(folder, out=out)
-        control = {"plain": ["--plain"], "memcpy": ["--plain", "--memcpy"]}.get(base, [])
-        return job_command(folder / "run", run_args, [*script, *control], script=MLP)
-
-    def peer_cmd(self, system: str, folder: Path, kind: str, out: bool = False) -> list[str]:
-        peer = PEER_SYSTEM.get(system, system)
-        script = str(self.scripts / "train_peer.py")
-        kill = kind == "recovery"
-        args = [*self._script_args(folder, out=out or kind != "checkpoint"), "--ckpt",
-                str(folder / "ckpt"), *(["--kill-step", str(KILL)] if kill else [])]  # fmt: skip
-        if peer == "torchft":
-            pair = str(self.scripts / "torchft_pair.py")
-            return [self.python, pair, "--groups", "2", "--", *args]
-        if peer == "dlrover":
-            launch = [self.python, str(self.scripts / "dlrover_standalone.py"), "--standalone",
-                      "--nproc_per_node", "2", "--max_restarts", "1"]  # fmt: skip
-        else:
-            launch = [self.python, "-m", "torch.distributed.run", "--standalone",
-                      "--nproc-per-node", "2", "--max-restarts", "1",
-                      "--monitor-interval", "0.1"]  # fmt: skip
-        return [*launch, script, "--system", peer, *args]
+    @property
+    def commands(self) -> peerjobs.Commands:
+        """The command lines of this run's jobs, from its configuration and Pythons."""
+        return peerjobs.Commands(
+            steps=self.cfg.steps,
+            size_mib=self.cfg.size_mib,
+            python=self.python,
+            scripts=self.scripts,
+        )
 
     # --- one job --------------------------------------------------------------------
     def job(
@@ -379,20 +171,20 @@ class Bench:
         self.count += 1
         folder = self.work / f"{self.count:03d}-{system}-{kind}"
         folder.mkdir()
-        ours = tierswap_side(system)
+        ours = peerjobs.tierswap_side(system)
         if ours:
-            cmd = self.tierswap_cmd(system, folder, out)
+            cmd = self.commands.tierswap_cmd(system, folder, out)
         else:
-            cmd = self.peer_cmd(system, folder, kind, out)
-        before = _leftovers()
+            cmd = self.commands.peer_cmd(system, folder, kind, out)
+        before = peerjobs.leftovers()
         env_tmp = folder / "tmp"
         env_tmp.mkdir()
         run_dir = folder / "run" if ours else None
         t0 = time.monotonic()
         with watch(folder / "run") if watch is not None else contextlib.nullcontext():
-            code = _bounded(cmd, folder, self.cfg.timeout_s, env_tmp, run_dir)
+            code = peerjobs.bounded(cmd, folder, self.cfg.timeout_s, env_tmp, run_dir)
         took = time.monotonic() - t0
-        _clean(before, run_dir)
+        peerjobs.clean(before, run_dir)
         shutil.rmtree(folder / "ckpt", ignore_errors=True)
         shutil.rmtree(folder / "persist", ignore_errors=True)
         shutil.rmtree(env_tmp, ignore_errors=True)
@@ -400,7 +192,7 @@ class Bench:
         if code != 0:
             log = (folder / "output.log").read_text(errors="replace")
             self.failures.append(f"{system} ({kind}), exit {code} after {took:.0f} s: "
-                                 f"{failure_text(log)}")  # fmt: skip
+                                 f"{peeroutput.failure_text(log)}")  # fmt: skip
             return None
         return folder
 
@@ -421,10 +213,10 @@ class Bench:
         folder = self.job(system, "checkpoint", reference is not None, watch if sample else None)
         if folder is None:
             return None, None
-        notes = _notes(folder)
+        notes = peeroutput.read_notes(folder)
         costs = figures = None
         try:
-            costs = checkpoint_costs(notes, self.cfg.steps)
+            costs = peeroutput.checkpoint_costs(notes, self.cfg.steps)
         except ValueError as e:
             self.failures.append(f"{system} (checkpoint): {e}")
         if reference is not None and costs is not None:
@@ -446,8 +238,8 @@ class Bench:
         folder = self.job(system, "recovery")
         if folder is None:
             return None
-        notes = _notes(folder)
-        fired = injected_kill(folder / "run")
+        notes = peeroutput.read_notes(folder)
+        fired = peeroutput.injected_kill(folder / "run")
         first = next((n for n in notes if n["rank"] == VICTIM and n["step"] == KILL), None)
         # the victim's own entry, unless it died in a buffer: then the first step-8 entry
         # of its rank is a redo by its replacement, later than the injection
@@ -460,11 +252,11 @@ class Bench:
             except (KeyError, ValueError, IndexError, TypeError, OSError) as e:
                 self.failures.append(f"{system} (its account of the way back): {e!r}")
         try:
-            seconds = recovery_seconds(notes, kill_t)
+            seconds = peeroutput.recovery_seconds(notes, kill_t)
         except ValueError as e:
             self.failures.append(f"{system} (recovery): {e}")
             return None
-        diff, rng = ([], []) if ref is None else same_bits(ref / "out", folder / "out")
+        diff, rng = ([], []) if ref is None else peeroutput.same_bits(ref / "out", folder / "out")
         shutil.rmtree(folder / "out", ignore_errors=True)
         return {
             "seconds": seconds,
@@ -482,78 +274,6 @@ class Bench:
                 return None
             self.references[system] = folder
         return self.references[system]
-
-
-def failure_text(log: str, chars: int = 1500) -> str:
-    """What a failed job's output says of why: its first Python traceback where the end
-    of the output does not hold it (a launcher's summary of a failed child, after the
-    child's own traceback), then the end of the output."""
-    tail = log[-chars:]
-    first = log.find("Traceback (most recent call last)")
-    if first < 0 or first >= len(log) - chars:
-        return tail
-    end = log.find("\n\n", first)
-    block = log[first : end if end > 0 else first + chars][:chars]
-    return f"first traceback:\n{block}\n[...]\nend of its output:\n{tail}"
-
-
-def same_env() -> dict[str, str]:
-    """Given to every system's jobs: what tierswap's agent gives its workers by default
-    (``worker_env``), so that no system's step or restore runs under other settings than
-    another's: torch's CPU allocator on transparent huge pages (no 4 KiB page faults) and
-    glibc's non-temporal threshold at 1 MiB (large copies around the cache). A value
-    already set (``THP_MEM_ALLOC_ENABLE=0``, to compare without) is kept, for every system
-    alike."""
-    out = {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
-    tunables = nt_tunables(dict(os.environ)).get(TUNABLES_ENV)
-    return out if tunables is None else {**out, TUNABLES_ENV: tunables}
-
-
-def _bounded(cmd: list[str], folder: Path, timeout: float, tmp: Path, run_dir: Path | None) -> int:
-    """``run_bounded`` with the peers' temporary files (torchrun's logs) in ``tmp`` and
-    :func:`same_env` set."""
-    changed = {"TMPDIR": str(tmp), **same_env()}
-    old = {k: os.environ.get(k) for k in changed}
-    os.environ.update(changed)
-    try:
-        return run_bounded(cmd, folder / "output.log", folder, timeout, run_dir)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-
-
-LEFTOVER_DIRS = (Path("/dev/shm"), Path("/tmp/ckpt_sock"), Path("/tmp/dlrover"))
-"""Where DLRover leaves its shared memory, sockets and event logs, whatever TMPDIR says."""
-
-
-def _leftovers(dirs: tuple[Path, ...] = LEFTOVER_DIRS) -> set[Path]:
-    """What is in those folders now, and the folders themselves."""
-    return {x for d in dirs if d.is_dir() for x in (d, *d.iterdir())}
-
-
-def _clean(before: set[Path], run_dir: Path | None, dirs: tuple[Path, ...] = LEFTOVER_DIRS) -> None:
-    """Remove what the job left in the shared places: DLRover's files that were not there
-    before it (and its folders, when it made them), and a tierswap job's shared memory
-    (its ids from its event log). Of /dev/shm, only DLRover's own segments."""
-    for x in _leftovers(dirs) - before:
-        if x.parent == dirs[0] and "_ckpt_shm_" not in x.name:
-            continue  # another program's shared memory
-        if x.is_dir():
-            shutil.rmtree(x, ignore_errors=True)
-        else:
-            x.unlink(missing_ok=True)
-    events = None if run_dir is None else run_dir / "events.jsonl"
-    if events is not None and events.exists():
-        for line in events.read_text().splitlines():
-            if '"job_started"' in line:
-                remove_job_segments(str(json.loads(line)["job_id"]))
-
-
-def _notes(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (folder / "times.jsonl").read_text().splitlines() if x.strip()]
 
 
 def plan(cfg: Config, have: dict[str, Any]) -> tuple[list[str], list[str], dict[str, str]]:
@@ -576,8 +296,8 @@ def plan(cfg: Config, have: dict[str, Any]) -> tuple[list[str], list[str], dict[
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    scripts = peers_folder()
-    have = _probe(cfg.peers_python)
+    scripts = peerjobs.peers_folder()
+    have = peerjobs.probe(cfg.peers_python)
     ckpt, rec, not_run = plan(cfg, have)
     out: dict[str, Any] = {
         "config": {
@@ -593,8 +313,8 @@ def run(cfg: Config) -> dict[str, Any]:
             "cpus": len(os.sched_getaffinity(0)),
             "peers": have,
             "tierswap_python": sys.executable,
-            "settings": SETTINGS,
-            "env": same_env(),
+            "settings": peerjobs.SETTINGS,
+            "env": peerjobs.same_env(),
         },
         "not_run": not_run,
     }
@@ -644,8 +364,8 @@ def run(cfg: Config) -> dict[str, Any]:
         if bench.accounts:  # bench recovery's figures at this size, from the same jobs
             runs: dict[str, list[dict[str, Any]]] = {k: bench.accounts[k] for k in kinds}
             out["recovery_curve"] = {str(cfg.size_mib): recovery.size_entry(runs, lim)}
-    out["checkpoint"] = summarize_checkpoint(ck)
-    out["recovery"] = summarize_recovery(rc)
+    out["checkpoint"] = peersummary.summarize_checkpoint(ck)
+    out["recovery"] = peersummary.summarize_recovery(rc)
     out["failures"] = bench.failures
     out["config"]["seconds"] = time.monotonic() - t_start
     return out
@@ -685,166 +405,13 @@ def _order(systems: list[str], r: int) -> list[str]:
     return systems[:: -1 if r % 2 else 1]
 
 
-def summarize_checkpoint(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
-    """Per system the stats of its step and stall, its overhead against the plain run of
-    the same round, and its ratios to tierswap's ``BASE_CKPT`` round by round."""
-    out: dict[str, Any] = {}
-    plain = runs.get("plain", [])
-    base = runs.get(BASE_CKPT, [])
-    for system, rs in runs.items():
-        ok = [r for r in rs if r is not None]
-        if not ok:
-            out[system] = {"failed": len(rs)}
-            continue
-        entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ("step_s", "stall_s")}
-        pairs = [(r, p) for r, p in zip(rs, plain, strict=False) if r is not None and p is not None]
-        if pairs and system != "plain":
-            entry["overhead"] = stats([r["step_s"] / p["step_s"] - 1 for r, p in pairs])
-        both = [(b, r) for b, r in zip(base, rs, strict=False) if b is not None and r is not None]
-        if both and system not in ("plain", BASE_CKPT):  # memcpy too: the floor's stall
-            entry[f"step_vs_{BASE_CKPT}"] = ratios(*_cols(both, "step_s"))
-            entry[f"stall_vs_{BASE_CKPT}"] = ratios(*_cols(both, "stall_s"))
-        entry["failed"] = len(rs) - len(ok)
-        out[system] = entry
-    return out
-
-
-def _cols(
-    pairs: Iterable[tuple[dict[str, Any], dict[str, Any]]], key: str
-) -> tuple[list[float], list[float]]:
-    a, b = zip(*((x[key], y[key]) for x, y in pairs), strict=True)
-    return list(a), list(b)
-
-
-def summarize_recovery(runs: dict[str, list[dict[str, Any] | None]]) -> dict[str, Any]:
-    """Per system the stats of its recovery seconds, its bit-exactness per run, and the
-    ratio of its seconds to tierswap's ``BASE_RECOVERY`` round by round."""
-    out: dict[str, Any] = {}
-    base = runs.get(BASE_RECOVERY, [])
-    for system, rs in runs.items():
-        ok = [r for r in rs if r is not None]
-        if not ok:
-            out[system] = {"failed": len(rs)}
-            continue
-        entry: dict[str, Any] = {
-            "seconds": stats([r["seconds"] for r in ok]),
-            "exact": [r["exact"] for r in ok],
-            "differing": next((r["differing"] for r in ok if r["differing"]), []),
-            "rng_differing": next((r["rng_differing"] for r in ok if r["rng_differing"]), []),
-            "kill_from": sorted({r["kill_from"] for r in ok}),
-            "failed": len(rs) - len(ok),
-        }
-        both = [(b, r) for b, r in zip(base, rs, strict=False) if b is not None and r is not None]
-        if both and system != BASE_RECOVERY:
-            entry[f"vs_{BASE_RECOVERY}"] = ratios(*_cols(both, "seconds"))
-        out[system] = entry
-    return out
-
-
-_D = TierswapConfig()
-SETTINGS = {
-    "tierswap": f"tierswap run --nodes 2 --threads 1 (defaults: {_D.tier0_slots} slots, "
-    f"{TierswapConfig(persist='x').tier0_slots} with --persist, {_D.peer_slots} peer slots, 1 full "
-    "replica: parity needs 3 nodes); tier0: --replicas 0; tier012: --persist <local dir> "
-    "--persist-every 1",
-    "dlrover": "dlrover-run --standalone --nproc_per_node 2 --max_restarts 1 (its local master "
-    "started by bench/peers/dlrover_standalone.py); DdpCheckpointer.save_checkpoint(step, "
-    "{model, optim, step}, storage_type=MEMORY) every step; the loaded state cloned",
-    "torchft": "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms "
-    "10000 (README); 2 replica groups of 1 rank, each under torchrun --max-restarts 1; "
-    "Manager(min_replica_size=1, ProcessGroupGloo(timeout=5 s), timeout=30 s, default "
-    "HTTP checkpoint transport); trains until 14 steps are committed and the last had both "
-    "groups",
-    "torchrun-dcp": "torchrun --max-restarts 1 --monitor-interval 0.1; dcp.save every step "
-    "and a latest marker, the restarted attempt loads the newest",
-    "dcp-async": "dcp.async_save every step on a gloo group of its own, the previous save "
-    "waited for first (stall includes that wait)",
-    "torch-save": "rank 0 torch.save to a temporary file, flush + os.fsync, os.replace",
-}
-
-
-def _fmt_s(s: Stats | None, scale: float = 1.0, unit: str = "") -> str:
-    if s is None:
-        return ""
-    m, lo, hi = (_num(s[k] * scale) for k in ("median", "min", "max"))
-    return f"{m}{unit} ({lo}–{hi})"
-
-
-def _num(x: float) -> str:
-    """Three significant digits, without an exponent below a million."""
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
-
-
-def report(res: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    cfg = res["config"]
-    console = Console(width=200)
-    t = Table(
-        title=f"a checkpoint every step, {cfg['size_mib']} MiB per rank, 2 ranks, "
-        f"{cfg['repeats']} rounds: median (min–max)"
-    )
-    for col in (
-        "system",
-        "step",
-        "overhead vs plain",
-        "stall / checkpoint",
-        f"step vs {BASE_CKPT}",
-        f"stall vs {BASE_CKPT}",
-        "failed",
-    ):
-        t.add_column(col)
-    for system, e in res["checkpoint"].items():
-        if "step_s" not in e:
-            t.add_row(system, "failed", "", "", "", "", str(e["failed"]))
-            continue
-        o = e.get("overhead")
-        t.add_row(
-            system,
-            _fmt_s(e["step_s"], 1e3, " ms"),
-            "" if o is None else _fmt_s(o, 100, " %"),
-            _fmt_s(e["stall_s"], 1e3, " ms"),
-            _fmt_s(e.get(f"step_vs_{BASE_CKPT}"), 1, "x"),
-            _fmt_s(e.get(f"stall_vs_{BASE_CKPT}"), 1, "x"),
-            str(e["failed"]),
-        )
-    console.print(t)
-    t = Table(
-        title=f"recovery: rank {cfg['victim_rank']} killed after step {cfg['kill_step']}, "
-        "to every rank's next step (s)"
-    )
-    for col in ("system", "recovery", "bit-exact", f"vs {BASE_RECOVERY}", "failed"):
-        t.add_column(col)
-    for system, e in res["recovery"].items():
-        if "seconds" not in e:
-            t.add_row(system, "failed", "", "", str(e["failed"]))
-            continue
-        exact = [x for x in e["exact"] if x is not None]
-        t.add_row(
-            system,
-            _fmt_s(e["seconds"]),
-            exactness(exact) if exact else "no reference",
-            _fmt_s(e.get(f"vs_{BASE_RECOVERY}"), 1, "x"),
-            str(e["failed"]),
-        )
-    console.print(t)
-    if "overhead" in res:
-        overhead.report(res["overhead"])
-    for system, why in res["not_run"].items():
-        console.print(f"not run: {system}: {why}")
-    for f in res["failures"]:
-        console.print(f"failed: {f[:400]}")
-    console.print(f"took {cfg['seconds']:.0f} s")
-
-
 def config_from(args: Any) -> Config:
     """The benchmark's Config from the ``tierswap bench`` arguments."""
     given = args.size_mib
     sizes = [384] if given is None else [given] if isinstance(given, int) else list(given)
     if len(sizes) != 1:
         raise ValueError(f"--size-mib {' '.join(map(str, sizes))}: bench peers takes one size")
-    python = Path(args.peers_python) if args.peers_python else default_peers_python()
+    python = Path(args.peers_python) if args.peers_python else peerjobs.default_peers_python()
     only = getattr(args, "only", None)
     return Config(
         size_mib=int(sizes[0]),
@@ -859,7 +426,7 @@ def main(args: Any, runner: Callable[[Config], dict[str, Any]] = run) -> int:
     """``tierswap bench peers [--size-mib N] [--repeats N] [--json PATH] [--peers-python
     PATH] [--only SYSTEM ...]``."""
     res = runner(config_from(args))
-    report(res)
+    peersummary.report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench.hostmem import PARITY_3X
-from tierswap.bench.peers import CONTROLS
+from tierswap.bench.peerjobs import CONTROLS
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
