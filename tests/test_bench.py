@@ -276,7 +276,6 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
         assert res[key]["copy_vs_bare"]["median"] > 0
-        assert res[key]["gate_s"]["median"] >= 0 and res[key]["stall_s"]["median"] >= 0
         assert res[key]["agents_vs_tcp"] > 0, "replication's CPU against TCP's"
     for key in ("memcpy", "memcpy_pinned"):
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"

@@ -97,6 +97,24 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert "## Recovery by state size" in md and "| 384 | worker |" in md
 
 
+def test_report_of_a_run_from_before_the_tier1_wait_was_apart_says_its_stall_includes_it(
+    tmp_path: Path,
+) -> None:
+    """Results saved before 12-06 counted tier 1's wait in the stall: the headline and the
+    overhead section say so instead of claiming a split the run did not measure."""
+    old = _overhead()
+    del old["tier01"]["gate_of_step"]
+    folder = _folder(tmp_path, {"overhead": ("ok", old)})
+    md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
+    assert "trainer's stall (tier-1 wait included), % of its step (tiers 0+1, unpinned)" in rows
+    assert "trainer's stall (fence wait + synchronous part), % of its step (tier 0, unpinned)" in (
+        rows
+    ), "tier 0 has no tier-1 wait"
+    assert not any(r.startswith("trainer's wait for tier 1") for r in rows)
+    assert "| stall / step (tier-1 wait included) |" in md and "did not measure that wait" in md
+
+
 def test_report_takes_the_overhead_from_the_peers_rounds_when_it_did_not_run_alone(
     tmp_path: Path,
 ) -> None:

@@ -169,6 +169,27 @@ def test_a_fork_runs_its_script_as_main_and_reports_its_exit(template, tmp_path:
     client.close()
 
 
+def test_a_command_line_the_fork_cannot_take_leaves_its_script_running(
+    template, tmp_path: Path
+) -> None:
+    """Its command line is cosmetic: one setproctitle refuses (a NUL in an argument) is
+    left as it was, and the script runs and exits as it would anyway."""
+    path, secret, pid = template
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    asked, out = Asked(), tmp_path / "nul.json"
+    msg = p.Fork(key=-1, argv=[str(script), str(out), "0", "a\x00b"], env={"ONLY_HERE": "yes"},
+                 cwd=str(tmp_path), pgid=os.getpgid(0))  # fmt: skip
+    client = Templates(path, secret, pid)
+    try:
+        client.fork(msg, asked.exited, asked.start_alone)
+        assert asked.done.wait(60) and not asked.alone and asked.code == 0, asked.code
+    finally:
+        client.close()
+    seen = json.loads(out.read_text())
+    assert seen["argv"][-1] == "a\x00b" and seen["name"] == "tierswap-worker", seen
+
+
 @pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "no-pidfds"])
 def test_a_kill_reaches_the_fork_named_never_a_process_that_took_its_pid(
     pidfds: bool, monkeypatch: pytest.MonkeyPatch

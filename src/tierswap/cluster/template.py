@@ -49,8 +49,6 @@ from importlib.machinery import SourceFileLoader
 from pathlib import Path
 from typing import NoReturn
 
-import setproctitle
-
 from tierswap.control import protocol as p
 from tierswap.wire import Channel, Listener
 
@@ -278,7 +276,12 @@ def _title(argv: list[str]) -> None:
     SCRIPT ARGS``: what ``ps``, ``pgrep -f`` and a cluster's monitoring look for, not the
     template's), and its process name ``tierswap-worker`` (``/proc/PID/comm``, in ``top``
     and ``ps -e``)."""
-    setproctitle.setproctitle(" ".join([sys.executable, *argv]))
+    import setproctitle  # the template's (main): a fork finds it imported
+
+    try:
+        setproctitle.setproctitle(" ".join([sys.executable, *argv]))
+    except Exception as e:  # a name it cannot take (a NUL, bytes not UTF-8): keep the old
+        print(f"[tierswap] worker's command line left as it was: {e}", file=sys.stderr)
     with contextlib.suppress(OSError, AttributeError):  # after: setproctitle sets it too
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))
@@ -349,6 +352,8 @@ def preload() -> None:
 
 
 def main() -> None:
+    import setproctitle
+
     from tierswap.cluster.multihost import KEY_ENV
 
     # setproctitle finds the room for a fork's command line (_title) through the

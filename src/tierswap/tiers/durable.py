@@ -106,7 +106,7 @@ def step_dir(base: str, step: int) -> str:
     return f"{base}/step-{step:09d}"
 
 
-def _newstep_dir(root: str, step: int) -> tuple[Any, str]:
+def _new_step_dir(root: str, step: int) -> tuple[Any, str]:
     """The filesystem and folder of ``step`` under ``root``, created if missing. Raises
     OSError if the name is taken by anything but a folder of the root's own (a symbolic
     link above all: tier 2 writes nothing outside its root)."""
@@ -183,7 +183,7 @@ def write_part(
 
     ``data_checksum`` is ``checksum_chunks(layout.chunks(buf))``, known from the slot.
     """
-    fs, folder = _newstep_dir(root, step)
+    fs, folder = _new_step_dir(root, step)
     mv = memoryview(buf).cast("B")
     if len(mv) < layout.nbytes:
         raise ValueError(f"buffer of {len(mv)} bytes is smaller than its layout ({layout.nbytes})")
@@ -223,7 +223,7 @@ def write_delta_part(
     data checksum is ``base_checksum``."""
     if base_step >= step:
         raise ValueError(f"step {step}: a delta's base must be an older step, not {base_step}")
-    fs, folder = _newstep_dir(root, step)
+    fs, folder = _new_step_dir(root, step)
     write_atomic(fs, f"{folder}/{_part(rank, 'delta')}", [delta_bytes])
     extra = {
         "base": base_step,
@@ -456,7 +456,7 @@ def write_commit(
         "parts": {str(r): parts[r].to_json() for r in sorted(parts)},
         **({"job": job} if job is not None else {}),
     }
-    fs, folder = _newstep_dir(root, step)  # refuses a folder that is not the root's own
+    fs, folder = _new_step_dir(root, step)  # refuses a folder that is not the root's own
     base = posixpath.dirname(folder)
     write_atomic(fs, f"{folder}/COMMIT", [json.dumps(body).encode()])
     if is_local(fs):
