@@ -133,7 +133,6 @@ class Bench:
     python: str
     """The Python the peer scripts run with."""
     scripts: Path
-    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     references: dict[str, Path] = field(default_factory=dict)
     accounts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)

@@ -8,11 +8,13 @@ print a run's result as ``bench peers --json`` writes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from tierswap.bench import overhead
 from tierswap.bench.common import Stats, stats
+
+R = TypeVar("R")
 
 BASE_CKPT, BASE_RECOVERY = "tier0", "tierswap-worker-spare"
 """The tierswap systems the peers' ratios are taken against."""
@@ -30,17 +32,26 @@ def ratios(ours: Sequence[float], theirs: Sequence[float]) -> Stats | None:
     return stats(rs) if rs else None
 
 
+def _ran(
+    runs: Mapping[str, list[R | None]], out: dict[str, Any]
+) -> Iterator[tuple[str, list[R | None], list[R]]]:
+    """Each system with its rounds and those that ran; one whose every round failed gets
+    ``{"failed": n}`` in ``out`` instead."""
+    for system, rs in runs.items():
+        ok = [r for r in rs if r is not None]
+        if ok:
+            yield system, rs, ok
+        else:
+            out[system] = {"failed": len(rs)}
+
+
 def summarize_checkpoint(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
     """Per system the stats of its step and stall, its overhead against the plain run of
     the same round, and its ratios to tierswap's ``BASE_CKPT`` round by round."""
     out: dict[str, Any] = {}
     plain = runs.get("plain", [])
     base = runs.get(BASE_CKPT, [])
-    for system, rs in runs.items():
-        ok = [r for r in rs if r is not None]
-        if not ok:
-            out[system] = {"failed": len(rs)}
-            continue
+    for system, rs, ok in _ran(runs, out):
         entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ("step_s", "stall_s")}
         pairs = [(r, p) for r, p in zip(rs, plain, strict=False) if r is not None and p is not None]
         if pairs and system != "plain":
@@ -66,11 +77,7 @@ def summarize_recovery(runs: dict[str, list[dict[str, Any] | None]]) -> dict[str
     ratio of its seconds to tierswap's ``BASE_RECOVERY`` round by round."""
     out: dict[str, Any] = {}
     base = runs.get(BASE_RECOVERY, [])
-    for system, rs in runs.items():
-        ok = [r for r in rs if r is not None]
-        if not ok:
-            out[system] = {"failed": len(rs)}
-            continue
+    for system, rs, ok in _ran(runs, out):
         entry: dict[str, Any] = {
             "seconds": stats([r["seconds"] for r in ok]),
             "exact": [r["exact"] for r in ok],
