@@ -264,9 +264,7 @@ def _no_stdin() -> None:
 def _die_with(template: int) -> None:
     """A fork dies with the template (the kernel sends it SIGKILL): its agent, told the
     template is gone, starts that worker again as a process of its own."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != template:  # the template died before the line above
         os._exit(1)
 
@@ -282,9 +280,13 @@ def _title(argv: list[str]) -> None:
         setproctitle.setproctitle(" ".join([sys.executable, *argv]))
     except Exception as e:  # a name it cannot take (a NUL, bytes not UTF-8): keep the old
         print(f"[tierswap] worker's command line left as it was: {e}", file=sys.stderr)
-    with contextlib.suppress(OSError, AttributeError):  # after: setproctitle sets it too
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))
+    _prctl(PR_SET_NAME, ctypes.c_char_p(WORKER_NAME))  # after: setproctitle sets it too
+
+
+def _prctl(option: int, value: int | ctypes.c_char_p) -> None:
+    """``prctl(option, value)`` on this process, where libc has it (nothing elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
 
 PR_SET_PDEATHSIG = 1
