@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -247,8 +248,17 @@ def _torchrun(nproc: int, script: Path, args: list[str], cwd: Path) -> None:
     tmp = cwd / "torchrun-tmp"  # its launcher's log folder (torchelastic_*) goes here, not /tmp
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp)}
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # a session of its own: past the timeout its workers go with the launcher (killing the
+    # launcher alone left a hung rank behind, waiting on its group for good)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun hung for 240 s: {out[-3000:]}{err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
 
 
 def _expected(final: dict[str, dict[str, torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:
