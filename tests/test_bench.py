@@ -276,7 +276,9 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         assert res[key]["agents_sampled"]["median"] == 2, "both nodes' agents sampled"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
         assert res[key]["copy_vs_bare"]["median"] > 0
-        assert res[key]["agents_vs_tcp"] > 0, "replication's CPU against TCP's"
+        # replication's CPU against TCP's: present; at 1 MiB the agents' CPU, read from
+        # /proc in clock ticks, may round to 0
+        assert res[key]["agents_vs_tcp"] >= 0 and res["tcp_cpu_s_per_gib"] > 0
     for key in ("memcpy", "memcpy_pinned"):
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"
         assert res[key]["agents_cpu_s_per_gib"]["median"] == 0, "no snapshot: no GiB"
