@@ -420,3 +420,44 @@ def test_bench_all_gives_bench_peers_its_deadline_less_a_margin_as_a_budget(
     assert "--budget-s" not in dcp_cmd
     args = argparse.Namespace(size_mib=[8], repeats=2, peers_python=None, budget_s=budget)
     assert peers.config_from(args).budget_s == budget
+    ran.clear()  # what is left of the run's budget, when less, is what it gets
+    suite.run_one(suite.Bench("peers", "peers", (), (), 30), tmp_path, False, left_s=1000.0)
+    assert float(ran[0][ran[0].index("--budget-s") + 1]) == 1000 - suite.RUN_MARGIN_S
+
+
+def test_bench_all_runs_the_budgeted_benchmark_last_on_what_the_others_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole run keeps to its budget: the benchmarks before ``peers`` took 900 s of a
+    2,280 s budget (the machine's limits none, here), so ``peers`` may plan its rounds in
+    what is left, less the run's margin; a deadline sooner than that still wins."""
+    from tierswap.bench import limits, suite
+
+    assert suite.PLAN[-1].what in suite.BUDGETED, "the one that can be cut goes last"
+    clock = [0.0]
+    ran: list[list[str]] = []
+
+    def fake(cmd: list[str], *a: Any, **k: Any) -> int:
+        ran.append(cmd)
+        clock[0] += 300.0
+        return 0
+
+    monkeypatch.setattr(suite.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(suite, "run_bounded", fake)
+    monkeypatch.setattr(limits, "measure", lambda *a: {})
+    monkeypatch.setattr(suite, "machine", lambda: {"cpus": 2})  # no git or psutil calls
+    monkeypatch.setattr(suite, "PLAN", (
+        *(suite.Bench(n, n, (), (), 10) for n in ("snapshot", "recovery", "dcp")),
+        suite.Bench("peers", "peers", (), (), 30),
+    ))  # fmt: skip
+    index = suite.run_all(tmp_path / "a", False, ["snapshot", "recovery", "dcp", "peers"])
+    got = float(ran[-1][ran[-1].index("--budget-s") + 1])
+    assert got == suite.RUN_BUDGET_S[1] - 900 - suite.RUN_MARGIN_S
+    assert index["budget_s"] == suite.RUN_BUDGET_S[1] and index["benches"]["peers"]["budget_s"]
+    clock[0], ran[:] = 0.0, []
+    suite.run_all(tmp_path / "b", False, ["peers"], budget_s=10_000.0)
+    assert float(ran[0][ran[0].index("--budget-s") + 1]) == 30 * 60 - suite.BUDGET_MARGIN_S
+    bad = argparse.Namespace(what="all", results=str(tmp_path / "c"), quick=False, only=None,
+                             budget_s=0.0)  # fmt: skip
+    with pytest.raises(SystemExit, match="--budget-s 0: the run's seconds must be more"):
+        suite.main(bad)

@@ -222,6 +222,7 @@ def test_bench_all_runs_its_plan_into_one_folder_and_reports_it(
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "does not apply to bench delta" in md, "the failure's own words are in the report"
     assert "projected goodput" in md and "control-plane" in md
+    assert "min of a 4.5-min budget)" in md, "a quick run's default budget, said"
     again = argparse.Namespace(what="report", results=None, quick=False, only=None)
     (tmp_path / "BENCHMARKS.md").unlink()
     assert suite.main(again) == 0 and (tmp_path / "BENCHMARKS.md").exists()

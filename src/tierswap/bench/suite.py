@@ -9,7 +9,8 @@ goodput projection, then writes the report (:mod:`tierswap.bench.writeup`):
 ``BENCHMARKS.md`` at the checkout's root and PNG plots beside the JSON. A benchmark that
 fails or runs past its deadline is reported as such, with its output's tail; the others
 still run. ``--quick`` runs the same benchmarks at small sizes and single repetitions:
-minutes, a check that everything runs, not figures to quote.
+minutes, a check that everything runs, not figures to quote. The run keeps to a budget
+(:data:`RUN_BUDGET_S`, ``--budget-s``) by cutting the rounds of the benchmark run last.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ PLAN: tuple[Bench, ...] = (
           ("--size-mib", "384", "--repeats", "3"), 10),
     Bench("recovery", "recovery", ("--size-mib", "5", "--repeats", "1"),
           ("--size-mib", "5", "75", "1024", "--repeats", "3"), 15),
-    Bench("peers", "peers", ("--size-mib", "8", "--repeats", "1"),
-          ("--size-mib", "384", "--repeats", "3"), 30),
     Bench("replication", "replication", ("--size-mib", "16", "--repeats", "1"),
           ("--size-mib", "256", "--repeats", "5"), 6),
     Bench("control-plane", "control-plane", ("--nodes", "256", "--repeats", "1"),
@@ -70,8 +69,13 @@ PLAN: tuple[Bench, ...] = (
     Bench("delta", "delta", ("--repeats", "1"), ("--repeats", "2"), 10, quick_too=False),
     Bench("goodput", "goodput", ("--nodes", "2", "--repeats", "1"), ("--nodes", "2", "4",
           "--repeats", "2"), 15, quick_too=False),
+    Bench("peers", "peers", ("--size-mib", "8", "--repeats", "1"),
+          ("--size-mib", "384", "--repeats", "3"), 30),
 )  # fmt: skip
-"""What ``bench all`` runs, in this order: the headline's first. ``bench overhead``'s jobs
+"""What ``bench all`` runs, in this order: the headline's first, but ``peers`` last, the
+one whose rounds can be cut: it gets what the run's budget (:data:`RUN_BUDGET_S`) leaves
+(the whole run took 42 to 48 minutes on loaded days, 29 to 33 on quiet ones, with
+``peers`` third and 12 to 24 minutes long). ``bench overhead``'s jobs
 are among ``peers``' rounds, its figures in ``peers.json`` (``overhead``); so are the
 recovery curve's jobs at the peers' size (``recovery_curve``), which ``recovery`` leaves
 out and the report puts in the curve."""
@@ -79,10 +83,18 @@ out and the report puts in the curve."""
 BUDGETED = frozenset({"peers"})
 """Benchmarks that take ``--budget-s``: past their deadline a run of them would lose all
 its rounds (``bench peers`` ran 30 minutes and was killed on a slow day, 12-04)."""
+RUN_BUDGET_S = (270.0, 38 * 60.0)
+"""The seconds a ``--quick`` run and a full run should take, its report included (the
+targets are 5 and 40 minutes; the report and its plots take seconds): the budgeted
+benchmarks get what is left of it when their turn comes. ``--budget-s`` overrides it."""
 BUDGET_MARGIN_S = 240.0
 """Of a budgeted benchmark's deadline, what is kept for its last round running long and
 its summary: a round of ``bench peers`` at 384 MiB took 7 to 10 minutes (12-04; the
 `memcpy` control added two jobs of about 15 s each on 12-06)."""
+RUN_MARGIN_S = 60.0
+"""Of what is left of the run's budget, what a budgeted benchmark leaves for its summary
+and the report: a round past the budget costs minutes of the target, not the results,
+so the margin is the deadline's smaller one."""
 
 LIMITS_MIB = (64, 384)
 """The bytes per pass of the machine's limits: a quick run's, a full run's."""
@@ -155,12 +167,17 @@ worker's snapshot copy): run with the glibc settings the agent gives its workers
 (:func:`tierswap.tunables.nt_tunables`), as their jobs are."""
 
 
-def run_one(bench: Bench, folder: Path, quick: bool) -> dict[str, Any]:
-    """Run one benchmark in a process of its own; what it did, for the index."""
+def run_one(
+    bench: Bench, folder: Path, quick: bool, left_s: float = float("inf")
+) -> dict[str, Any]:
+    """Run one benchmark in a process of its own; what it did, for the index. ``left_s``:
+    what is left of the run's budget, the most a budgeted benchmark is given."""
     args = bench.quick if quick else bench.full
     deadline = 60.0 * (max(3.0, bench.minutes / 3) if quick else bench.minutes)
+    budget: float | None = None
     if bench.what in BUDGETED:  # it stops between rounds in time, its rounds kept
-        args = (*args, "--budget-s", f"{max(60.0, deadline - BUDGET_MARGIN_S):.0f}")
+        budget = max(60.0, min(deadline - BUDGET_MARGIN_S, left_s - RUN_MARGIN_S))
+        args = (*args, "--budget-s", f"{budget:.0f}")
     cmd = [sys.executable, "-m", "tierswap.cli", "bench", bench.what, *args,
            "--json", str(folder / f"{bench.name}.json")]  # fmt: skip
     log = folder / f"{bench.name}.log"
@@ -173,8 +190,9 @@ def run_one(bench: Bench, folder: Path, quick: bool) -> dict[str, Any]:
     timed_out = code == -9 and seconds >= deadline  # -9 is also a SIGKILL from elsewhere
     status = "ok" if code == 0 else "timed out" if timed_out else f"failed ({code})"
     print(f"bench all: {bench.name}: {status} in {seconds:.0f} s", flush=True)
-    return {"what": bench.what, "args": list(args), "status": status, "seconds": seconds,
+    done = {"what": bench.what, "args": list(args), "status": status, "seconds": seconds,
             "deadline_s": deadline, "log": log.name}  # fmt: skip
+    return done if budget is None else done | {"budget_s": budget}
 
 
 def project(folder: Path) -> dict[str, Any]:
@@ -188,11 +206,15 @@ def project(folder: Path) -> dict[str, Any]:
             "status": "ok", "seconds": time.monotonic() - t0}  # fmt: skip
 
 
-def run_all(folder: Path, quick: bool, only: list[str] | None) -> dict[str, Any]:
+def run_all(
+    folder: Path, quick: bool, only: list[str] | None, budget_s: float | None = None
+) -> dict[str, Any]:
     plan = [b for b in PLAN if (b.name in only if only else b.quick_too or not quick)]
+    budget = RUN_BUDGET_S[0 if quick else 1] if budget_s is None else budget_s
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    index: dict[str, Any] = {"machine": machine(), "quick": quick, "benches": {}}
+    index: dict[str, Any] = {"machine": machine(), "quick": quick, "benches": {},
+                             "budget_s": budget}  # fmt: skip
     if only is not None and (folder / "index.json").exists():  # a rerun of some: keep the rest
         old = json.loads((folder / "index.json").read_text())
         if bool(old.get("quick")) != quick:
@@ -205,7 +227,8 @@ def run_all(folder: Path, quick: bool, only: list[str] | None) -> dict[str, Any]
         index["limits"] = limits.measure(size, 3 if quick else 5, Path(tmp))
     _write(folder, index)
     for bench in plan:
-        index["benches"][bench.name] = run_one(bench, folder, quick)
+        left = budget - (time.monotonic() - t0)
+        index["benches"][bench.name] = run_one(bench, folder, quick, left)
         _write(folder, index)
     if only is None or "simulate" in only:
         index["benches"]["simulate"] = project(folder)
@@ -222,7 +245,7 @@ def _write(folder: Path, index: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tierswap bench all [--quick] [--results DIR] [--only NAME ...]`` and
+    """``tierswap bench all [--quick] [--results DIR] [--only NAME ...] [--budget-s S]`` and
     ``tierswap bench report [--results DIR]``."""
     from tierswap.bench import writeup
 
@@ -241,7 +264,13 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"tierswap bench all --only {' '.join(unknown)}: not a benchmark "
                              f"of the run; pick from {', '.join(sorted(known))}")  # fmt: skip
         folder = Path(args.results) if args.results else default_folder(machine())
-        index = run_all(folder, args.quick, args.only)
+        budget = getattr(args, "budget_s", None)
+        if budget is not None and budget <= 0:
+            raise SystemExit(
+                f"tierswap bench all --budget-s {budget:g}: the run's seconds "
+                "must be more than 0 (the default is 38 minutes, 270 s quick)"
+            )
+        index = run_all(folder, args.quick, args.only, budget)
         failed = [n for n, b in index["benches"].items() if b["status"] != "ok"]
         if failed:
             print(f"bench all: not ok: {', '.join(failed)} (see their logs in {folder})")

@@ -449,11 +449,14 @@ def write(folder: Path, md: Path) -> Path:
     rel = Path(os.path.relpath(folder, md.parent))
     lim = index.get("limits", {})
     kind = "quick run" if index.get("quick") else "full run"
+    budget = (
+        f" of a {round(index['budget_s'] / 60, 1):g}-min budget" if index.get("budget_s") else ""
+    )
     lines = [
         "# Benchmarks",
         "",
         f"Written by `tierswap bench report` from `{rel}` (a {kind} of `tierswap bench all`, "
-        f"{index.get('wall_s', 0) / 60:.0f} min); `make bench` measures again and rewrites "
+        f"{index.get('wall_s', 0) / 60:.0f} min{budget}); `make bench` measures again and rewrites "
         "this file. Timings are medians over interleaved repetitions with their spread.",
         "",
         "## Headline",
