@@ -8,14 +8,18 @@ checkpoint ends with the same bits as that run carried on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -242,23 +246,86 @@ def test_a_tensor_inside_a_tuple_is_refused_not_pickled(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real jobs
 
 
-def _torchrun(nproc: int, script: Path, args: list[str], cwd: Path) -> None:
+TORCHRUN_TIMEOUT_S = 90.0
+"""A torchrun of these tests takes 5 to 10 s; one hung for good once in four suites (12-06)."""
+
+
+def _torchrun(
+    nproc: int, script: Path, args: list[str], cwd: Path, fresh: Path | None = None
+) -> None:
+    """Run ``script`` under plain torchrun; a run that hangs is run once more, ``fresh``
+    removed first (what it had written). The hung run is one of torch's, no tierswap code
+    in it (a rank waiting on a futex, the cause not found): its ranks' Python stacks go
+    into a warning, so that a recurrence says where, and a second hang fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
     tmp = cwd / "torchrun-tmp"  # its launcher's log folder (torchelastic_*) goes here, not /tmp
     tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    # a session of its own: past the timeout its workers go with the launcher (killing the
-    # launcher alone left a hung rank behind, waiting on its group for good)
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONFAULTHANDLER": "1"}
+    for attempt in (1, 2):
+        code, out = _torchrun_once(cmd, cwd, env)
+        if code is not None:
+            assert code == 0, out
+            return
+        if attempt == 2:
+            pytest.fail(f"torchrun hung twice for {TORCHRUN_TIMEOUT_S:.0f} s: {out}")
+        warnings.warn(f"torchrun hung for {TORCHRUN_TIMEOUT_S:.0f} s and ran again: {out}",
+                      stacklevel=2)  # fmt: skip
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _torchrun_once(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int | None, str]:
+    """Its exit code and its output's tail; None for a run killed past the timeout, its
+    output then ending with each process's threads' stacks (SIGABRT, which faulthandler
+    catches) before the SIGKILL of the launcher and every process under it, by pid (its
+    ranks run in sessions of their own: killing the launcher's group leaves them)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
+                            text=True, env=env)  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+        return proc.returncode, out[-3000:] + err[-3000:]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun hung for 240 s: {out[-3000:]}{err[-3000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        pass
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for each in reversed(procs):  # the ranks first: the launcher would stop them otherwise
+        with contextlib.suppress(psutil.NoSuchProcess):
+            each.send_signal(signal.SIGABRT)
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for each in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            each.kill()
+    psutil.wait_procs(alive, timeout=15)
+    out, err = proc.communicate()
+    return None, out[-3000:] + err[-6000:]
+
+
+def test_a_hung_torchrun_is_dumped_killed_whole_and_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper above: the first run's rank writes its output and its pid, then hangs;
+    the second, finding that output removed, ends. The warning has the rank's stack."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "out, mark = Path(sys.argv[1]), Path(sys.argv[2])\n"
+        "if mark.exists():\n"
+        "    sys.exit(1 if out.exists() else 0)\n"
+        "mark.write_text(str(os.getpid()))\n"
+        "out.mkdir()\n"
+        "def waiting_for_good(): time.sleep(600)\n"
+        "waiting_for_good()\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "TORCHRUN_TIMEOUT_S", 8.0)
+    out, mark = tmp_path / "out", tmp_path / "mark"
+    with pytest.warns(UserWarning, match="(?s)hung for 8 s and ran again.*waiting_for_good"):
+        _torchrun(1, script, [str(out), str(mark)], tmp_path, fresh=out)
+    stat = Path(f"/proc/{int(mark.read_text())}/stat")  # gone, or a zombie not yet reaped
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _expected(final: dict[str, dict[str, torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:
@@ -285,7 +352,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     step 12; a tierswap FSDP2 job. Both tierswap jobs persist to tier 2."""
     tmp = tmp_path_factory.mktemp("dcp")
     plain = ["--steps", "16", "--kill-step", "-1", "--ckpt", str(tmp / "plain")]
-    _torchrun(2, FOLDER / "torchrun_gpt.py", plain, tmp)
+    _torchrun(2, FOLDER / "torchrun_gpt.py", plain, tmp, fresh=tmp / "plain")
     out = {"tmp": tmp}
     for name, mode, extra in (
         ("ddp", "ddp", ("--init-from", str(tmp / "plain" / "step-12"))),
