@@ -4,7 +4,11 @@ from its JSON, every claim judged against its target, every failure shown."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +265,29 @@ def test_a_benchmark_that_does_a_workers_copy_runs_under_the_workers_glibc_setti
     if platform.machine().lower() in ("x86_64", "amd64"):
         env = seen["snapshot"]
         assert env is not None and "x86_non_temporal_threshold=0x100000" in env["GLIBC_TUNABLES"]
+
+
+def test_a_job_past_its_deadline_is_killed_with_workers_in_sessions_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """As torchrun starts its ranks: each in a session of its own, which the kill of the
+    launcher's group misses; the ranks go too, by pid."""
+    from tierswap.bench.common import run_bounded
+
+    pidfile = tmp_path / "pid"
+    rank = "import time; time.sleep(600)"
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
+    code = run_bounded([sys.executable, "-c", launcher], tmp_path / "log", tmp_path, 3.0)
+    assert code == -9
+    pid = int(pidfile.read_text())
+    stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie not yet reaped
+    try:
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:  # a failure leaves nothing behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

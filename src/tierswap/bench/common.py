@@ -79,6 +79,21 @@ def run_and_report(
     return 0
 
 
+def kill_descendants(pid: int) -> None:
+    """SIGKILL every process under ``pid`` (not ``pid`` itself), each by its id, all
+    listed before the first is killed: a launcher's workers in sessions of their own,
+    which a kill of its group misses."""
+    import psutil
+
+    try:
+        under = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for each in under:  # not waited for: each stays a zombie until its parent dies
+        with contextlib.suppress(psutil.Error):
+            each.kill()  # psutil checks it is still the process it listed
+
+
 def run_bounded(
     cmd: list[str],
     log: Path,
@@ -89,7 +104,8 @@ def run_bounded(
 ) -> int:
     """Run a job in a session of its own (in ``env``, else this process's environment),
     its output to ``log``; its exit code, or -9 past ``timeout``. What is left of the
-    launcher's group is killed either way, and past the timeout every host it started too
+    launcher's group is killed either way, and past the timeout every process under the
+    launcher (by pid: torchrun's ranks run in sessions of their own), every host it started
     (each a session of its own, their ids from ``run_dir``'s events) and the job's shared
     memory removed, so that nothing holds memory or a GPU for the next job."""
     with log.open("w") as out:
@@ -100,6 +116,7 @@ def run_bounded(
             pids = [proc.pid]
         except subprocess.TimeoutExpired:
             code, pids = -9, [proc.pid]
+            kill_descendants(proc.pid)
         jobs: list[str] = []
         events = None if run_dir is None else run_dir / "events.jsonl"
         if code == -9 and events is not None and events.exists():
