@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -255,8 +257,9 @@ def _torchrun(
 ) -> None:
     """Run ``script`` under plain torchrun; a run that hangs is run once more, ``fresh``
     removed first (what it had written). The hung run is one of torch's, no tierswap code
-    in it (a rank waiting on a futex, the cause not found): its ranks' Python stacks go
-    into a warning, so that a recurrence says where, and a second hang fails the test."""
+    in it (a rank waiting on a futex, the cause not found): its ranks' Python stacks are
+    kept in ``cwd/torchrun-hang-N.log``, which a warning names, so that a recurrence says
+    where; a second hang fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
     tmp = cwd / "torchrun-tmp"  # its launcher's log folder (torchelastic_*) goes here, not /tmp
@@ -267,40 +270,73 @@ def _torchrun(
         if code is not None:
             assert code == 0, out
             return
+        dump = cwd / f"torchrun-hang-{attempt}.log"
+        dump.write_text(out)
         if attempt == 2:
-            pytest.fail(f"torchrun hung twice for {TORCHRUN_TIMEOUT_S:.0f} s: {out}")
-        warnings.warn(f"torchrun hung for {TORCHRUN_TIMEOUT_S:.0f} s and ran again: {out}",
-                      stacklevel=2)  # fmt: skip
+            pytest.fail(f"torchrun hung twice for {TORCHRUN_TIMEOUT_S:.0f} s: {out[-3000:]}")
+        warnings.warn(f"torchrun hung for {TORCHRUN_TIMEOUT_S:.0f} s and ran again; its "
+                      f"ranks' stacks: {dump}\n{out[-3000:]}", stacklevel=2)  # fmt: skip
         if fresh is not None:
             shutil.rmtree(fresh, ignore_errors=True)
 
 
 def _torchrun_once(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int | None, str]:
-    """Its exit code and its output's tail; None for a run killed past the timeout, its
-    output then ending with each process's threads' stacks (SIGABRT, which faulthandler
-    catches) before the SIGKILL of the launcher and every process under it, by pid (its
-    ranks run in sessions of their own: killing the launcher's group leaves them)."""
+    """Its exit code and its output's tail; None for a run past the timeout, with its whole
+    output, which ends with its ranks' threads' stacks: the launcher is stopped (SIGSTOP,
+    so that it neither restarts nor stops them), the ranks get SIGABRT, which faulthandler
+    catches (no core files), then all are killed by pid (torchrun starts each rank in a
+    session of its own, which a kill of the launcher's group misses)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+                            text=True, env=env, preexec_fn=_no_core)  # fmt: skip
+    ranks: list[psutil.Process] = []
     try:
-        out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-        return proc.returncode, out[-3000:] + err[-3000:]
-    except subprocess.TimeoutExpired:
-        pass
+        try:
+            out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+            return proc.returncode, out[-3000:] + err[-3000:]
+        except subprocess.TimeoutExpired:
+            pass
+        proc.send_signal(signal.SIGSTOP)
+        with contextlib.suppress(psutil.Error):
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.send_signal(signal.SIGABRT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(map(_running, ranks)):
+            time.sleep(0.1)
+        return None, _end(proc, ranks)
+    except BaseException:  # pytest-timeout, say: nothing is left behind either
+        _end(proc, ranks)
+        raise
+
+
+def _no_core() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (its parent, stopped, does not reap it)."""
     try:
-        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for each in reversed(procs):  # the ranks first: the launcher would stop them otherwise
-        with contextlib.suppress(psutil.NoSuchProcess):
-            each.send_signal(signal.SIGABRT)
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for each in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _end(proc: subprocess.Popen[str], ranks: list[psutil.Process]) -> str:
+    """Kill the launcher and ``ranks`` by pid; what they wrote."""
+    for each in ranks:
+        with contextlib.suppress(psutil.Error):
             each.kill()
-    psutil.wait_procs(alive, timeout=15)
-    out, err = proc.communicate()
-    return None, out[-3000:] + err[-6000:]
+    proc.kill()
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process it did not list holds the pipes
+        out, err = "", "(its output was held open by a process it did not list)"
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        proc.wait()
+    return out + err
 
 
 def test_a_hung_torchrun_is_dumped_killed_whole_and_run_again(
@@ -320,12 +356,20 @@ def test_a_hung_torchrun_is_dumped_killed_whole_and_run_again(
         "def waiting_for_good(): time.sleep(600)\n"
         "waiting_for_good()\n"
     )
-    monkeypatch.setattr(sys.modules[__name__], "TORCHRUN_TIMEOUT_S", 8.0)
+    monkeypatch.setattr(sys.modules[__name__], "TORCHRUN_TIMEOUT_S", 20.0)
     out, mark = tmp_path / "out", tmp_path / "mark"
-    with pytest.warns(UserWarning, match="(?s)hung for 8 s and ran again.*waiting_for_good"):
+    with pytest.warns(UserWarning, match="hung for 20 s and ran again") as caught:
         _torchrun(1, script, [str(out), str(mark)], tmp_path, fresh=out)
-    stat = Path(f"/proc/{int(mark.read_text())}/stat")  # gone, or a zombie not yet reaped
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    pid = int(mark.read_text())
+    rank = psutil.Process(pid) if psutil.pid_exists(pid) else None
+    try:
+        assert rank is None or not _running(rank), "the hung rank is gone"
+        dump = tmp_path / "torchrun-hang-1.log"
+        assert "waiting_for_good" in dump.read_text(), "its stack, from faulthandler"
+        assert str(dump) in str(caught[0].message)
+    finally:
+        if rank is not None and _running(rank):
+            rank.kill()
 
 
 def _expected(final: dict[str, dict[str, torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:

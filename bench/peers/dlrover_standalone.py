@@ -13,30 +13,11 @@ arguments given; the master is stopped when it ends.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_listening(port: int, master: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if master.poll() is not None:
-            raise RuntimeError(f"DLRover's master exited with {master.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"DLRover's master did not listen on 127.0.0.1:{port} in {timeout} s")
+from launchers import free_port, stop, wait_listening
 
 
 def main() -> int:
@@ -59,17 +40,16 @@ def main() -> int:
         ]
     )
     try:
-        wait_listening(port, master)
+        wait_listening(port, master, "DLRover's master", timeout=60.0)
         env = {**os.environ, "DLROVER_MASTER_ADDR": f"127.0.0.1:{port}"}
         run = Path(sys.executable).parent / "dlrover-run"
-        return subprocess.call([str(run), *sys.argv[1:]], env=env)
-    finally:
-        master.terminate()
+        launcher = subprocess.Popen([str(run), *sys.argv[1:]], env=env)
         try:
-            master.wait(10)
-        except subprocess.TimeoutExpired:
-            master.kill()
-            master.wait()
+            return launcher.wait()
+        finally:  # an exception or a signal here: the launcher takes its ranks with it
+            stop(launcher)
+    finally:
+        stop(master, grace=10.0)
 
 
 if __name__ == "__main__":

@@ -13,32 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from launchers import free_port, stop, wait_listening
+
 SCRIPT = Path(__file__).resolve().parent / "train_peer.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"torchft's lighthouse exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"torchft's lighthouse did not listen on 127.0.0.1:{port} in {timeout} s")
 
 
 def main() -> int:
@@ -64,7 +45,7 @@ def main() -> int:
     )
     groups: list[subprocess.Popen[bytes]] = []
     try:
-        wait_listening(port, lighthouse)
+        wait_listening(port, lighthouse, "torchft's lighthouse")
         for g in range(args.groups):
             env = {
                 **os.environ,
@@ -94,9 +75,7 @@ def main() -> int:
         return next((c for c in codes if c != 0), 0)
     finally:
         for proc in (*groups, lighthouse):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -80,16 +80,20 @@ def run_and_report(
 
 
 def kill_descendants(pid: int) -> None:
-    """SIGKILL every process under ``pid`` (not ``pid`` itself), each by its id, all
-    listed before the first is killed: a launcher's workers in sessions of their own,
-    which a kill of its group misses."""
+    """SIGKILL every process under ``pid``, each by its id: a launcher's workers in
+    sessions of their own, which a kill of its group misses. ``pid`` is stopped first
+    (SIGSTOP), so that it starts no new ones meanwhile (torchrun with ``--max-restarts``
+    would), and left for the caller to kill; the others are not waited for, each staying
+    a zombie until its parent dies."""
     import psutil
 
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
     try:
         under = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return
-    for each in under:  # not waited for: each stays a zombie until its parent dies
+    for each in under:
         with contextlib.suppress(psutil.Error):
             each.kill()  # psutil checks it is still the process it listed
 

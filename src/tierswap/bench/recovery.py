@@ -42,7 +42,7 @@ SLEEP = ("--sleep", "0.05")
 
 
 def _run(cmd: list[str], cwd: Path, log: Path, timeout: float) -> tuple[int, str]:
-    """Run a job in its own session; on timeout its whole group is killed."""
+    """Run a job in its own session; on timeout it is killed, all it started too."""
     return run_bounded(cmd, log, cwd, timeout), log.read_text()[-3000:]
 
 

@@ -1,0 +1,45 @@
+"""What the peers' launcher wrappers share: a free loopback port, waiting for a server to
+listen, and stopping a launcher so that its ranks go with it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_listening(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 30.0
+) -> None:
+    """Until ``what`` (``proc``) accepts connections on ``port``; an error if it exits or
+    does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} in {timeout} s")
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """End a launcher still running: SIGTERM first, which torchrun (and dlrover-run, built
+    on it) passes to its ranks before it exits; SIGKILL past ``grace``. A SIGKILL alone
+    would leave the ranks, each in a session of its own, running."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
