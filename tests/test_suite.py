@@ -45,7 +45,8 @@ def _overhead() -> dict[str, Any]:
     return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
             "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
             "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03, "agents_vs_tcp": 1.1},
-            "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004)}  # fmt: skip
+            "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004),
+            "tier01_pinned": mode(0.4, _stats(-0.057, -0.137, -0.008), 0.004)}  # fmt: skip
 
 
 def _folder(tmp_path: Path, benches: dict[str, tuple[str, Any]]) -> Path:
@@ -82,6 +83,8 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert rows["step overhead, snapshot every step, tiers 0+1, unpinned"].endswith("**no** |")
     pinned = rows["step overhead, snapshot every step, tier 0, trainers and agents pinned"]
     assert pinned.endswith("| within noise |"), "a median below 0 whose spread passes 2 %"
+    pinned = rows["step overhead, snapshot every step, tiers 0+1, trainers and agents pinned"]
+    assert pinned.endswith("| within noise |"), "all below 3 %, but a median of -5.7 % is noise"
     # tier 1's wait is its own row, no claim, and not in the trainer's stall (fixture 20 %)
     own = "trainer's stall (fence wait + synchronous part), % of its step"
     stall = rows[f"{own} (tiers 0+1, unpinned)"]
@@ -211,8 +214,8 @@ def test_bench_all_runs_its_plan_into_one_folder_and_reports_it(
     monkeypatch.setattr(suite, "checkout", lambda: tmp_path)
     tiny = ("--nodes", "2", "--ranks-per-node", "1", "--repeats", "1")
     monkeypatch.setattr(suite, "PLAN", (
-        suite.Bench("control-plane", "control-plane", tiny, tiny, 3),
-        suite.Bench("broken", "delta", ("--size-mib", "8"), ("--size-mib", "8"), 3),
+        suite.Bench("control-plane", "control-plane", tiny, tiny, 3, 0.1),
+        suite.Bench("broken", "delta", ("--size-mib", "8"), ("--size-mib", "8"), 3, 0.1),
     ))  # fmt: skip
     monkeypatch.setattr(suite, "LIMITS_MIB", (8, 8))
     args = argparse.Namespace(what="all", results=None, quick=True, only=None)
@@ -260,7 +263,7 @@ def test_a_benchmark_that_does_a_workers_copy_runs_under_the_workers_glibc_setti
     monkeypatch.setattr(suite, "run_bounded", fake)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     for what in ("snapshot", "memory"):
-        suite.run_one(suite.Bench(what, what, (), (), 1.0), tmp_path, quick=False)
+        suite.run_one(suite.Bench(what, what, (), (), 1.0, 0.1), tmp_path, quick=False)
     assert seen["memory"] is None  # an agent's or a launcher's part: this process's own
     if platform.machine().lower() in ("x86_64", "amd64"):
         env = seen["snapshot"]
@@ -288,6 +291,7 @@ def test_a_job_past_its_deadline_is_killed_with_workers_in_sessions_of_their_own
     stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie not yet reaped
     try:
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    finally:  # a failure leaves nothing behind either
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    finally:  # a failure leaves nothing behind either (that pid, if it is still the rank)
+        with contextlib.suppress(OSError):
+            if "time.sleep(600)" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)

@@ -93,9 +93,10 @@ class Config:
     pinned: bool = True
     """Also run the pinned twins of tierswap's plain, tier0 and tier01 jobs (``OVERHEAD``)."""
     budget_s: float = 0.0
-    """Seconds the whole run may take (``bench all`` gives its deadline less a margin):
-    a round that would end past it, at the pace of the rounds before, is not started, and
-    the report says how many ran. 0: no budget."""
+    """Seconds the whole run may take (``bench all`` gives the lesser of its deadline and
+    what is left of its own budget, less a margin): a round that would end past it, at the
+    pace of the rounds before, is not started, and the report says how many ran; the first
+    always runs. 0: no budget."""
 
     def __post_init__(self) -> None:
         if self.size_mib < 1 or self.repeats < 1:
