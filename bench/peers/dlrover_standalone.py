@@ -17,10 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launchers import free_port, stop, wait_listening
+from launchers import exit_on_sigterm, free_port, stop, wait_listening
 
 
 def main() -> int:
+    exit_on_sigterm()
     port = free_port()
     job = f"peers-{os.getpid()}"
     master = subprocess.Popen(

@@ -3,9 +3,17 @@ listen, and stopping a launcher so that its ranks go with it."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
+import sys
 import time
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM to the wrapper ends it through its ``finally`` blocks (which stop what it
+    started), as an exception would; by default it would die at once, leaving them."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def free_port() -> int:
@@ -31,10 +39,11 @@ def wait_listening(
     raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} in {timeout} s")
 
 
-def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+def stop(proc: subprocess.Popen[bytes], grace: float = 45.0) -> None:
     """End a launcher still running: SIGTERM first, which torchrun (and dlrover-run, built
-    on it) passes to its ranks before it exits; SIGKILL past ``grace``. A SIGKILL alone
-    would leave the ranks, each in a session of its own, running."""
+    on it) passes to its ranks before it exits, SIGKILLing them itself after its own 30 s
+    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``); SIGKILL past ``grace``, longer than that. A
+    SIGKILL alone would leave the ranks, each in a session of its own, running."""
     if proc.poll() is not None:
         return
     proc.terminate()

@@ -17,12 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launchers import free_port, stop, wait_listening
+from launchers import exit_on_sigterm, free_port, stop, wait_listening
 
 SCRIPT = Path(__file__).resolve().parent / "train_peer.py"
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser()
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("rest", nargs=argparse.REMAINDER)

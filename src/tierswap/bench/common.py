@@ -81,21 +81,49 @@ def run_and_report(
 
 def kill_descendants(pid: int) -> None:
     """SIGKILL every process under ``pid``, each by its id: a launcher's workers in
-    sessions of their own, which a kill of its group misses. ``pid`` is stopped first
-    (SIGSTOP), so that it starts no new ones meanwhile (torchrun with ``--max-restarts``
-    would), and left for the caller to kill; the others are not waited for, each staying
-    a zombie until its parent dies."""
+    sessions of their own, which a kill of its group misses. ``pid`` and all under it are
+    stopped first (SIGSTOP), listed again until no new one appears, so that none starts
+    another meanwhile (torchrun with ``--max-restarts`` would restart its ranks); ``pid``
+    is left stopped for the caller to kill, the others are not waited for, each staying a
+    zombie until its parent dies."""
     import psutil
 
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGSTOP)
     try:
-        under = psutil.Process(pid).children(recursive=True)
+        top = psutil.Process(pid)
+        top.suspend()
     except psutil.Error:
         return
-    for each in under:
+    seen: dict[int, psutil.Process] = {}
+    for _ in range(10):  # a few passes settle it: a stopped process starts nothing
+        try:
+            new = [p for p in top.children(recursive=True) if p.pid not in seen]
+        except psutil.Error:
+            break
+        if not new:
+            break
+        for each in new:
+            seen[each.pid] = each
+            with contextlib.suppress(psutil.Error):
+                each.suspend()
+    for each in seen.values():
         with contextlib.suppress(psutil.Error):
             each.kill()  # psutil checks it is still the process it listed
+
+
+def _hosts(run_dir: Path | None, pids: list[int]) -> list[str]:
+    """From a tierswap run's events: the hosts' pids (added to ``pids``) and the jobs."""
+    jobs: list[str] = []
+    events = None if run_dir is None else run_dir / "events.jsonl"
+    if events is None or not events.exists():
+        return jobs
+    for line in events.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            e = json.loads(line)
+            if e.get("event") == "node_joined":
+                pids.append(int(e["pid"]))
+            elif e.get("event") == "job_started":
+                jobs.append(str(e["job_id"]))
+    return jobs
 
 
 def run_bounded(
@@ -120,21 +148,16 @@ def run_bounded(
             pids = [proc.pid]
         except subprocess.TimeoutExpired:
             code, pids = -9, [proc.pid]
-            kill_descendants(proc.pid)
         jobs: list[str] = []
-        events = None if run_dir is None else run_dir / "events.jsonl"
-        if code == -9 and events is not None and events.exists():
-            for line in events.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError):
-                    e = json.loads(line)
-                    if e.get("event") == "node_joined":
-                        pids.append(int(e["pid"]))
-                    elif e.get("event") == "job_started":
-                        jobs.append(str(e["job_id"]))
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        proc.wait()
+        try:
+            if code == -9:
+                kill_descendants(proc.pid)
+                jobs = _hosts(run_dir, pids)
+        finally:  # the launcher, stopped above, is killed whatever went wrong there
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            proc.wait()
     for job in jobs:  # a killed job leaves its tier-0 memory: no agent lived to unlink it
         remove_job_segments(job)
     return code
