@@ -467,8 +467,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="peers: seconds the run may take; a round that would end past them is not "
-        "started (bench all gives what is left of its own budget, less a margin); all: the "
-        "whole run's (default 2280, 270 with --quick)",
+        "started, past the first two (bench all gives what is left of its own budget, less "
+        "the later benchmarks' typical time at the run's pace and a margin); all: the whole "
+        "run's (default 2280, 270 with --quick)",
     )
     bench.add_argument(
         "--peers-python",

@@ -96,7 +96,7 @@ class Config:
     """Seconds the whole run may take (``bench all`` gives the lesser of its deadline and
     what is left of its own budget, less a margin): a round that would end past it, at the
     pace of the rounds before, is not started, and the report says how many ran; the first
-    always runs. 0: no budget."""
+    two always run. 0: no budget."""
 
     def __post_init__(self) -> None:
         if self.size_mib < 1 or self.repeats < 1:
@@ -371,10 +371,15 @@ def run(cfg: Config) -> dict[str, Any]:
     return out
 
 
+MIN_ROUNDS = 2
+"""Rounds run whatever the budget: a median with a spread needs two; the budget cuts the
+rounds past them (a third took 5 to 8 minutes at 384 MiB, 12-05 and 12-06)."""
+
+
 def _round_fits(budget_s: float, t_start: float, rounds_start: float, done: int) -> bool:
     """Whether round ``done + 1`` ends within ``budget_s`` of ``t_start``, at the pace of
-    the rounds done (each as long as their mean); the first always runs."""
-    if not budget_s or not done:
+    the rounds done (each as long as their mean); the first :data:`MIN_ROUNDS` always run."""
+    if not budget_s or done < MIN_ROUNDS:
         return True
     now = time.monotonic()
     return now + (now - rounds_start) / done <= t_start + budget_s

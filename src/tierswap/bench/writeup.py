@@ -40,6 +40,13 @@ def _met(ok: bool | None) -> str:
     return "–" if ok is None else "yes" if ok else "**no**"
 
 
+FLOOR_NOISE = 0.02
+"""How far below 0 the bare-memcpy control's overhead may read before the jobs judged
+against the same baseline are not: a copy of the state every step cannot make the step
+faster, so a floor at -10 % (12-06, pinned: the plain job's rounds were slowed by other
+work) means that baseline is off by more than the targets, and a "yes" beside it is noise."""
+
+
 def _met_spread(s: dict[str, Any], goal: float) -> str:
     """A "≤ goal" target against a spread: met when all of the spread shown (quartiles,
     else min – max) is within it; only the median: "within noise", which does not settle
@@ -97,8 +104,13 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
         if "stall_of_step" not in over.get(mode, {}):
             continue
         o = over[mode]
+        pin = mode.removeprefix("tier01").removeprefix("tier0")
+        bare = over.get("memcpy" + pin, {})
+        met = _met_spread(o["overhead"], goal)
+        if met == "yes" and bare.get("overhead", {}).get("median", 0.0) < -FLOOR_NOISE:
+            met = "within noise (the floor measured below 0)"
         rows.append([f"step overhead, snapshot every step, {_mode(mode)}", _pct(o["overhead"]),
-                     f"≤ {100 * goal:g} %", _met_spread(o["overhead"], goal)])  # fmt: skip
+                     f"≤ {100 * goal:g} %", met])  # fmt: skip
         # tier 0 has no tier-1 wait; results from before 12-06 counted it in tier 1's stall
         apart = "gate_of_step" in o or not mode.startswith("tier01")
         own = "fence wait + synchronous part" if apart else "tier-1 wait included"
@@ -112,8 +124,6 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
         if "agents_vs_tcp" in o:  # replication's CPU against the network stack's floor
             rows.append([f"  agents' CPU per GiB / one loopback TCP stream's, both ends "
                          f"({_mode(mode)})", f"{o['agents_vs_tcp']:.2f}x", "–", "–"])  # fmt: skip
-        pin = mode.removeprefix("tier01").removeprefix("tier0")
-        bare = over.get("memcpy" + pin, {})
         if mode.startswith("tier01") and "overhead" in bare:  # once per pinning
             # the floor: what moving the bytes alone, the barest way, costs the step
             how = "trainers, agents and copy pinned" if pin else "unpinned"
@@ -157,7 +167,13 @@ def _peer_rows(peers: Res) -> list[list[str]]:
     rows = []
     for name, s in peers.get("recovery", {}).items():
         ratio = next((v for k, v in s.items() if k.startswith("vs_") and v), None)
-        if name.startswith("tierswap") or ratio is None:
+        if name.startswith("tierswap"):
+            continue
+        if ratio is None:  # a peer that never came back is a row too, not a gap
+            if s.get("failed") and "seconds" not in s:
+                rows.append([f"recovery: {name} / tierswap's (worker killed)",
+                             f"{name} failed in all {s['failed']} rounds (its section says "
+                             "why)", "≥ 3.5x", "–"])  # fmt: skip
             continue
         rows.append([f"recovery: {name} / tierswap's (worker killed)",
                      _stats_cell(ratio, unit="x", digits=1), "≥ 3.5x",
