@@ -379,8 +379,9 @@ def test_a_hung_torchrun_is_dumped_killed_whole_and_run_again(
         assert "waiting_for_good" in dump.read_text(), "its stack, from faulthandler"
         assert any(str(dump) in str(w.message) for w in caught)
     finally:  # that pid, if it is still the rank
-        if rank is not None and _running(rank) and "hang.py" in " ".join(rank.cmdline()):
-            rank.kill()
+        with contextlib.suppress(psutil.Error):
+            if rank is not None and _running(rank) and "hang.py" in " ".join(rank.cmdline()):
+                rank.kill()
 
 
 def _expected(final: dict[str, dict[str, torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:

@@ -403,6 +403,9 @@ def test_a_round_that_would_end_past_the_budget_is_not_started(
     assert peers._round_fits(1450.0, 0.0, 100.0, 2)
     assert not peers._round_fits(1449.0, 0.0, 100.0, 2)
     assert peers._round_fits(10.0, 0.0, 100.0, 0), "the first round always runs"
+    assert peers._round_fits(10.0, 0.0, 100.0, 1), "so does the second, past the budget"
+    assert not peers._round_fits(10.0, 0.0, 100.0, 1, deadline_s=1899.0), "nor the deadline"
+    assert peers._round_fits(10.0, 0.0, 100.0, 1, deadline_s=1900.0)
     assert peers._round_fits(0.0, 0.0, 100.0, 5), "no budget"
 
 
@@ -419,12 +422,17 @@ def test_bench_all_gives_bench_peers_its_deadline_less_a_margin_as_a_budget(
     budget = float(peers_cmd[peers_cmd.index("--budget-s") + 1])
     assert budget == 30 * 60 - suite.BUDGET_MARGIN_S
     assert "--budget-s" not in dcp_cmd
-    args = argparse.Namespace(size_mib=[8], repeats=2, peers_python=None, budget_s=budget)
-    assert peers.config_from(args).budget_s == budget
+    hard = float(peers_cmd[peers_cmd.index("--deadline-s") + 1])
+    assert hard == budget, "its deadline is the same here; below, the budget is less"
+    args = argparse.Namespace(size_mib=[8], repeats=2, peers_python=None, budget_s=budget,
+                              deadline_s=hard)  # fmt: skip
+    cfg = peers.config_from(args)
+    assert (cfg.budget_s, cfg.deadline_s) == (budget, hard)
     ran.clear()  # what is left of the run's budget, when less, is what it gets
     peers_bench = suite.Bench("peers", "peers", (), (), 30, 16)
     suite.run_one(peers_bench, tmp_path, False, left_s=1000.0)
     assert float(ran[0][ran[0].index("--budget-s") + 1]) == 1000 - suite.RUN_MARGIN_S
+    assert float(ran[0][ran[0].index("--deadline-s") + 1]) == 30 * 60 - suite.BUDGET_MARGIN_S
 
 
 def test_bench_all_gives_bench_peers_what_is_left_less_what_the_rest_typically_takes(

@@ -13,7 +13,12 @@ import time
 def exit_on_sigterm() -> None:
     """A SIGTERM to the wrapper ends it through its ``finally`` blocks (which stop what it
     started), as an exception would; by default it would die at once, leaving them."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    def leave(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def free_port() -> int:

@@ -472,6 +472,13 @@ def parser() -> argparse.ArgumentParser:
         "run's (default 2280, 270 with --quick)",
     )
     bench.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="peers: seconds past which no round may end, even the first two that the "
+        "budget does not cut (bench all gives its own deadline for it, less a margin)",
+    )
+    bench.add_argument(
         "--peers-python",
         default=None,
         help="peers: the Python with DLRover and torchft (default .venv-peers/bin/python, "

@@ -114,9 +114,11 @@ def _hosts(run_dir: Path | None, pids: list[int]) -> list[str]:
     """From a tierswap run's events: the hosts' pids (added to ``pids``) and the jobs."""
     jobs: list[str] = []
     events = None if run_dir is None else run_dir / "events.jsonl"
-    if events is None or not events.exists():
+    try:
+        lines = [] if events is None else events.read_text(errors="replace").splitlines()
+    except OSError:  # none, or unreadable: no hosts to add
         return jobs
-    for line in events.read_text(errors="replace").splitlines():
+    for line in lines:
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
             e = json.loads(line)
             if e.get("event") == "node_joined":
@@ -143,15 +145,17 @@ def run_bounded(
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                 start_new_session=True, env=env)  # fmt: skip
+        timed_out = False
         try:
             code = proc.wait(max(1.0, timeout))
             pids = [proc.pid]
         except subprocess.TimeoutExpired:
-            code, pids = -9, [proc.pid]
+            code, pids, timed_out = -9, [proc.pid], True
         jobs: list[str] = []
         try:
-            if code == -9:
+            if timed_out:  # (a pid already reaped may be another process's by now)
                 kill_descendants(proc.pid)
+            if code == -9:
                 jobs = _hosts(run_dir, pids)
         finally:  # the launcher, stopped above, is killed whatever went wrong there
             for pid in pids:

@@ -96,7 +96,10 @@ class Config:
     """Seconds the whole run may take (``bench all`` gives the lesser of its deadline and
     what is left of its own budget, less a margin): a round that would end past it, at the
     pace of the rounds before, is not started, and the report says how many ran; the first
-    two always run. 0: no budget."""
+    two always run, within :attr:`deadline_s`. 0: no budget."""
+    deadline_s: float = 0.0
+    """Seconds past which no round may end, the first two included: where ``bench all``
+    kills the run, less a margin (a run killed there loses every round). 0: none."""
 
     def __post_init__(self) -> None:
         if self.size_mib < 1 or self.repeats < 1:
@@ -333,12 +336,13 @@ def run(cfg: Config) -> dict[str, Any]:
             bench.reference(name)
         rounds_start = time.monotonic()
         for r in range(cfg.repeats):
-            if not _round_fits(cfg.budget_s, t_start, rounds_start, r):
+            if not _round_fits(cfg.budget_s, t_start, rounds_start, r, cfg.deadline_s):
                 print(f"round {r + 1} of {cfg.repeats} not run: the budget", flush=True)
                 out["config"]["rounds_run"] = r
                 out["config"]["stopped"] = (
                     f"{r} of {cfg.repeats} rounds: another would end past the run's budget "
-                    f"of {cfg.budget_s:.0f} s at the pace of those before"
+                    f"of {cfg.budget_s:.0f} s (its deadline {cfg.deadline_s:.0f} s) at the "
+                    "pace of those before"
                 )
                 break
             print(f"round {r + 1} of {cfg.repeats}", flush=True)
@@ -376,13 +380,19 @@ MIN_ROUNDS = 2
 rounds past them (a third took 5 to 8 minutes at 384 MiB, 12-05 and 12-06)."""
 
 
-def _round_fits(budget_s: float, t_start: float, rounds_start: float, done: int) -> bool:
+def _round_fits(
+    budget_s: float, t_start: float, rounds_start: float, done: int, deadline_s: float = 0.0
+) -> bool:
     """Whether round ``done + 1`` ends within ``budget_s`` of ``t_start``, at the pace of
-    the rounds done (each as long as their mean); the first :data:`MIN_ROUNDS` always run."""
-    if not budget_s or done < MIN_ROUNDS:
+    the rounds done (each as long as their mean); the first :data:`MIN_ROUNDS` run
+    whatever the budget, but none that would end past ``deadline_s``; the first always."""
+    if not done:
         return True
     now = time.monotonic()
-    return now + (now - rounds_start) / done <= t_start + budget_s
+    ends = now + (now - rounds_start) / done
+    if deadline_s and ends > t_start + deadline_s:
+        return False
+    return not budget_s or done < MIN_ROUNDS or ends <= t_start + budget_s
 
 
 def overhead_plan(
@@ -424,6 +434,7 @@ def config_from(args: Any) -> Config:
         peers_python=python,
         only=None if only is None else frozenset(only),
         budget_s=float(getattr(args, "budget_s", None) or 0.0),
+        deadline_s=float(getattr(args, "deadline_s", None) or 0.0),
     )
 
 
