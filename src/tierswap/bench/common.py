@@ -110,22 +110,23 @@ def kill_descendants(pid: int) -> None:
             each.kill()  # psutil checks it is still the process it listed
 
 
-def _hosts(run_dir: Path | None, pids: list[int]) -> list[str]:
-    """From a tierswap run's events: the hosts' pids (added to ``pids``) and the jobs."""
+def _hosts(run_dir: Path | None) -> tuple[list[int], list[str]]:
+    """From a tierswap run's events: its hosts' pids and its jobs' ids."""
+    hosts: list[int] = []
     jobs: list[str] = []
     events = None if run_dir is None else run_dir / "events.jsonl"
     try:
         lines = [] if events is None else events.read_text(errors="replace").splitlines()
     except OSError:  # none, or unreadable: no hosts to add
-        return jobs
+        return hosts, jobs
     for line in lines:
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
             e = json.loads(line)
             if e.get("event") == "node_joined":
-                pids.append(int(e["pid"]))
+                hosts.append(int(e["pid"]))
             elif e.get("event") == "job_started":
                 jobs.append(str(e["job_id"]))
-    return jobs
+    return hosts, jobs
 
 
 def run_bounded(
@@ -148,17 +149,17 @@ def run_bounded(
         timed_out = False
         try:
             code = proc.wait(max(1.0, timeout))
-            pids = [proc.pid]
         except subprocess.TimeoutExpired:
-            code, pids, timed_out = -9, [proc.pid], True
+            code, timed_out = -9, True
+        hosts: list[int] = []
         jobs: list[str] = []
         try:
             if timed_out:  # (a pid already reaped may be another process's by now)
                 kill_descendants(proc.pid)
             if code == -9:
-                jobs = _hosts(run_dir, pids)
+                hosts, jobs = _hosts(run_dir)
         finally:  # the launcher, stopped above, is killed whatever went wrong there
-            for pid in pids:
+            for pid in [proc.pid, *hosts]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
             proc.wait()

@@ -184,8 +184,8 @@ def run_one(
     deadline = 60.0 * (max(3.0, bench.minutes / 3) if quick else bench.minutes)
     budget: float | None = None
     if bench.what in BUDGETED:  # it stops between rounds in time, its rounds kept
-        budget = max(60.0, min(deadline - BUDGET_MARGIN_S, left_s - RUN_MARGIN_S))
         hard = max(60.0, deadline - BUDGET_MARGIN_S)  # the rounds that always run, too
+        budget = max(60.0, min(hard, left_s - RUN_MARGIN_S))
         args = (*args, "--budget-s", f"{budget:.0f}", "--deadline-s", f"{hard:.0f}")
     cmd = [sys.executable, "-m", "tierswap.cli", "bench", bench.what, *args,
            "--json", str(folder / f"{bench.name}.json")]  # fmt: skip
