@@ -591,3 +591,66 @@ def test_a_handshake_past_its_deadline_is_a_timeout_but_a_signals_exit_stays_its
         expected = TimeoutError if issubclass(raised, Exception) else raised
         with pytest.raises(expected):
             wire.Channel.connect(server.getsockname(), b"k" * 16, None)
+
+
+def _tcp_pipe() -> tuple[Channel, Channel]:
+    """Two channels over plain TCP on loopback, as replicas go between hosts."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    keys = handshake.frame_keys(
+        secrets.token_bytes(32), b"n" * handshake.NONCE, b"m" * handshake.NONCE
+    )
+    return Channel(client, Replies, keys[1]), Channel(server, Requests, keys[0])
+
+
+@pytest.mark.parametrize(
+    ("pipe", "refused", "by_sendfile"),
+    [(_tcp_pipe, False, True), (_pipe, False, True), (_tcp_pipe, True, False),
+     (_tls_pipe, False, False)],
+    ids=["tcp", "unix", "sendfile-refused", "tls"],
+)  # fmt: skip
+def test_a_span_of_a_segment_arrives_whole_from_its_file_or_its_mapping(
+    pipe: Any, refused: bool, by_sendfile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica is sent from its slot's file by ``sendfile`` on a plain socket, and from
+    the mapping over TLS or where the kernel refuses ``sendfile``: the same bytes arrive,
+    a span from the middle of the segment included (an unaligned start and length)."""
+    import errno
+    import os
+    import uuid
+
+    from tierswap.shm import Segment
+
+    real = os.sendfile
+    sent: list[int] = []
+
+    def sendfile(out: int, fd: int, offset: int, count: int) -> int:
+        if refused:
+            raise OSError(errno.EINVAL, "no sendfile here")
+        k = real(out, fd, offset, count)
+        sent.append(k)
+        return k
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    n = (3 << 20) + 4097
+    seg = Segment.create(f"test-{uuid.uuid4().hex[:12]}", n)
+    a, b = pipe()
+    try:
+        seg.buf[:] = secrets.token_bytes(n)
+        span = seg.span()[12345 : n - 7]
+        got = memoryview(bytearray(len(span)))
+        t = threading.Thread(target=b.recv_raw_into, args=(got,), daemon=True)
+        t.start()
+        a.send_raw(span)
+        t.join(30)
+        assert not t.is_alive()
+        assert bytes(got) == bytes(seg.buf[12345 : n - 7])
+        assert (sum(sent) == len(span)) if by_sendfile else not sent
+        a.send(Ping(n=1))  # the channel goes on after the bulk bytes
+        env = b.recv(5)
+        assert env is not None and env.msg == Ping(n=1)
+    finally:
+        a.close()
+        b.close()
+        seg.unlink()

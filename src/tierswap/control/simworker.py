@@ -20,6 +20,7 @@ from tierswap.control.simworld import (
     advance,
 )
 from tierswap.errors import CorruptPartError
+from tierswap.shm import view_of
 from tierswap.tiers.parity import xor_into
 from tierswap.tiers.peer import Lease
 
@@ -282,7 +283,7 @@ class SimWorker:
                 return None
             assert peer is not None
             try:
-                buf = bytes(lease.read())
+                buf = bytes(view_of(lease.read()))
                 members = {m.rank: m for m in lease.tree.get("members", [])}
             except ValueError:  # the peer died
                 return None
@@ -341,7 +342,7 @@ class SimWorker:
                     lease = yield Ask(peer, "replica_lease", {"rank": rank, "step": step})
                 if isinstance(lease, Lease):
                     try:
-                        buf = lease.read()
+                        buf = view_of(lease.read())
                         if checksum_chunks(lease.layout.chunks(buf)) == lease.checksum:
                             data = bytes(buf[:8])
                     except (CorruptPartError, ValueError):  # ValueError: the peer died
