@@ -1,12 +1,14 @@
-"""Tier 1 sending each replica from its slot's file with ``sendfile`` (since 12-06) against
-sending it from the slot's mapping with ``sendall`` (before): ``bench overhead``'s plain
+"""Tier 1 sending each replica from its slot's file with ``sendfile`` (8ac32e3, reverted)
+against sending it from the slot's mapping with ``sendall``: ``bench overhead``'s plain
 and tiers 0+1 jobs, unpinned, at 384 MiB per rank, the two codes alternating round by
 round (order flipped every round). Each code is a checkout, put first on the jobs'
 ``PYTHONPATH`` (so the tree being worked on can change while this runs).
 
-    git worktree add /tmp/wt-old <commit before>; git worktree add /tmp/wt-new <commit>
+    git worktree add /tmp/wt-old bbf10ab; git worktree add /tmp/wt-new 8ac32e3
     .venv/bin/python bench/sendfile_ab.py --old /tmp/wt-old/src --new /tmp/wt-new/src \
         --rounds 3 > bench/sendfile-ab.json
+
+(stdout also carries the jobs' progress lines; the JSON is its last object.)
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -574,53 +572,3 @@ def test_faulted_in_memory_and_segments_are_whole_and_writable() -> None:
     finally:
         seg.unlink()
     buf.release()
-
-
-def test_a_segment_keeps_its_file_open_while_mapped_and_closes_it_with_the_mapping() -> None:
-    """Its spans are sent from the file (``sendfile``), so the file stays open exactly as
-    long as the mapping: no descriptor is left behind by ``close`` or ``unlink``."""
-
-    def open_on(path: Path) -> int:
-        fds = Path("/proc/self/fd")
-        return sum(1 for f in fds.iterdir() if _link(f) == str(path))
-
-    seg = Segment.create(f"test-{uuid.uuid4().hex[:12]}", 1 << 16)
-    path = seg.path
-    try:
-        one = open_on(path)  # the segment's own, and the mapping's (mmap keeps a dup)
-        other = Segment.attach(path.name, 1 << 16)
-        assert seg.fd is not None and other.fd is not None
-        assert one >= 1 and open_on(path) == 2 * one
-        other.close()
-        other.close()  # twice is harmless
-        assert other.fd is None and open_on(path) == one
-    finally:
-        seg.unlink()
-    assert seg.fd is None and open_on(path) == 0
-
-
-def _link(f: Path) -> str:
-    try:
-        return os.readlink(f)
-    except OSError:  # closed since it was listed
-        return ""
-
-
-def test_a_span_is_sliced_as_a_memoryview_of_the_same_bytes_is() -> None:
-    n = 1000
-    seg = Segment.create(f"test-{uuid.uuid4().hex[:12]}", n)
-    try:
-        seg.buf[:] = bytes(i % 251 for i in range(n))
-        span = seg.span()
-        cases = [slice(None), slice(10, 20), slice(-5, None), slice(None, -990), slice(30, 10),
-                 slice(0, 5000), slice(-5000, 3)]  # fmt: skip
-        for s in cases:
-            assert bytes(span[s].view) == bytes(seg.buf[s]), s
-            assert len(span[s]) == len(seg.buf[s]), s
-        inner = seg.span(100, 900)
-        assert bytes(inner[50:60].view) == bytes(seg.buf[150:160])
-        assert bytes(inner[700:].view) == bytes(seg.buf[800:900])  # never past its own end
-        with pytest.raises(ValueError, match="step of 1"):
-            span[::2]
-    finally:
-        seg.unlink()

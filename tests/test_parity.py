@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from tierswap.checksum import checksum_chunks
 from tierswap.control import protocol as p
 from tierswap.control.commits import newest_parity
-from tierswap.control.simworld import MemorySegment
 from tierswap.errors import CorruptPartError
 from tierswap.plan import Holdings, Source, Tier, plan_restore
 from tierswap.shm import PREFIX, SHM_DIR
@@ -182,11 +181,7 @@ class _Node:
 
     def _lease(self, rank: int, step: int) -> Any:
         buf = self.tier0.get((rank, step))
-        if buf is None:
-            return None
-        seg = MemorySegment(f"tier0-{rank}-{step}", len(buf), {})  # as the slot holds it
-        seg.buf[:] = buf
-        return SimpleNamespace(segment=seg)
+        return None if buf is None else SimpleNamespace(segment=SimpleNamespace(buf=buf))
 
     def rejected(self) -> list[dict[str, Any]]:
         return [f for op, f in self.reports if op == "replica_rejected"]

@@ -15,7 +15,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -23,18 +22,13 @@ PREFIX = "tierswap-"
 
 
 class Segment:
-    """One mapped segment. ``create`` makes and touches it; ``attach`` maps an existing one.
+    """One mapped segment. ``create`` makes and touches it; ``attach`` maps an existing one."""
 
-    A segment made from a file keeps the file open (``fd``) while it is mapped, so that a
-    :class:`Span` of it can be sent with ``sendfile``; one on anonymous memory (the
-    simulation's) has no file, and its spans are sent from the mapping."""
-
-    def __init__(self, path: Path, size: int, mm: mmap.mmap, fd: int | None = None) -> None:
+    def __init__(self, path: Path, size: int, mm: mmap.mmap) -> None:
         self.path = path
         self.size = size
         self._mm: mmap.mmap | None = mm
         self.buf = memoryview(mm)
-        self.fd = fd
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
@@ -47,10 +41,11 @@ class Segment:
             os.posix_fallocate(fd, 0, size)
             mm = _mapped(fd, size)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
             raise
-        return cls(path, size, mm, fd)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm)
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:
@@ -61,14 +56,9 @@ class Segment:
             if actual < size:
                 raise ValueError(f"shared memory {path} holds {actual} bytes, expected {size}")
             mm = _mapped(fd, size)
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        return cls(path, size, mm, fd)
-
-    def span(self, start: int = 0, stop: int | None = None) -> Span:
-        """Bytes ``start:stop`` of the segment, to be sent (:class:`Span`)."""
-        return Span(self, 0, self.size)[start:stop]
+        return cls(path, size, mm)
 
     def close(self) -> None:
         """Unmap. Tensors made with ``torch.frombuffer`` do not pin the mapping: drop every
@@ -81,47 +71,10 @@ class Segment:
         except BufferError:  # a tensor still aliases it; the mapping goes with the process
             return
         self._mm = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
     def unlink(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Bytes ``start:stop`` of a segment, as a sender hands them to a socket: from the
-    segment's file with ``sendfile`` where it has one (the kernel takes the pages, with no
-    copy through a buffer of the sender's), else from its mapping (``view``). Sliced as a
-    memoryview is, relative to itself."""
-
-    segment: Segment
-    start: int
-    stop: int
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, key: slice) -> Span:
-        begin, end, stride = key.indices(len(self))
-        if stride != 1:
-            raise ValueError("a span is sliced with a step of 1 only")
-        return Span(self.segment, self.start + begin, self.start + max(begin, end))
-
-    @property
-    def view(self) -> memoryview:
-        return self.segment.buf[self.start : self.stop]
-
-
-Bulk = memoryview | Span
-"""Bytes to send raw: private memory, or a span of a segment."""
-
-
-def view_of(data: Bulk) -> memoryview:
-    """The bytes of ``data`` as a memoryview."""
-    return data.view if isinstance(data, Span) else data
 
 
 MADV_POPULATE_WRITE = 23

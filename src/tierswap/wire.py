@@ -38,7 +38,6 @@ from tierswap import tls as _tls
 from tierswap.control.protocol import Codec, Envelope, Error, Message, ProtocolError, tag_of
 from tierswap.handshake import NONCE, frame_keys, recv_exact
 from tierswap.interrupt import own_call
-from tierswap.shm import Bulk, Span, view_of
 
 Address = str | tuple[str, int]
 R = TypeVar("R", bound=Message)
@@ -324,24 +323,11 @@ class Channel:
             raise ProtocolError(f"{what} was answered with {tag_of(env.msg)!r}")
         return env.msg
 
-    def send_raw(self, data: Bulk) -> None:
+    def send_raw(self, data: memoryview) -> None:
         """Send bulk bytes after a message that announced their length: no framing, no
-        copy. A span of a segment's file goes by ``sendfile`` on a plain socket: the
-        kernel takes the file's pages instead of copying them out of the sender's memory,
-        which halved the sender's CPU for a replica here (0.06 against 0.105 s for 384
-        MiB on loopback). A TLS socket encrypts in user space, and takes the bytes (so
-        does a socket with a timeout: ``sendfile`` does not wait on a non-blocking one)."""
+        copy, at the speed of the socket."""
         with self._send_lock:
-            fd = data.segment.fd if isinstance(data, Span) else None
-            if (
-                fd is None
-                or isinstance(self.sock, ssl.SSLSocket)
-                or self.sock.gettimeout() is not None
-            ):
-                self.sock.sendall(view_of(data))
-                return
-            assert isinstance(data, Span)
-            _sendfile(self.sock, fd, data)
+            self.sock.sendall(data)
 
     def recv_raw_into(self, buf: memoryview, idle: float = 0.0) -> None:
         """Receive exactly ``len(buf)`` announced bulk bytes straight into ``buf``; a dead
@@ -418,24 +404,3 @@ def pair(a_incoming: Any, b_incoming: Any) -> tuple[Channel, Channel]:
         secrets.token_bytes(32), secrets.token_bytes(NONCE), secrets.token_bytes(NONCE)
     )
     return Channel(x, a_incoming, server), Channel(y, b_incoming, client)
-
-
-_NO_SENDFILE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
-"""What ``sendfile`` answers for a file or socket it cannot join (nothing sent yet)."""
-
-
-def _sendfile(sock: socket.socket, fd: int, span: Span) -> None:
-    """All of ``span`` from ``fd`` to a blocking ``sock``; from the mapping where the
-    kernel refuses ``sendfile`` for this pair before a byte went."""
-    sent, n = 0, len(span)
-    while sent < n:
-        try:
-            k = os.sendfile(sock.fileno(), fd, span.start + sent, n - sent)
-        except OSError as e:
-            if sent or e.errno not in _NO_SENDFILE:
-                raise
-            sock.sendall(span.view)
-            return
-        if k == 0:  # the file is shorter than the span: a segment truncated under us
-            raise OSError(f"{span.segment.path} ended {n - sent} bytes before the span")
-        sent += k

@@ -154,7 +154,6 @@ class Replicator:
         base for a peer that lacks it. The delta is encoded once, here, in the agent;
         ``stats`` gets its size and time."""
         buf, g = slot.segment.buf, generation
-        span = slot.segment.span()  # what is sent: from the slot's file, by sendfile
         if self.parity:
             stripes = len(self.targets.get(rank, ()))
             unit = parity.stripe_unit(layout.nbytes, stripes)
@@ -165,18 +164,18 @@ class Replicator:
                     rank=rank, stripe=j, nbytes=stop - start, unit=unit, layout=layout,
                     tree=slot.tree, checksum=slot.checksum,
                 )  # fmt: skip
-                return parity.push(chan, step, member, span[start:stop], g)
+                return parity.push(chan, step, member, buf[start:stop], g)
 
             return send_stripe, None
         if self.keeper is None:
             return (
-                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, span, g)
+                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
             ), None
         base, new = self.keeper.base_for(rank, step, layout, buf, slot.checksum, slot.tree, epoch)
         if new:
             stats.update(full=layout.nbytes, kind="base", nbytes=layout.nbytes, encode_s=0.0)
             return (
-                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, span, g)
+                lambda chan, _j: push(chan, rank, step, layout, slot.tree, slot.checksum, buf, g)
             ), base
         t0 = time.perf_counter()
         data = self.keeper.encode(rank, base, buf)

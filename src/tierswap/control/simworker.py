@@ -20,7 +20,6 @@ from tierswap.control.simworld import (
     advance,
 )
 from tierswap.errors import CorruptPartError
-from tierswap.shm import view_of
 from tierswap.tiers.parity import xor_into
 from tierswap.tiers.peer import Lease
 
@@ -283,7 +282,7 @@ class SimWorker:
                 return None
             assert peer is not None
             try:
-                buf = bytes(view_of(lease.read()))
+                buf = bytes(lease.read())
                 members = {m.rank: m for m in lease.tree.get("members", [])}
             except ValueError:  # the peer died
                 return None
@@ -342,7 +341,7 @@ class SimWorker:
                     lease = yield Ask(peer, "replica_lease", {"rank": rank, "step": step})
                 if isinstance(lease, Lease):
                     try:
-                        buf = view_of(lease.read())
+                        buf = lease.read()
                         if checksum_chunks(lease.layout.chunks(buf)) == lease.checksum:
                             data = bytes(buf[:8])
                     except (CorruptPartError, ValueError):  # ValueError: the peer died

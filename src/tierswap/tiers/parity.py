@@ -35,7 +35,7 @@ from tierswap.checksum import checksum_bytes, checksum_chunks, hasher
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout, TensorEntry
-from tierswap.shm import Bulk, populated, view_of
+from tierswap.shm import populated
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING, Slot
 from tierswap.wire import BULK_IDLE_S, Address, Channel
 
@@ -216,11 +216,13 @@ class Accumulation:
 # ---------------------------------------------------------------------------- sender
 
 
-def push(chan: Channel, step: int, member: p.ParityMember, data: Bulk, generation: int) -> bool:
+def push(
+    chan: Channel, step: int, member: p.ParityMember, data: memoryview, generation: int
+) -> bool:
     """Send one stripe to the peer holding its parity; True when it was folded in and its
     checksum matched."""
     what = f"stripe {member.stripe} of rank {member.rank} step {step}"
-    msg = p.ParityPart(member=member, step=step, stripe_checksum=checksum_bytes(view_of(data)))
+    msg = p.ParityPart(member=member, step=step, stripe_checksum=checksum_bytes(data))
     chan.send(msg, generation)
     if not chan.expect(p.Room, what).ok:
         return False
@@ -293,12 +295,12 @@ def serve_range(ask: Ask, chan: Channel, msg: p.FetchRange) -> None:
         chan.send(p.Missing(why=f"tier 0 no longer holds rank {msg.rank} step {msg.step}"))
         return
     try:
-        seg = slot.segment
-        if msg.start < 0 or msg.nbytes < 0 or msg.start + msg.nbytes > seg.size:
+        buf = slot.segment.buf
+        if msg.start < 0 or msg.nbytes < 0 or msg.start + msg.nbytes > len(buf):
             chan.send(p.Missing(why=f"bytes {msg.start}+{msg.nbytes} are past the snapshot"))
             return
         chan.send(p.Ranged(nbytes=msg.nbytes))
-        chan.send_raw(seg.span(msg.start, msg.start + msg.nbytes))
+        chan.send_raw(buf[msg.start : msg.start + msg.nbytes])
     finally:
         ask("tier0_unlease", slot=slot)
 

@@ -20,7 +20,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
 from tierswap.serving import Server
-from tierswap.shm import Bulk, populated
+from tierswap.shm import populated
 from tierswap.tiers import parity
 from tierswap.tiers.memory import FILL_LIMIT_S, FILL_POLL_S, FILLING
 from tierswap.wire import BULK_IDLE_S, Address, Channel
@@ -73,7 +73,7 @@ class Lease:
     layout: Layout
     tree: dict[str, Any]
     checksum: str
-    read: Callable[[], Bulk]
+    read: Callable[[], memoryview]
     token: Any = None
     """Handed back to ``replica_unlease``."""
     kind: str = "full"
@@ -236,7 +236,7 @@ def push(
     layout: Layout,
     tree: dict[str, Any],
     checksum: str,
-    buf: Bulk,
+    buf: memoryview,
     generation: int = -1,
 ) -> bool:
     """Send one replica to a peer; True when it was stored and its checksum matched."""
@@ -277,7 +277,7 @@ def push_delta(
     return _send_bytes(chan, memoryview(data), f"delta of rank {rank} step {step}")
 
 
-def _send_bytes(chan: Channel, data: Bulk, what: str) -> bool:
+def _send_bytes(chan: Channel, data: memoryview, what: str) -> bool:
     """The bytes a ``Room`` reply asked for; True when the peer accepted them."""
     chan.send_raw(data)
     return chan.expect(p.Accepted, what, timeout=300).ok

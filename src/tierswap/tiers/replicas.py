@@ -289,8 +289,8 @@ class PeerStore:
         slot = None if ring is None else ring.lease(step)
         if slot is None or ring is None:
             return None
-        span = slot.segment.span()
-        return Lease(ring.layout(), slot.tree, slot.checksum, lambda: span, slot)
+        buf = slot.segment.buf
+        return Lease(ring.layout(), slot.tree, slot.checksum, lambda: buf, slot)
 
     def unlease(self, rank: int, token: Any) -> None:
         if not isinstance(token, Slot):
