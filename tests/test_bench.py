@@ -260,13 +260,15 @@ def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None:
-    """Six of its eight jobs, through ``bench peers``' rounds (tier 0 is tier 0+1 without
-    replicas): tier01 and the bare memcpy, unpinned and pinned, each against the plain job
-    of its pinning, the snapshot's copy against the bare one's."""
+    """Eight of its ten jobs, through ``bench peers``' rounds (tier 0 is tier 0+1 without
+    replicas): tier01, the bare memcpy and the bare stream, unpinned and pinned, each
+    against the plain job of its pinning, the snapshot's copy against the bare one's, the
+    agents against the bare stream's threads."""
     from tierswap.bench import overhead
 
-    res = overhead.run(1, 1, steps=7, modes=("plain", "memcpy", "tier01"))
-    keys = {m + pin for m in ("plain", "memcpy", "tier01") for pin in ("", "_pinned")}
+    modes = ("plain", "memcpy", "stream", "tier01")
+    res = overhead.run(1, 1, steps=7, modes=modes)
+    keys = {m + pin for m in modes for pin in ("", "_pinned")}
     assert set(res) >= keys
     assert "tier0" not in res
     for key in keys:
@@ -279,6 +281,11 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         # replication's CPU against TCP's: present; at 1 MiB the agents' CPU, read from
         # /proc in clock ticks, may round to 0
         assert res[key]["agents_vs_tcp"] >= 0 and res["tcp_cpu_s_per_gib"] > 0
+        assert res[key]["agents_vs_bare_stream"]["median"] >= 0
+    for key in ("stream", "stream_pinned"):
+        assert res[key]["net_cpu_s_per_gib"]["median"] > 0, "the bare stream ran, timed"
+        assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
+    assert "net_cpu_s_per_gib" not in res["memcpy"]
     for key in ("memcpy", "memcpy_pinned"):
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0, "the bare copy ran, timed"
         assert res[key]["agents_cpu_s_per_gib"]["median"] == 0, "no snapshot: no GiB"
@@ -305,9 +312,19 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
         "tier0_pinned": [job(4.4, 0.2), job(4.0, 0.2), job(4.0, 0.2)],
         "memcpy": [job(1.05, copy=0.1), job(2.0, copy=0.16), job(1.2, copy=0.25)],
         "tier01": [job(1.4, 1.0), job(2.8, 1.2), job(1.4, 0.8)],
+        "stream": [
+            job(1.2) | {"net_cpu_s_per_gib": 0.5},
+            None,
+            job(1.3) | {"net_cpu_s_per_gib": 0.4},
+        ],
     }
     res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14, tcp_cpu=0.5)
     assert res["tier01"]["agents_vs_tcp"] == pytest.approx(2.0), "its agents' median, 1.0"
+    assert res["tier01"]["agents_vs_bare_stream"]["samples"] == pytest.approx([2.0, 2.0]), (
+        "each round's agents against that round's bare stream; its round 2 failed"
+    )
+    assert res["stream"]["overhead"]["samples"] == pytest.approx([0.2, 0.3])
+    assert "agents_vs_bare_stream" not in res["tier0"], "tier 0 sends nothing"
     assert "agents_vs_tcp" not in res["tier0"], "tier 0 sends nothing"
     assert res["memcpy"]["overhead"]["samples"] == pytest.approx([0.05, 0.0, 0.2])
     assert res["tier0"]["copy_vs_bare"]["samples"] == pytest.approx([2.0, 0.8]), (
@@ -342,3 +359,48 @@ def test_limits_measured_round_by_round_pool_into_one_set_of_stats(tmp_path: Pat
         samples = one[name]["samples"] + two[name]["samples"]
         assert pooled[name]["samples"] == samples and len(samples) == 3
         assert pooled[name]["median"] == sorted(samples)[1]
+
+
+def test_the_bare_stream_delivers_each_copy_whole_before_its_gate_opens() -> None:
+    """The floor of tiers 0+1 moves every byte: the gate opens only once the copy handed
+    to it was received in full (here by its own receiver: one rank in a ring of one)."""
+    import socket
+
+    import torch
+
+    from tierswap.examples.bare import BareStream
+
+    a, b = socket.socketpair()
+    stream = BareStream(a, b)
+    try:
+        for k in range(3):  # the receiver's buffer reused, and grown where a copy grew
+            copy = [torch.arange(10 + k, dtype=torch.float32), torch.tensor(3.0 + k),
+                    torch.ones(5, dtype=torch.bfloat16)]  # fmt: skip
+            stream.send(copy)
+            stream.gate()
+            assert stream.sent == stream.handed == k + 1
+            want = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for t in copy)
+            assert stream.received is not None and bytes(stream.received) == want
+        assert stream.cpu >= 0
+    finally:
+        stream.close()
+    assert not any(t.is_alive() for t in stream.threads)
+
+
+def test_a_bare_stream_whose_peer_is_gone_fails_its_gate_instead_of_waiting() -> None:
+    import socket
+
+    import torch
+
+    from tierswap.examples.bare import BareStream
+
+    a, b = socket.socketpair()
+    far, near = socket.socketpair()
+    far.close()  # the next rank is gone: the frame is never answered
+    stream = BareStream(a, near)
+    b.close()
+    stream.send([torch.zeros(1 << 16)])
+    with pytest.raises(RuntimeError, match="bare stream failed"):
+        stream.gate()
+    stream.close()
+    assert not any(t.is_alive() for t in stream.threads)

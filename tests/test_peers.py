@@ -243,6 +243,9 @@ def test_round_ones_tier01_job_is_tierswaps_reference_and_twins_are_pinned(
     bare = bench.commands.tierswap_cmd("memcpy-pinned", tmp_path / "e")
     assert "--plain" in bare and "--memcpy" in bare and "--agent-cpus" in bare
     assert "--memcpy" not in bench.commands.tierswap_cmd("plain", tmp_path / "f")
+    stream = bench.commands.tierswap_cmd("stream", tmp_path / "g")
+    assert {"--plain", "--memcpy", "--stream"} <= set(stream) and "--replicas" in stream
+    assert "--stream" not in bare
     assert peerjobs.tierswap_side("plain-pinned") and not peerjobs.tierswap_side("torch-save")
     folder = tmp_path / "job"
     folder.mkdir()

@@ -45,7 +45,9 @@ def _overhead() -> dict[str, Any]:
     tier0 = mode(0.41, _stats(0.03, 0.02, 0.04), 0.004) | {"copy_vs_bare": _stats(1.25, 1.2, 1.4)}
     return {"size_mib": 384, "steps": 14, "plain": mode(0.4, _stats(0.0), 0.0),
             "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
-            "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03, "agents_vs_tcp": 1.1},
+            "stream": mode(0.47, _stats(0.18, 0.15, 0.2), 0.0),
+            "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03, "agents_vs_tcp": 1.1,
+                                                      "agents_vs_bare_stream": _stats(1.3)},
             "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004),
             "tier01_pinned": mode(0.4, _stats(-0.057, -0.137, -0.008), 0.004)}  # fmt: skip
 
@@ -97,6 +99,14 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert "| one loopback TCP stream's CPU, both ends | 0.400 CPU-s/GiB" in md
     floor = rows["floor: a bare memcpy of the state every step, unpinned"]
     assert "+7.0 %" in floor and floor.endswith("| – | – |"), "the floor is no claim"
+    floor01 = rows["floor of tiers 0+1: and the copy sent to the other rank over TCP, unpinned"]
+    assert "+18.0 %" in floor01 and floor01.endswith("| – | – |")
+    same = rows["agents' CPU per GiB / the bare stream's threads', same training (tiers 0+1, "
+                "unpinned)"]  # fmt: skip
+    assert "1.30 x" in same and same.endswith("| – | – |")
+    assert not any(r.startswith("floor of tiers 0+1") and "copy pinned" in r for r in rows), (
+        "no pinned stream ran: no pinned row"
+    )
     bare = rows["/ a bare memcpy's of the same state in the same training (same load)"]
     assert "1.25" in bare and bare.endswith("| yes |"), "1.25x of the bare copy"
     alone = rows["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core"]

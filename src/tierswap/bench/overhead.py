@@ -9,6 +9,11 @@ rank by default), interleaved, order flipped every round:
 - ``memcpy``: ``plain`` with a bare memcpy of the state on a thread every step, overlapped
   and waited for as the snapshot's copy is (``examples/train_mlp.py --memcpy``): the floor
   of any snapshot, its copy's CPU the yardstick of the snapshot's under the same load;
+- ``stream``: ``memcpy`` with each copy also sent to the other rank over one loopback TCP
+  connection and received there into a reused buffer, by threads where the copy runs, the
+  next optimizer step waiting for it as ``--max-redo 1`` waits for tier 1
+  (``--stream``, :class:`tierswap.examples.bare.BareStream`): the floor of tiers 0+1, its
+  threads' CPU the yardstick of the agents' under the same load;
 - ``tier0``: a snapshot every step into the node's memory (``--replicas 0``);
 - ``tier01``: and replicated into the other node's memory (the default).
 
@@ -17,7 +22,7 @@ launcher, the workers' copy threads) on a core of its own (``--agent-cpus`` /
 ``--worker-cpus``; on a 2-core machine both trainers share core 0, the rest core 1, so
 its step times are not the unpinned ones: only ratios against the same pinning count).
 
-The jobs are ``tierswap bench peers``' own: its rounds run these six beside the peers
+The jobs are ``tierswap bench peers``' own: its rounds run these ten beside the peers
 (``bench all`` takes the figures from there); this command runs only them.
 
 Per run, from the trainers' own step times (``--times``): the median step (steps 4 to
@@ -27,7 +32,8 @@ the second last: the first snapshot allocates its slots), the trainer's stall pe
 seconds per GiB, and the agents' CPU seconds per GiB snapshotted in that window, sampled
 from ``/proc``; beside them the
 CPU seconds per GiB of a plain memcpy on this machine, alone (``bench/limits.py``), and
-of the ``memcpy`` run's copy thread, under the same training load.
+of the ``memcpy`` run's copy thread, under the same training load; and tier 1's agents'
+against the ``stream`` run's sending and receiving threads, round by round.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 
 from tierswap.bench.common import stats
 
-MODES = ("plain", "memcpy", "tier0", "tier01")
+MODES = ("plain", "memcpy", "stream", "tier0", "tier01")
 FIRST = 4
 """Steps before this one are left out: the first snapshots allocate their slots."""
 CLK = os.sysconf("SC_CLK_TCK")
@@ -131,10 +137,12 @@ def job_costs(
     gate = [float(n["gate"]) for n in mine]
     stall = [float(n["stall"]) - g for n, g in zip(mine, gate, strict=True)]
     copy_cpu = [float(n["copy_cpu"]) for n in notes if n["step"] in window]
+    # the bare stream's threads, both ends of one rank's state (the stream control only)
+    net_cpu = [float(n["net_cpu"]) for n in notes if n["step"] in window and "net_cpu" in n]
     state = size_mib * 2**20
     snapshotted = 2 * state * (steps - 1 - FIRST) if snapshots else 0  # both ranks
     agents = sampler.between(ends[FIRST - 1], ends[steps - 2])
-    return {
+    out = {
         "step_s": statistics.median(step_s),
         "stall_s": statistics.median(stall),
         "gate_s": statistics.median(gate),
@@ -143,6 +151,9 @@ def job_costs(
         "agents_sampled": float(len(sampler.samples)),
         "agents_cpu_s_per_gib": agents / (snapshotted / 2**30) if snapshotted else 0.0,
     }
+    if net_cpu:
+        out["net_cpu_s_per_gib"] = statistics.median(net_cpu) / (state / 2**30)
+    return out
 
 
 def summarize(
@@ -183,6 +194,12 @@ def summarize(
                 if r is not None and b is not None and b["copy_cpu_s_per_gib"] > 0]  # fmt: skip
         if same and key.startswith("tier"):
             entry["copy_vs_bare"] = stats([r / b for r, b in same])
+        stream = runs.get("stream" + pin, [])
+        sent = [(r["agents_cpu_s_per_gib"], b["net_cpu_s_per_gib"])
+                for r, b in zip(rs, stream, strict=False)
+                if r is not None and b is not None and b.get("net_cpu_s_per_gib")]  # fmt: skip
+        if sent and key.startswith("tier01"):  # each GiB sent once and received once in both
+            entry["agents_vs_bare_stream"] = stats([r / b for r, b in sent])
         entry["failed"] = len(rs) - len(ok)
         out[key] = entry
     return out

@@ -34,15 +34,16 @@ FIRST = 4
 PEER_LIBS = {"dlrover": "dlrover.trainer.torch.flash_checkpoint.ddp", "torchft": "torchft"}
 """What a system needs in the peers' Python, by the name ``not_run`` gives."""
 
-CHECKPOINT = ("plain", "memcpy", "tier0", "tier01", "tier012", "dlrover-memory", "dcp-async",
-              "torch-save")  # fmt: skip
-CONTROLS = ("plain", "memcpy")
+CHECKPOINT = ("plain", "memcpy", "stream", "tier0", "tier01", "tier012", "dlrover-memory",
+              "dcp-async", "torch-save")  # fmt: skip
+CONTROLS = ("plain", "memcpy", "stream")
 """The checkpoint systems that are the others' yardsticks, not tools a user would pick."""
 RECOVERY = ("tierswap-worker-spare", "tierswap-node-spare", "tierswap-restart",
             "dlrover-restart", "torchft-heal", "torchrun-dcp")  # fmt: skip
 TIERSWAP_RUN = {
     "plain": ("--replicas", "0"),
     "memcpy": ("--replicas", "0"),
+    "stream": ("--replicas", "0"),  # the script sends its bare copies itself
     "tier0": ("--replicas", "0"),
     "tier01": (),
     "tier012": ("--persist-every", "1"),  # and --persist <folder>
@@ -76,7 +77,7 @@ ACCOUNTED = {"tierswap-worker-spare": "worker", "tierswap-node-spare": "node"}
 (:func:`tierswap.bench.recovery.account`) at this size, by its kill's name there."""
 PINNED = "-pinned"
 """The suffix of a tierswap system's pinned twin (``tier0-pinned``: ``overhead.pin_args``)."""
-OVERHEAD = {s + pin: s + pin.replace("-", "_") for s in ("plain", "memcpy", "tier0", "tier01")
+OVERHEAD = {s + pin: s + pin.replace("-", "_") for s in overhead.MODES
             for pin in ("", PINNED)}  # fmt: skip
 """The systems whose jobs also give ``bench overhead``'s figures, by their keys there."""
 
@@ -190,7 +191,8 @@ class Commands:
             run_args += overhead.pin_args()
         out = out or system in RECOVERY or system == "tierswap"
         script = self.script_args(folder, out=out)
-        control = {"plain": ["--plain"], "memcpy": ["--plain", "--memcpy"]}.get(base, [])
+        control = {"plain": ["--plain"], "memcpy": ["--plain", "--memcpy"],
+                   "stream": ["--plain", "--memcpy", "--stream"]}.get(base, [])  # fmt: skip
         return job_command(folder / "run", run_args, [*script, *control], script=MLP)
 
     def peer_cmd(self, system: str, folder: Path, kind: str, out: bool = False) -> list[str]:

@@ -12,10 +12,11 @@ A) a checkpoint every step, 14 steps: the median step (steps 4 to 12, rank 0's s
 the stall per checkpoint (per step the longest any rank spent in the checkpoint call,
 median over those steps) and the step overhead against the plain run of the same round:
 ``plain`` (tierswap's script with ``--plain``), ``memcpy`` (the same with a bare memcpy
-of the state on a thread every step: the floor of any copy, ``train_mlp.BareCopy``),
-tierswap tier 0, tiers 0+1 and 0+1+2 (``--persist`` to a local folder every step),
-DLRover's flash checkpoint to memory, ``dcp.async_save`` and ``torch.save`` (rank 0,
-fsynced, renamed over the last).
+of the state on a thread every step: the floor of any copy, ``bare.BareCopy``), ``stream``
+(and each copy sent to the other rank over TCP: the floor of tiers 0+1,
+``bare.BareStream``), tierswap tier 0, tiers 0+1 and 0+1+2 (``--persist`` to a local
+folder every step), DLRover's flash checkpoint to memory, ``dcp.async_save`` and
+``torch.save`` (rank 0, fsynced, renamed over the last).
 
 B) recovery from rank 1 killed right after step 8: from the victim's own end of step 8
 (its ``--times`` entry, written before it dies) to the moment every rank completed a
@@ -28,7 +29,8 @@ size (``recovery_curve``: each part beside its floor, the machine's limits measu
 in every round, after its jobs), so ``bench all`` does not run those jobs twice.
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
-tierswap's ``plain``, ``memcpy``, ``tier0`` and ``tier01`` jobs, and their pinned twins
+tierswap's ``plain``, ``memcpy``, ``stream``, ``tier0`` and ``tier01`` jobs, and their
+pinned twins
 (tierswap's own work on a core of its own) interleaved with them, with the agents' CPU
 sampled. Its stall
 is the median over every rank's steps, the checkpoint table's the longest rank's per step.

@@ -98,7 +98,8 @@ the whole run took 0.9x to 1.5x its quiet time on the days measured."""
 BUDGET_MARGIN_S = 240.0
 """Of a budgeted benchmark's deadline, what is kept for its last round running long and
 its summary: a round of ``bench peers`` at 384 MiB took 7 to 10 minutes (12-04; the
-`memcpy` control added two jobs of about 15 s each on 12-06)."""
+`memcpy` control added two jobs of about 15 s each on 12-06, the `stream` control two
+more)."""
 RUN_MARGIN_S = 60.0
 """Of what is left of the run's budget, what a budgeted benchmark leaves for its summary
 and the report: a round past the budget costs minutes of the target, not the results,

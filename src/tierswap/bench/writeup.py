@@ -124,11 +124,19 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
         if "agents_vs_tcp" in o:  # replication's CPU against the network stack's floor
             rows.append([f"  agents' CPU per GiB / one loopback TCP stream's, both ends "
                          f"({_mode(mode)})", f"{o['agents_vs_tcp']:.2f}x", "–", "–"])  # fmt: skip
+        if "agents_vs_bare_stream" in o:  # the same, under the same training load
+            rows.append([f"  agents' CPU per GiB / the bare stream's threads', same training "
+                         f"({_mode(mode)})", _stats_cell(o["agents_vs_bare_stream"], unit="x",
+                         digits=2), "–", "–"])  # fmt: skip
         if mode.startswith("tier01") and "overhead" in bare:  # once per pinning
             # the floor: what moving the bytes alone, the barest way, costs the step
             how = "trainers, agents and copy pinned" if pin else "unpinned"
             rows.append([f"  floor: a bare memcpy of the state every step, {how}",
                          _pct(bare["overhead"]), "–", "–"])  # fmt: skip
+            stream = over.get("stream" + pin, {})
+            if "overhead" in stream:  # tiers 0+1's own floor: the copy sent to the other node
+                rows.append([f"  floor of tiers 0+1: and the copy sent to the other rank over "
+                             f"TCP, {how}", _pct(stream["overhead"]), "–", "–"])  # fmt: skip
     if "copy_vs_memcpy" in over.get("tier0", {}):
         copy = over["tier0"]["copy_vs_memcpy"]
         rows.append(["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core",
@@ -280,11 +288,12 @@ def _overhead_section(res: Res, limits: Res) -> list[str]:
                      "–" if mode.startswith("plain") else _pct(o["overhead"]),
                      f"{100 * o['stall_of_step']:.2f} %",
                      f"{100 * o['gate_of_step']:.2f} %"
-                     if "gate_of_step" in o and mode.startswith("tier01") else "–",
+                     if "gate_of_step" in o and mode.startswith(("tier01", "stream")) else "–",
                      f"{o['copy_vs_memcpy']:.2f}x",
                      _stats_cell(o["copy_vs_bare"], unit="x", digits=2)
                      if "copy_vs_bare" in o else "–",
-                     f"{o['agents_vs_memcpy']:.2f}x"])  # fmt: skip
+                     f"{o['agents_vs_memcpy']:.2f}x" if mode.startswith("tier")
+                     else "–"])  # fmt: skip
     # results from before 12-06 have no tier-1 wait apart: their stall includes it
     apart = any(isinstance(o, dict) and "gate_of_step" in o for o in res.values())
     head = ["run", "step", "overhead (quartiles)",
@@ -302,7 +311,9 @@ def _overhead_section(res: Res, limits: Res) -> list[str]:
              "snapshotted against a one-core memcpy of the same bytes alone, and the copy's "
              "against the `memcpy` run's: the same job with a bare memcpy of its state on a "
              f"thread every step (no hash, no slot, no agent), the floor of any snapshot. "
-             f"{stall}", ""]  # fmt: skip
+             "The `stream` run also sends each copy to the other rank over one TCP "
+             "connection, its next optimizer step waiting for it as tier 1's does: "
+             f"the floor of tiers 0+1. {stall}", ""]  # fmt: skip
     return intro + _table(head, rows)
 
 
@@ -328,6 +339,7 @@ def _peers_section(res: Res, limits: Res) -> list[str]:
             label = {
                 "plain": "plain (no checkpoint)",
                 "memcpy": "memcpy (a bare copy of the state: the floor)",
+                "stream": "stream (and sent to the other rank: tiers 0+1's floor)",
             }.get(name, name)
             rows.append([label, _stats_cell(s["step_s"], 1e3, "ms", 0),
                          "–" if not stall else _stats_cell(stall, 1e3, "ms", 1),

@@ -48,7 +48,8 @@ def begin(core: CoordinatorCore, event: Begin, now: float) -> None:
 
 def announce_placement(core: CoordinatorCore) -> None:
     if not core.replicas:
-        core.out.say("tier 1 off: replicas need at least 2 nodes")
+        why = "--replicas 0" if core.cfg.replicas == 0 else "replicas need at least 2 nodes"
+        core.out.say(f"tier 1 off: {why}")
         return
     core.out.log(
         "placement",

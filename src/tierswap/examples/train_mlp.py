@@ -6,7 +6,8 @@ use, the same for every system measured.
 The model (``mlp.py``) under DDP, a rank's state ``--size-mib`` MiB. ``--out DIR``
 writes every rank's final state to ``DIR/rank-<r>.safetensors`` for bit comparison.
 ``--plain`` trains without tierswap's steps; ``--memcpy`` also copies the state every step
-the barest way (:class:`BareCopy`): the floor the overhead bench holds the snapshot to.
+the barest way, and ``--stream`` sends each copy to the next rank over TCP
+(:mod:`tierswap.examples.bare`): the floors the overhead bench holds tiers 0 and 0+1 to.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ import argparse
 import json
 import os
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from safetensors.torch import save_file
 from torch import nn
 
 import tierswap
-from tierswap import memcopy
-from tierswap.affinity import helper_cpus, pin_thread
+from tierswap.examples.bare import BareCopy, BareStream
 from tierswap.examples.mlp import batch, build, hidden_for, optimizer
 from tierswap.state import flatten
 
@@ -49,55 +47,16 @@ def parse() -> argparse.Namespace:
         "--memcpy", action="store_true",
         help="with --plain: memcpy the state on a thread every step, as a snapshot copies it",
     )  # fmt: skip
+    p.add_argument(
+        "--stream", action="store_true",
+        help="with --memcpy: send each copy to the next rank over TCP on loopback",
+    )  # fmt: skip
     args = p.parse_args()
     if args.memcpy and not args.plain:
         p.error("--memcpy is a control of --plain: give both")
+    if args.stream and not args.memcpy:
+        p.error("--stream sends the bare copy of --memcpy: give --plain --memcpy --stream")
     return args
-
-
-class BareCopy:
-    """The least a snapshot every step can cost: after each optimizer step, a thread
-    memcpys every tensor of the state into a buffer of its own, overlapped with the next
-    forward and backward as the snapshot's copy is, on the cores the snapshot's copy
-    runs on (``--agent-cpus``, pinned), and the next optimizer step waits for it. No hash,
-    no slot, no agent, no replica: what is left of a snapshot's cost once everything but
-    moving its bytes is gone."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.thread: threading.Thread | None = None
-        self.cpu = 0.0
-        """The last copy's CPU seconds (its thread's own)."""
-        self.stall = 0.0
-        """The last wait for a copy, seconds."""
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        if not self.pairs:  # after the first optimizer step: its state exists now
-            tensors = flatten(self.state, with_rng=False).tensors
-            self.pairs = [(torch.empty_like(t), t) for t in tensors]
-        self.thread = threading.Thread(target=self._copy, name="bare-copy", daemon=True)
-        self.thread.start()
-
-    def _copy(self) -> None:
-        pin_thread(helper_cpus())  # where the snapshot's copy thread runs (snapshot.py)
-        cpu0 = time.thread_time()
-        try:
-            for dst, src in self.pairs:
-                memcopy.memcpy(dst, src)
-        except BaseException as e:  # the trainer raises it: no round without its copy
-            self.error = e
-        self.cpu = time.thread_time() - cpu0
-
-    def wait(self) -> None:
-        t0 = time.perf_counter()
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        self.stall = time.perf_counter() - t0
-        if self.error is not None:
-            raise RuntimeError("the bare memcpy failed") from self.error
 
 
 def train(job: tierswap.Job) -> None:
@@ -115,7 +74,8 @@ def train(job: tierswap.Job) -> None:
     opt = optimizer(model)
     state: dict[str, Any] = {"model": model, "optim": opt}
     times = open(args.times, "a", buffering=1) if args.times else None  # noqa: SIM115 (closed below)
-    bare = BareCopy(state) if args.memcpy else None
+    stream = BareStream.connect(job.rank, job.world_size) if args.stream else None
+    bare = BareCopy(state, stream) if args.memcpy else None
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)
     for step in steps:
         x, y = batch(step, job.rank, args.batch)
@@ -123,6 +83,8 @@ def train(job: tierswap.Job) -> None:
         loss.backward()  # type: ignore[no-untyped-call]
         if bare is not None:
             bare.wait()
+        if stream is not None:
+            stream.gate()
         opt.step()
         if bare is not None:
             bare.start()
@@ -136,11 +98,18 @@ def train(job: tierswap.Job) -> None:
             stall, gate = job.stall, job.tier1_wait  # gate: the part that waited for tier 1
             if bare is not None:  # the copy before this step's: as the snapshot's figures
                 cpu, stall, gate = bare.cpu, bare.stall, 0.0
+            if stream is not None:  # its wait is counted as tier 1's is: apart, and in stall
+                gate = stream.stall
+                stall += gate
             note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": stall,
                     "gate": gate, "copy_cpu": cpu}  # fmt: skip
+            if stream is not None:
+                note["net_cpu"] = stream.cpu
             times.write(json.dumps(note) + "\n")
     if bare is not None:
         bare.wait()
+    if stream is not None:
+        stream.close()
     if times is not None:
         times.close()
     if args.out:

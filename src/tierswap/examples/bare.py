@@ -1,0 +1,221 @@
+"""The overhead bench's controls: the barest ways to do what a snapshot every step does,
+run by ``train_mlp.py --plain`` in place of tierswap's steps.
+
+- :class:`BareCopy` (``--memcpy``): a memcpy of the state on a thread every step, the floor
+  of tier 0.
+- :class:`BareStream` (``--memcpy --stream``): and each copy sent to the next rank over
+  one TCP connection, the floor of tiers 0+1.
+
+Neither hashes, keeps a ring of slots or has an agent: what is left of a snapshot's cost
+once everything but moving its bytes is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tierswap import memcopy
+from tierswap.affinity import helper_cpus, pin_thread
+from tierswap.state import flatten
+
+FRAME = struct.Struct("<Q")
+"""A stream's frame: its length, then that many bytes; answered with one byte."""
+RECV_CHUNK = 1 << 24
+"""Bytes one receive asks for, as the agent's replica server asks (``recv_raw_into``)."""
+
+
+class BareCopy:
+    """After each optimizer step, a thread memcpys every tensor of the state into a buffer
+    of its own, overlapped with the next forward and backward as the snapshot's copy is,
+    on the cores the snapshot's copy runs on (``--agent-cpus``, pinned), and the next
+    optimizer step waits for it (:meth:`wait`). With a ``stream``, each finished copy is
+    handed to it."""
+
+    def __init__(self, state: dict[str, Any], stream: BareStream | None = None) -> None:
+        self.state = state
+        self.stream = stream
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.thread: threading.Thread | None = None
+        self.cpu = 0.0
+        """The last copy's CPU seconds (its thread's own)."""
+        self.stall = 0.0
+        """The last wait for a copy, seconds."""
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if not self.pairs:  # after the first optimizer step: its state exists now
+            tensors = flatten(self.state, with_rng=False).tensors
+            self.pairs = [(torch.empty_like(t), t) for t in tensors]
+        self.thread = threading.Thread(target=self._copy, name="bare-copy", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        pin_thread(helper_cpus())  # where the snapshot's copy thread runs (snapshot.py)
+        cpu0 = time.thread_time()
+        try:
+            for dst, src in self.pairs:
+                memcopy.memcpy(dst, src)
+        except BaseException as e:  # the trainer raises it: no round without its copy
+            self.error = e
+        self.cpu = time.thread_time() - cpu0
+        if self.stream is not None and self.error is None:
+            self.stream.send([dst for dst, _ in self.pairs])
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.stall = time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError("the bare memcpy failed") from self.error
+
+
+class BareStream:
+    """Each copy :class:`BareCopy` finishes, sent whole to the next rank over one TCP
+    connection on loopback (the nodes of ``tierswap run`` on one machine), while a thread
+    receives the previous rank's copies into one buffer that is reused: each rank's state
+    crosses the network once a step, as tier 1 sends it to one peer (``--replicas 1``).
+    The sending and receiving threads run where the copy does (``--agent-cpus``), as the
+    agents that send and receive replicas would. :meth:`gate` is the wait for tier 1 that
+    ``--max-redo 1`` makes: the optimizer step of a step waits until the copy of the step
+    before has arrived, so the copy's buffer is free again when the next copy starts."""
+
+    def __init__(self, out: socket.socket, incoming: socket.socket) -> None:
+        self.out, self.incoming = out, incoming
+        self.cond = threading.Condition()
+        self.queued: list[list[torch.Tensor]] = []
+        self.handed = self.sent = 0
+        self.closing = False
+        self.cpu = 0.0
+        """CPU seconds of the last frame, sent and received (both threads' own)."""
+        self.send_cpu = self.recv_cpu = 0.0
+        self.received: memoryview | None = None
+        """The buffer the previous rank's copies arrive in (the last one whole)."""
+        self.stall = 0.0
+        """The last wait in :meth:`gate`, seconds."""
+        self.error: BaseException | None = None
+        self.threads = [
+            threading.Thread(target=self._sender, name="bare-send", daemon=True),
+            threading.Thread(target=self._receiver, name="bare-recv", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    @classmethod
+    def connect(cls, rank: int, world_size: int) -> BareStream:
+        """Each rank listens on loopback, learns the others' ports through the process
+        group (integers in a tensor: nothing is pickled), connects to the next rank and
+        accepts the previous one."""
+        import torch.distributed as dist
+
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            port = torch.tensor([listener.getsockname()[1]], dtype=torch.int64)
+            ports = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+            dist.all_gather(ports, port)
+            out = socket.create_connection(("127.0.0.1", int(ports[(rank + 1) % world_size])))
+            listener.settimeout(60)
+            incoming, _ = listener.accept()
+            incoming.settimeout(None)
+        return cls(out, incoming)
+
+    def send(self, copy: list[torch.Tensor]) -> None:
+        """Queue a finished copy (called by the copy's thread)."""
+        with self.cond:
+            self.queued.append(copy)
+            self.handed += 1
+            self.cond.notify_all()
+
+    def gate(self) -> None:
+        """Wait until every copy handed so far has arrived."""
+        t0 = time.perf_counter()
+        with self.cond:
+            while self.sent < self.handed and self.error is None:
+                self.cond.wait()
+        self.stall = time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError("the bare stream failed") from self.error
+
+    def _sender(self) -> None:
+        pin_thread(helper_cpus())
+        try:
+            while True:
+                with self.cond:
+                    while not self.queued and not self.closing:
+                        self.cond.wait()
+                    if not self.queued:
+                        return
+                    copy = self.queued.pop(0)
+                cpu0 = time.thread_time()
+                parts = [t.reshape(-1).view(torch.uint8).numpy().data for t in copy]
+                self.out.sendall(FRAME.pack(sum(len(m) for m in parts)))
+                for m in parts:
+                    self.out.sendall(m)
+                if self.out.recv(1) != b"k":
+                    raise EOFError("the next rank stopped receiving")
+                self.send_cpu = time.thread_time() - cpu0
+                with self.cond:
+                    self.sent += 1
+                    self.cpu = self.send_cpu + self.recv_cpu
+                    self.cond.notify_all()
+        except BaseException as e:
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _receiver(self) -> None:
+        pin_thread(helper_cpus())
+        buf: memoryview | None = None
+        try:
+            while header := _recv_exact(self.incoming, FRAME.size):
+                cpu0 = time.thread_time()
+                (n,) = FRAME.unpack(header)
+                if buf is None or len(buf) != n:
+                    buf = memoryview(bytearray(n))
+                got = 0
+                while got < n:
+                    k = self.incoming.recv_into(
+                        buf[got:], min(n - got, RECV_CHUNK), socket.MSG_WAITALL
+                    )
+                    if k == 0:
+                        raise EOFError(f"the previous rank closed after {got} of {n} bytes")
+                    got += k
+                self.received = buf
+                self.incoming.sendall(b"k")
+                self.recv_cpu = time.thread_time() - cpu0
+        except BaseException as e:
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        """Send what is queued, then close both connections and end both threads."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.threads[0].join()
+        with contextlib.suppress(OSError):  # (a next rank that is gone has seen the end)
+            self.out.shutdown(socket.SHUT_WR)  # the next rank's receiver sees the end
+        self.threads[1].join()
+        self.out.close()
+        self.incoming.close()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or b"" where the stream ended cleanly before the first."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            if data:
+                raise EOFError(f"a frame header cut off after {len(data)} bytes")
+            return b""
+        data += chunk
+    return data
