@@ -373,15 +373,16 @@ def test_the_bare_stream_delivers_each_copy_whole_before_its_gate_opens() -> Non
     a, b = socket.socketpair()
     stream = BareStream(a, b)
     try:
-        for k in range(3):  # the receiver's buffer reused, and grown where a copy grew
-            copy = [torch.arange(10 + k, dtype=torch.float32), torch.tensor(3.0 + k),
-                    torch.ones(5, dtype=torch.bfloat16)]  # fmt: skip
-            stream.send(copy)
+        first = None
+        for k, n in enumerate((1000, 1000, 1500)):  # reused, and made anew where it grew
+            buf = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            stream.send(buf)
             stream.gate()
             assert stream.sent == stream.handed == k + 1
-            want = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for t in copy)
-            assert stream.received is not None and bytes(stream.received) == want
-        assert stream.cpu >= 0
+            assert stream.received is not None and bytes(stream.received) == bytes(buf.numpy())
+            first = first or stream.received
+            assert (stream.received is first) == (n == 1000)
+        assert stream.cpu > 0
     finally:
         stream.close()
     assert not any(t.is_alive() for t in stream.threads)
@@ -399,8 +400,54 @@ def test_a_bare_stream_whose_peer_is_gone_fails_its_gate_instead_of_waiting() ->
     far.close()  # the next rank is gone: the frame is never answered
     stream = BareStream(a, near)
     b.close()
-    stream.send([torch.zeros(1 << 16)])
+    stream.send(torch.zeros(1 << 20, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="bare stream failed"):
         stream.gate()
-    stream.close()
+    with pytest.raises(RuntimeError, match="bare stream failed"):
+        stream.close()
     assert not any(t.is_alive() for t in stream.threads)
+
+
+def test_two_ranks_bare_streams_over_tcp_carry_each_copy_and_close_together() -> None:
+    """A ring of two on loopback TCP, as ``BareStream.connect`` makes it: each rank's
+    copies arrive at the other whole, and both close at once without waiting on the
+    other; and with BareCopy, what arrives is the state's bytes, laid out as a slot."""
+    import socket
+    import threading
+
+    import torch
+
+    from tierswap.examples.bare import BareCopy, BareStream
+
+    def pair() -> tuple[socket.socket, socket.socket]:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            out = socket.create_connection(listener.getsockname())
+            return out, listener.accept()[0]
+
+    a_out, b_in = pair()
+    b_out, a_in = pair()
+    streams = [BareStream(a_out, a_in), BareStream(b_out, b_in)]
+    states = [{"w": torch.full((3, 5), float(r)), "b": torch.arange(7.0) + r} for r in (0, 1)]
+    copies = [BareCopy(s, st) for s, st in zip(states, streams, strict=True)]
+    for _ in range(2):
+        for c, st in zip(copies, streams, strict=True):
+            c.wait()
+            st.gate()
+            for t in c.state.values():
+                t.add_(1)  # the optimizer step: the copy before it is safe
+            c.start()
+    for c, st in zip(copies, streams, strict=True):
+        c.wait()
+        st.gate()
+    for r, st in enumerate(streams):
+        other = states[1 - r]
+        got = bytes(st.received or b"")
+        w, b = bytes(other["w"].numpy()), bytes(other["b"].numpy())
+        assert got[: len(w)] == w and got[64 : 64 + len(b)] == b, "each at its aligned offset"
+    closers = [threading.Thread(target=st.close) for st in streams]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(30)
+    assert not any(t.is_alive() for t in closers), "closing one did not wait on the other"
+    assert not any(t.is_alive() for st in streams for t in st.threads)

@@ -241,7 +241,7 @@ def report(res: dict[str, Any]) -> None:
     table = Table(title=title)
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
                 "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
-                "vs memcpy (agents)", "vs TCP (agents)"):  # fmt: skip
+                "vs memcpy (agents)", "vs TCP (agents)", "vs bare stream (agents)"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
@@ -249,7 +249,7 @@ def report(res: dict[str, Any]) -> None:
         e = res[key]
         if "step_s" not in e:
             table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
-                          f"{e['unpaired']}", "", "", "", "", "", "", "", "", "")  # fmt: skip
+                          f"{e['unpaired']}", "", "", "", "", "", "", "", "", "", "")  # fmt: skip
             continue
         o = e["overhead"]
         table.add_row(
@@ -260,12 +260,15 @@ def report(res: dict[str, Any]) -> None:
             else f"{o['median'] * 100:+.1f} % ({o['min'] * 100:+.1f} – {o['max'] * 100:+.1f})",
             f"<= {TARGETS[key] * 100:.0f} %" if key in TARGETS else "",
             f"{e['stall_of_step'] * 100:.2f} %",
-            f"{e['gate_of_step'] * 100:.2f} %" if key.startswith("tier01") else "",
+            f"{e['gate_of_step'] * 100:.2f} %" if key.startswith(("tier01", "stream")) else "",
             f"{e['copy_cpu_s_per_gib']['median']:.3f}",
             _ratio(e.get("copy_vs_bare")),
-            f"{e['agents_cpu_s_per_gib']['median']:.3f}",
+            f"{e['net_cpu_s_per_gib']['median']:.3f} (its threads)"
+            if "net_cpu_s_per_gib" in e
+            else f"{e['agents_cpu_s_per_gib']['median']:.3f}",
             f"{e['agents_vs_memcpy']:.2f}x" if key.startswith("tier") else "",
             f"{e['agents_vs_tcp']:.2f}x" if "agents_vs_tcp" in e else "",
+            _ratio(e.get("agents_vs_bare_stream")),
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")

@@ -30,10 +30,9 @@ in every round, after its jobs), so ``bench all`` does not run those jobs twice.
 
 C) ``bench overhead``'s figures (:mod:`tierswap.bench.overhead`), from the same rounds:
 tierswap's ``plain``, ``memcpy``, ``stream``, ``tier0`` and ``tier01`` jobs, and their
-pinned twins
-(tierswap's own work on a core of its own) interleaved with them, with the agents' CPU
-sampled. Its stall
-is the median over every rank's steps, the checkpoint table's the longest rank's per step.
+pinned twins (tierswap's own work on a core of its own) interleaved with them, with the
+agents' CPU sampled. Its stall is the median over every rank's steps, the checkpoint
+table's the longest rank's per step.
 
 Modules: this one (the run's configuration, its rounds and one job's run), ``peerjobs``
 (the systems, their command lines and environment, the shared places a job is cleaned

@@ -29,18 +29,24 @@ FRAME = struct.Struct("<Q")
 """A stream's frame: its length, then that many bytes; answered with one byte."""
 RECV_CHUNK = 1 << 24
 """Bytes one receive asks for, as the agent's replica server asks (``recv_raw_into``)."""
+ALIGN = 64
+"""Each tensor's copy starts at a multiple of this in the copy's buffer, as in a slot."""
+LIMIT_S = 300.0
+"""The longest a wait for a copy to arrive, or for a thread to end, may take: a peer that
+stopped answering fails the job's round instead of holding it until the bench's kill."""
 
 
 class BareCopy:
-    """After each optimizer step, a thread memcpys every tensor of the state into a buffer
-    of its own, overlapped with the next forward and backward as the snapshot's copy is,
-    on the cores the snapshot's copy runs on (``--agent-cpus``, pinned), and the next
-    optimizer step waits for it (:meth:`wait`). With a ``stream``, each finished copy is
-    handed to it."""
+    """After each optimizer step, a thread memcpys every tensor of the state into one
+    buffer of its own, laid out as a slot is (each tensor at an aligned offset), overlapped
+    with the next forward and backward as the snapshot's copy is, on the cores the
+    snapshot's copy runs on (``--agent-cpus``, pinned); the next optimizer step waits for
+    it (:meth:`wait`). With a ``stream``, each finished copy is handed to it."""
 
     def __init__(self, state: dict[str, Any], stream: BareStream | None = None) -> None:
         self.state = state
         self.stream = stream
+        self.buffer: torch.Tensor | None = None
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.thread: threading.Thread | None = None
         self.cpu = 0.0
@@ -49,24 +55,32 @@ class BareCopy:
         """The last wait for a copy, seconds."""
         self.error: BaseException | None = None
 
+    def _allocate(self) -> None:
+        tensors = flatten(self.state, with_rng=False).tensors
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
+        end = offsets[-1] + sizes[-1] if sizes else 0
+        self.buffer = torch.empty(end, dtype=torch.uint8)
+        views = [self.buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        self.pairs = list(zip(views, tensors, strict=True))
+
     def start(self) -> None:
-        if not self.pairs:  # after the first optimizer step: its state exists now
-            tensors = flatten(self.state, with_rng=False).tensors
-            self.pairs = [(torch.empty_like(t), t) for t in tensors]
+        if self.buffer is None:  # after the first optimizer step: its state exists now
+            self._allocate()
         self.thread = threading.Thread(target=self._copy, name="bare-copy", daemon=True)
         self.thread.start()
 
     def _copy(self) -> None:
-        pin_thread(helper_cpus())  # where the snapshot's copy thread runs (snapshot.py)
         cpu0 = time.thread_time()
         try:
+            pin_thread(helper_cpus())  # where the snapshot's copy thread runs (snapshot.py)
             for dst, src in self.pairs:
                 memcopy.memcpy(dst, src)
         except BaseException as e:  # the trainer raises it: no round without its copy
             self.error = e
         self.cpu = time.thread_time() - cpu0
-        if self.stream is not None and self.error is None:
-            self.stream.send([dst for dst, _ in self.pairs])
+        if self.stream is not None and self.error is None and self.buffer is not None:
+            self.stream.send(self.buffer)
 
     def wait(self) -> None:
         t0 = time.perf_counter()
@@ -80,18 +94,24 @@ class BareCopy:
 
 class BareStream:
     """Each copy :class:`BareCopy` finishes, sent whole to the next rank over one TCP
-    connection on loopback (the nodes of ``tierswap run`` on one machine), while a thread
-    receives the previous rank's copies into one buffer that is reused: each rank's state
-    crosses the network once a step, as tier 1 sends it to one peer (``--replicas 1``).
-    The sending and receiving threads run where the copy does (``--agent-cpus``), as the
-    agents that send and receive replicas would. :meth:`gate` is the wait for tier 1 that
-    ``--max-redo 1`` makes: the optimizer step of a step waits until the copy of the step
-    before has arrived, so the copy's buffer is free again when the next copy starts."""
+    connection on loopback (the nodes of ``tierswap run`` on one machine; Nagle off, as on
+    tierswap's channels), while a thread receives the previous rank's copies into one
+    buffer that is reused: each rank's state crosses the network once a step, as tier 1
+    sends it to one peer (``--replicas 1``). The sending and receiving threads run where
+    the copy does (``--agent-cpus``), as the agents that send and receive replicas would,
+    but in the trainer's process, as the snapshot's copy thread is. :meth:`gate` is the wait
+    for tier 1 that ``--max-redo 1`` makes: the optimizer step of a step waits until the
+    copy of the step before has arrived, so the copy's buffer is free again when the next
+    copy starts. No checksum, no ring of slots, no commit across ranks: less than tier 1
+    does, so never more than it costs."""
 
     def __init__(self, out: socket.socket, incoming: socket.socket) -> None:
         self.out, self.incoming = out, incoming
+        for sock in (out, incoming):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.cond = threading.Condition()
-        self.queued: list[list[torch.Tensor]] = []
+        self.queued: list[torch.Tensor] = []
         self.handed = self.sent = 0
         self.closing = False
         self.cpu = 0.0
@@ -120,44 +140,59 @@ class BareStream:
             port = torch.tensor([listener.getsockname()[1]], dtype=torch.int64)
             ports = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
             dist.all_gather(ports, port)
-            out = socket.create_connection(("127.0.0.1", int(ports[(rank + 1) % world_size])))
-            listener.settimeout(60)
+            out = socket.create_connection(
+                ("127.0.0.1", int(ports[(rank + 1) % world_size])), timeout=LIMIT_S
+            )
+            out.settimeout(None)
+            listener.settimeout(LIMIT_S)
             incoming, _ = listener.accept()
             incoming.settimeout(None)
         return cls(out, incoming)
 
-    def send(self, copy: list[torch.Tensor]) -> None:
+    def send(self, buf: torch.Tensor) -> None:
         """Queue a finished copy (called by the copy's thread)."""
         with self.cond:
-            self.queued.append(copy)
+            self.queued.append(buf)
             self.handed += 1
             self.cond.notify_all()
 
     def gate(self) -> None:
-        """Wait until every copy handed so far has arrived."""
+        """Wait until every copy handed so far has arrived (at most :data:`LIMIT_S`)."""
         t0 = time.perf_counter()
         with self.cond:
-            while self.sent < self.handed and self.error is None:
-                self.cond.wait()
+            done = self.cond.wait_for(
+                lambda: self.sent >= self.handed or self.error is not None, LIMIT_S
+            )
         self.stall = time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError("the bare stream failed") from self.error
+        if not done:
+            self._fail(TimeoutError(f"a copy was not received within {LIMIT_S:g} s"))
+            raise RuntimeError("the bare stream failed") from self.error
+
+    def _fail(self, e: BaseException) -> None:
+        """Record the first error and cut both connections, so that neither thread, nor
+        the next rank's, waits on them any longer."""
+        with self.cond:
+            self.error = self.error or e
+            self.cond.notify_all()
+        for sock in (self.out, self.incoming):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _sender(self) -> None:
-        pin_thread(helper_cpus())
         try:
+            pin_thread(helper_cpus())
             while True:
                 with self.cond:
-                    while not self.queued and not self.closing:
-                        self.cond.wait()
+                    self.cond.wait_for(lambda: bool(self.queued) or self.closing)
                     if not self.queued:
                         return
-                    copy = self.queued.pop(0)
+                    buf = self.queued.pop(0)
                 cpu0 = time.thread_time()
-                parts = [t.reshape(-1).view(torch.uint8).numpy().data for t in copy]
-                self.out.sendall(FRAME.pack(sum(len(m) for m in parts)))
-                for m in parts:
-                    self.out.sendall(m)
+                data = buf.numpy().data
+                self.out.sendall(FRAME.pack(len(data)))
+                self.out.sendall(data)
                 if self.out.recv(1) != b"k":
                     raise EOFError("the next rank stopped receiving")
                 self.send_cpu = time.thread_time() - cpu0
@@ -166,14 +201,12 @@ class BareStream:
                     self.cpu = self.send_cpu + self.recv_cpu
                     self.cond.notify_all()
         except BaseException as e:
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
+            self._fail(e)
 
     def _receiver(self) -> None:
-        pin_thread(helper_cpus())
         buf: memoryview | None = None
         try:
+            pin_thread(helper_cpus())
             while header := _recv_exact(self.incoming, FRAME.size):
                 cpu0 = time.thread_time()
                 (n,) = FRAME.unpack(header)
@@ -191,21 +224,24 @@ class BareStream:
                 self.incoming.sendall(b"k")
                 self.recv_cpu = time.thread_time() - cpu0
         except BaseException as e:
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
+            self._fail(e)
 
     def close(self) -> None:
-        """Send what is queued, then close both connections and end both threads."""
+        """Send what is queued, then close both connections and end both threads (each
+        within :data:`LIMIT_S`); an error of either thread is raised here."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        self.threads[0].join()
+        self.threads[0].join(LIMIT_S)
         with contextlib.suppress(OSError):  # (a next rank that is gone has seen the end)
             self.out.shutdown(socket.SHUT_WR)  # the next rank's receiver sees the end
-        self.threads[1].join()
+        self.threads[1].join(LIMIT_S)
+        if any(t.is_alive() for t in self.threads):
+            self._fail(TimeoutError(f"the stream's threads did not end within {LIMIT_S:g} s"))
         self.out.close()
         self.incoming.close()
+        if self.error is not None:
+            raise RuntimeError("the bare stream failed") from self.error
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -77,39 +77,41 @@ def train(job: tierswap.Job) -> None:
     stream = BareStream.connect(job.rank, job.world_size) if args.stream else None
     bare = BareCopy(state, stream) if args.memcpy else None
     steps = range(args.steps) if args.plain else job.steps(state, total=args.steps)
-    for step in steps:
-        x, y = batch(step, job.rank, args.batch)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
+    try:
+        for step in steps:
+            x, y = batch(step, job.rank, args.batch)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if bare is not None:
+                bare.wait()
+            if stream is not None:
+                stream.gate()
+            opt.step()
+            if bare is not None:
+                bare.start()
+            opt.zero_grad(set_to_none=True)
+            job.report(step, loss=loss.item())
+            if args.sleep:
+                time.sleep(args.sleep)
+            if times is not None:  # job.stall: the stall of the step before this one
+                stats = job.snapshot_stats
+                cpu = stats.copy_cpu[-1] if stats is not None and stats.copy_cpu else 0.0
+                stall, gate = job.stall, job.tier1_wait  # gate: the part that waited for tier 1
+                if bare is not None:  # the copy before this step's: as the snapshot's figures
+                    cpu, stall, gate = bare.cpu, bare.stall, 0.0
+                if stream is not None:  # its wait is counted as tier 1's is: apart, and in stall
+                    gate = stream.stall
+                    stall += gate
+                note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": stall,
+                        "gate": gate, "copy_cpu": cpu}  # fmt: skip
+                if stream is not None:
+                    note["net_cpu"] = stream.cpu
+                times.write(json.dumps(note) + "\n")
         if bare is not None:
             bare.wait()
+    finally:  # its threads and sockets end with the loop (the stream's error raised)
         if stream is not None:
-            stream.gate()
-        opt.step()
-        if bare is not None:
-            bare.start()
-        opt.zero_grad(set_to_none=True)
-        job.report(step, loss=loss.item())
-        if args.sleep:
-            time.sleep(args.sleep)
-        if times is not None:  # job.stall: the stall of the step before this one
-            stats = job.snapshot_stats
-            cpu = stats.copy_cpu[-1] if stats is not None and stats.copy_cpu else 0.0
-            stall, gate = job.stall, job.tier1_wait  # gate: the part that waited for tier 1
-            if bare is not None:  # the copy before this step's: as the snapshot's figures
-                cpu, stall, gate = bare.cpu, bare.stall, 0.0
-            if stream is not None:  # its wait is counted as tier 1's is: apart, and in stall
-                gate = stream.stall
-                stall += gate
-            note = {"rank": job.rank, "step": step, "t": time.monotonic(), "stall": stall,
-                    "gate": gate, "copy_cpu": cpu}  # fmt: skip
-            if stream is not None:
-                note["net_cpu"] = stream.cpu
-            times.write(json.dumps(note) + "\n")
-    if bare is not None:
-        bare.wait()
-    if stream is not None:
-        stream.close()
+            stream.close()
     if times is not None:
         times.close()
     if args.out:
