@@ -324,6 +324,8 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
         "each round's agents against that round's bare stream; its round 2 failed"
     )
     assert res["stream"]["overhead"]["samples"] == pytest.approx([0.2, 0.3])
+    assert res["tier01"]["step_vs_stream"]["samples"] == pytest.approx([1.4 / 1.2, 1.4 / 1.3])
+    assert "step_vs_stream" not in res["tier0"], "tier 0's floor is the memcpy"
     assert "agents_vs_bare_stream" not in res["tier0"], "tier 0 sends nothing"
     assert "agents_vs_tcp" not in res["tier0"], "tier 0 sends nothing"
     assert res["memcpy"]["overhead"]["samples"] == pytest.approx([0.05, 0.0, 0.2])

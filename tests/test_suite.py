@@ -47,7 +47,8 @@ def _overhead() -> dict[str, Any]:
             "memcpy": mode(0.43, _stats(0.07, 0.05, 0.09), 0.0), "tier0": tier0,
             "stream": mode(0.47, _stats(0.18, 0.15, 0.2), 0.0),
             "tier01": mode(0.5, _stats(0.25), 0.2) | {"gate_of_step": 0.03, "agents_vs_tcp": 1.1,
-                                                      "agents_vs_bare_stream": _stats(1.3)},
+                                                      "agents_vs_bare_stream": _stats(1.3),
+                                                      "step_vs_stream": _stats(1.06)},
             "tier0_pinned": mode(0.4, _stats(-0.08, -0.2, 0.05), 0.004),
             "tier01_pinned": mode(0.4, _stats(-0.057, -0.137, -0.008), 0.004)}  # fmt: skip
 
@@ -104,6 +105,8 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     same = rows["agents' CPU per GiB / the bare stream's threads', same load, same round "
                 "(tiers 0+1, unpinned)"]  # fmt: skip
     assert "1.30 x" in same and same.endswith("| – | – |")
+    ratio = rows["step of tiers 0+1 / its floor's, round by round (tiers 0+1, unpinned)"]
+    assert "1.06 x" in ratio and ratio.endswith("| – | – |")
     bare = rows["/ a bare memcpy's of the same state in the same training (same load)"]
     assert "1.25" in bare and bare.endswith("| yes |"), "1.25x of the bare copy"
     alone = rows["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core"]

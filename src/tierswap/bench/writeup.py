@@ -141,6 +141,10 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
             rows.append([f"  floor of tiers 0+1: that memcpy also sent to the other rank over "
                          f"loopback TCP, the next step waiting for it, {how}",
                          _pct(stream["overhead"]), "–", "–"])  # fmt: skip
+        if "step_vs_stream" in o:
+            ratio = _stats_cell(o["step_vs_stream"], unit="x", digits=2)
+            rows.append([f"  step of tiers 0+1 / its floor's, round by round ({_mode(mode)})",
+                         ratio, "–", "–"])  # fmt: skip
     if "copy_vs_memcpy" in over.get("tier0", {}):
         copy = over["tier0"]["copy_vs_memcpy"]
         rows.append(["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core",
