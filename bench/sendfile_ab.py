@@ -6,9 +6,7 @@ round (order flipped every round). Each code is a checkout, put first on the job
 
     git worktree add /tmp/wt-old bbf10ab; git worktree add /tmp/wt-new 8ac32e3
     .venv/bin/python bench/sendfile_ab.py --old /tmp/wt-old/src --new /tmp/wt-new/src \
-        --rounds 3 > bench/sendfile-ab.json
-
-(stdout also carries the jobs' progress lines; the JSON is its last object.)
+        --rounds 3 --out bench/sendfile-ab.json
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ def main() -> int:
     ap.add_argument("--new", required=True, help="src folder of the code with sendfile")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size-mib", type=int, default=384)
+    ap.add_argument("--out", required=True, help="the JSON file to write")
     args = ap.parse_args()
     for src in (args.old, args.new):
         if not os.path.isdir(os.path.join(src, "tierswap")):
@@ -50,7 +49,8 @@ def main() -> int:
         os.environ.pop("PYTHONPATH", None)
         if before is not None:
             os.environ["PYTHONPATH"] = before
-    json.dump({"size_mib": args.size_mib, "runs": runs}, sys.stdout, indent=1)
+    with open(args.out, "w") as f:
+        json.dump({"size_mib": args.size_mib, "runs": runs}, f, indent=1)
     return 0
 
 

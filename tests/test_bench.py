@@ -317,6 +317,8 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
             None,
             job(1.3) | {"net_cpu_s_per_gib": 0.4},
         ],
+        "tier01_pinned": [job(4.8, 0.6), job(4.4, 0.6), None],
+        "stream_pinned": [job(4.2) | {"net_cpu_s_per_gib": 0.3}, None, None],
     }
     res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14, tcp_cpu=0.5)
     assert res["tier01"]["agents_vs_tcp"] == pytest.approx(2.0), "its agents' median, 1.0"
@@ -325,6 +327,10 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     )
     assert res["stream"]["overhead"]["samples"] == pytest.approx([0.2, 0.3])
     assert res["tier01"]["step_vs_stream"]["samples"] == pytest.approx([1.4 / 1.2, 1.4 / 1.3])
+    assert res["tier01_pinned"]["step_vs_stream"]["samples"] == pytest.approx([4.8 / 4.2])
+    assert res["tier01_pinned"]["agents_vs_bare_stream"]["samples"] == pytest.approx([2.0]), (
+        "against the pinned stream, not the unpinned one"
+    )
     assert "step_vs_stream" not in res["tier0"], "tier 0's floor is the memcpy"
     assert "agents_vs_bare_stream" not in res["tier0"], "tier 0 sends nothing"
     assert "agents_vs_tcp" not in res["tier0"], "tier 0 sends nothing"
@@ -399,9 +405,9 @@ def test_a_bare_stream_whose_peer_is_gone_fails_its_gate_instead_of_waiting() ->
 
     a, b = socket.socketpair()
     far, near = socket.socketpair()
-    far.close()  # the next rank is gone: the frame is never answered
+    far.close()  # the previous rank is gone: the receiver sees a clean end
     stream = BareStream(a, near)
-    b.close()
+    b.close()  # and so is the next: the frame cannot be sent
     stream.send(torch.zeros(1 << 20, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="bare stream failed"):
         stream.gate()
@@ -411,9 +417,10 @@ def test_a_bare_stream_whose_peer_is_gone_fails_its_gate_instead_of_waiting() ->
 
 
 def test_two_ranks_bare_streams_over_tcp_carry_each_copy_and_close_together() -> None:
-    """A ring of two on loopback TCP, as ``BareStream.connect`` makes it: each rank's
-    copies arrive at the other whole, and both close at once without waiting on the
-    other; and with BareCopy, what arrives is the state's bytes, laid out as a slot."""
+    """A ring of two on loopback TCP, as ``BareStream.connect`` makes it, Nagle off: each
+    rank's copies arrive at the other whole, and both close at once without a deadlock
+    (each waits for the other's end); with BareCopy, what arrives is the state's bytes,
+    laid out as a slot."""
     import socket
     import threading
 
@@ -429,6 +436,7 @@ def test_two_ranks_bare_streams_over_tcp_carry_each_copy_and_close_together() ->
     a_out, b_in = pair()
     b_out, a_in = pair()
     streams = [BareStream(a_out, a_in), BareStream(b_out, b_in)]
+    assert all(st.out.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for st in streams)
     states = [{"w": torch.full((3, 5), float(r)), "b": torch.arange(7.0) + r} for r in (0, 1)]
     copies = [BareCopy(s, st) for s, st in zip(states, streams, strict=True)]
     for _ in range(2):
@@ -451,5 +459,36 @@ def test_two_ranks_bare_streams_over_tcp_carry_each_copy_and_close_together() ->
         t.start()
     for t in closers:
         t.join(30)
-    assert not any(t.is_alive() for t in closers), "closing one did not wait on the other"
+    assert not any(t.is_alive() for t in closers), "both closed: no deadlock"
     assert not any(t.is_alive() for st in streams for t in st.threads)
+
+
+def test_a_bare_stream_whose_next_rank_hangs_fails_within_its_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A next rank that is alive but never answers: the gate gives up after LIMIT_S with a
+    TimeoutError, and close ends both threads within the limit too."""
+    import socket
+    import time
+
+    import torch
+
+    from tierswap.examples import bare
+
+    monkeypatch.setattr(bare, "LIMIT_S", 0.5)
+    a, hung = socket.socketpair()  # hung: the next rank's end, never read, never answered
+    prev, near = socket.socketpair()  # the previous rank: alive, silent
+    stream = bare.BareStream(a, near)
+    try:
+        stream.send(torch.zeros(1 << 10, dtype=torch.uint8))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="bare stream failed") as raised:
+            stream.gate()
+        assert isinstance(raised.value.__cause__, TimeoutError)
+        with pytest.raises(RuntimeError, match="bare stream failed"):
+            stream.close()
+        assert time.monotonic() - t0 < 5
+        assert not any(t.is_alive() for t in stream.threads)
+    finally:
+        hung.close()
+        prev.close()

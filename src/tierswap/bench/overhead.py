@@ -200,8 +200,8 @@ def summarize(
                 if r is not None and b is not None and b.get("net_cpu_s_per_gib")]  # fmt: skip
         if sent and key.startswith("tier01"):  # each GiB sent once and received once in both
             entry["agents_vs_bare_stream"] = stats([r / b for r, b in sent])
-        floor = [r["step_s"] / b["step_s"] for r, b in zip(rs, stream, strict=False)
-                 if r is not None and b is not None]  # fmt: skip
+        floor = [r["step_s"] / b["step_s"] for r, b, p in zip(rs, stream, base, strict=False)
+                 if r is not None and b is not None and p is not None]  # fmt: skip
         if floor and key.startswith("tier01"):  # its step against its floor's, round by round
             entry["step_vs_stream"] = stats(floor)
         entry["failed"] = len(rs) - len(ok)

@@ -31,9 +31,11 @@ RECV_CHUNK = 1 << 24
 """Bytes one receive asks for, as the agent's replica server asks (``recv_raw_into``)."""
 ALIGN = 64
 """Each tensor's copy starts at a multiple of this in the copy's buffer, as in a slot."""
-LIMIT_S = 300.0
-"""The longest a wait for a copy to arrive, or for a thread to end, may take: a peer that
-stopped answering fails the job's round instead of holding it until the bench's kill."""
+LIMIT_S = 60.0
+"""The longest any wait of the stream may take: for a copy to arrive (the gate), for the
+next frame or its answer (each socket's timeout), for both threads to end (close). A step
+of the reference model takes about a second; a bench job is killed after 180 s at the
+least, so a peer that stopped answering fails its job's round before that."""
 
 
 class BareCopy:
@@ -108,6 +110,12 @@ class BareStream:
     def __init__(self, out: socket.socket, incoming: socket.socket) -> None:
         self.out, self.incoming = out, incoming
         for sock in (out, incoming):
+            # blocking, as the agent's are, so that a receive waits for all it asks
+            # (MSG_WAITALL); the kernel bounds each read and write (wire.recv_raw_into)
+            sock.settimeout(None)
+            limit = struct.pack("ll", int(LIMIT_S), int(LIMIT_S % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.cond = threading.Condition()
@@ -143,10 +151,8 @@ class BareStream:
             out = socket.create_connection(
                 ("127.0.0.1", int(ports[(rank + 1) % world_size])), timeout=LIMIT_S
             )
-            out.settimeout(None)
             listener.settimeout(LIMIT_S)
             incoming, _ = listener.accept()
-            incoming.settimeout(None)
         return cls(out, incoming)
 
     def send(self, buf: torch.Tensor) -> None:
@@ -200,6 +206,10 @@ class BareStream:
                     self.sent += 1
                     self.cpu = self.send_cpu + self.recv_cpu
                     self.cond.notify_all()
+        except BlockingIOError:  # the kernel's limit (SO_SNDTIMEO, SO_RCVTIMEO) passed
+            self._fail(
+                TimeoutError(f"the next rank took no bytes or answered none for {LIMIT_S:g} s")
+            )
         except BaseException as e:
             self._fail(e)
 
@@ -223,21 +233,29 @@ class BareStream:
                 self.received = buf
                 self.incoming.sendall(b"k")
                 self.recv_cpu = time.thread_time() - cpu0
+        except BlockingIOError:  # the kernel's limit (SO_RCVTIMEO, SO_SNDTIMEO) passed
+            self._fail(TimeoutError(f"the previous rank sent nothing for {LIMIT_S:g} s"))
         except BaseException as e:
             self._fail(e)
 
     def close(self) -> None:
-        """Send what is queued, then close both connections and end both threads (each
-        within :data:`LIMIT_S`); an error of either thread is raised here."""
+        """Send what is queued, then close both connections and end both threads, all
+        within :data:`LIMIT_S` (past it both connections are cut); an error of either
+        thread is raised here."""
+        deadline = time.monotonic() + LIMIT_S
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        self.threads[0].join(LIMIT_S)
+        self.threads[0].join(max(0.0, deadline - time.monotonic()))
+        if self.threads[0].is_alive():
+            self._fail(TimeoutError(f"the last copy was not sent within {LIMIT_S:g} s"))
         with contextlib.suppress(OSError):  # (a next rank that is gone has seen the end)
             self.out.shutdown(socket.SHUT_WR)  # the next rank's receiver sees the end
-        self.threads[1].join(LIMIT_S)
-        if any(t.is_alive() for t in self.threads):
-            self._fail(TimeoutError(f"the stream's threads did not end within {LIMIT_S:g} s"))
+        self.threads[1].join(max(0.0, deadline - time.monotonic()))
+        if self.threads[1].is_alive():
+            self._fail(TimeoutError(f"the previous rank did not end within {LIMIT_S:g} s"))
+        for t in self.threads:  # cut off: their calls return at once
+            t.join(LIMIT_S)
         self.out.close()
         self.incoming.close()
         if self.error is not None:

@@ -13,6 +13,7 @@ the barest way, and ``--stream`` sends each copy to the next rank over TCP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -109,9 +110,13 @@ def train(job: tierswap.Job) -> None:
                 times.write(json.dumps(note) + "\n")
         if bare is not None:
             bare.wait()
-    finally:  # its threads and sockets end with the loop (the stream's error raised)
+    except BaseException:  # the loop's error is the one raised; the stream still ends
         if stream is not None:
-            stream.close()
+            with contextlib.suppress(Exception):
+                stream.close()
+        raise
+    if stream is not None:
+        stream.close()  # (its own error raised)
     if times is not None:
         times.close()
     if args.out:
