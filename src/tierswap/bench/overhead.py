@@ -245,15 +245,16 @@ def report(res: dict[str, Any]) -> None:
     table = Table(title=title)
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
                 "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
-                "vs memcpy (agents)", "vs TCP (agents)", "vs bare stream (agents)"):  # fmt: skip
+                "vs memcpy (agents)", "vs TCP (agents)", "vs bare stream (agents)",
+                "step / the stream's"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
             continue
         e = res[key]
         if "step_s" not in e:
-            table.add_row(key.replace("_", ", "), f"failed: {e['failed']}, without a baseline: "
-                          f"{e['unpaired']}", "", "", "", "", "", "", "", "", "", "")  # fmt: skip
+            failed = f"failed: {e['failed']}, without a baseline: {e['unpaired']}"
+            table.add_row(key.replace("_", ", "), failed, *[""] * (len(table.columns) - 2))
             continue
         o = e["overhead"]
         table.add_row(
@@ -273,6 +274,7 @@ def report(res: dict[str, Any]) -> None:
             f"{e['agents_vs_memcpy']:.2f}x" if key.startswith("tier") else "",
             f"{e['agents_vs_tcp']:.2f}x" if "agents_vs_tcp" in e else "",
             _ratio(e.get("agents_vs_bare_stream")),
+            _ratio(e.get("step_vs_stream")),
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")
