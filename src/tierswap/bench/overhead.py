@@ -189,24 +189,30 @@ def summarize(
         if tcp_cpu and key.startswith("tier01"):
             entry["agents_vs_tcp"] = entry["agents_cpu_s_per_gib"]["median"] / tcp_cpu
         bare = runs.get("memcpy" + pin, [])
-        same = [(r["copy_cpu_s_per_gib"], b["copy_cpu_s_per_gib"])
-                for r, b in zip(rs, bare, strict=False)
-                if r is not None and b is not None and b["copy_cpu_s_per_gib"] > 0]  # fmt: skip
+        same = _by_round(rs, bare, "copy_cpu_s_per_gib", "copy_cpu_s_per_gib")
         if same and key.startswith("tier"):
-            entry["copy_vs_bare"] = stats([r / b for r, b in same])
+            entry["copy_vs_bare"] = stats(same)
         stream = runs.get("stream" + pin, [])
-        sent = [(r["agents_cpu_s_per_gib"], b["net_cpu_s_per_gib"])
-                for r, b in zip(rs, stream, strict=False)
-                if r is not None and b is not None and b.get("net_cpu_s_per_gib")]  # fmt: skip
+        sent = _by_round(rs, stream, "agents_cpu_s_per_gib", "net_cpu_s_per_gib")
         if sent and key.startswith("tier01"):  # each GiB sent once and received once in both
-            entry["agents_vs_bare_stream"] = stats([r / b for r, b in sent])
-        floor = [r["step_s"] / b["step_s"] for r, b, p in zip(rs, stream, base, strict=False)
-                 if r is not None and b is not None and p is not None]  # fmt: skip
+            entry["agents_vs_bare_stream"] = stats(sent)
+        counted = [r if b is not None else None for r, b in zip(rs, base, strict=False)]
+        floor = _by_round(counted, stream, "step_s", "step_s")  # the rounds its overhead has
         if floor and key.startswith("tier01"):  # its step against its floor's, round by round
             entry["step_vs_stream"] = stats(floor)
         entry["failed"] = len(rs) - len(ok)
         out[key] = entry
     return out
+
+
+def _by_round(
+    rs: Sequence[dict[str, float] | None], others: Sequence[dict[str, float] | None],
+    mine: str, theirs: str,
+) -> list[float]:  # fmt: skip
+    """``mine`` of each run over ``theirs`` of the other job's run in the same round, for
+    the rounds where both ran and the other's figure is not 0."""
+    return [r[mine] / o[theirs] for r, o in zip(rs, others, strict=False)
+            if r is not None and o is not None and o.get(theirs)]  # fmt: skip
 
 
 def run(

@@ -23,14 +23,12 @@ import torch
 
 from tierswap import memcopy
 from tierswap.affinity import helper_cpus, pin_thread
-from tierswap.state import flatten
+from tierswap.state import flatten, make_layout
 
 FRAME = struct.Struct("<Q")
 """A stream's frame: its length, then that many bytes; answered with one byte."""
 RECV_CHUNK = 1 << 24
 """Bytes one receive asks for, as the agent's replica server asks (``recv_raw_into``)."""
-ALIGN = 64
-"""Each tensor's copy starts at a multiple of this in the copy's buffer, as in a slot."""
 LIMIT_S = 60.0
 """The longest any wait of the stream may take: for a copy to arrive (the gate), for the
 next frame or its answer (each socket's timeout), for both threads to end (close). A step
@@ -58,13 +56,11 @@ class BareCopy:
         self.error: BaseException | None = None
 
     def _allocate(self) -> None:
-        tensors = flatten(self.state, with_rng=False).tensors
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        offsets = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
-        end = offsets[-1] + sizes[-1] if sizes else 0
-        self.buffer = torch.empty(end, dtype=torch.uint8)
-        views = [self.buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-        self.pairs = list(zip(views, tensors, strict=True))
+        flat = flatten(self.state, with_rng=False)
+        layout = make_layout(flat)  # as a snapshot lays out its slot
+        self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        views = [self.buffer[e.offset : e.offset + e.nbytes] for e in layout.entries]
+        self.pairs = list(zip(views, flat.tensors, strict=True))
 
     def start(self) -> None:
         if self.buffer is None:  # after the first optimizer step: its state exists now
