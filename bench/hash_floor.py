@@ -86,7 +86,8 @@ def main() -> None:
             run()
             times[name].append(time.thread_time() - c0)
     base = statistics.median(times["memmove, whole tensors"][2:])
-    out: dict[str, object] = {"bytes": N * SIZE, "tunables": os.environ.get("GLIBC_TUNABLES")}
+    out: dict[str, object] = {"bytes": N * SIZE, "tunables": os.environ.get("GLIBC_TUNABLES"),
+                              "xxhash": xxhash.VERSION}  # fmt: skip
     for name, ts in times.items():
         ts = ts[2:]
         mid = statistics.median(ts)

@@ -136,6 +136,7 @@ def machine() -> dict[str, Any]:
     """What the figures were measured on: cores, memory, software and the commit."""
     import psutil
     import torch
+    import xxhash
 
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {
@@ -147,6 +148,7 @@ def machine() -> dict[str, Any]:
         "memory_bytes": psutil.virtual_memory().total,
         "shm_bytes": shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0,
         "torch": torch.__version__,
+        "xxhash": xxhash.VERSION,  # its xxh3 is every checksum's speed: SIMD by version
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

@@ -245,6 +245,8 @@ def _machine_section(index: Res) -> list[str]:
             ["memory", f"{m['memory_bytes'] / GIB:.1f} GiB, /dev/shm {m['shm_bytes'] / GIB:.1f} "
              "GiB"], ["torch / Python", f"{m['torch']} / {m['python']}"],
             ["platform", m["platform"]]]  # fmt: skip
+    if "xxhash" in m:  # runs before 12-06 (5) did not record it
+        rows.insert(-1, ["xxhash (every checksum's speed)", m["xxhash"]])
     return ["## The machine", "", *_table(["", ""], rows)]
 
 
