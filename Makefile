@@ -64,7 +64,7 @@ bench-peers: $(STAMP)
 GPU_PY ?= python3
 GPU_SITE := /tmp/tierswap-gpu-site
 GPU_WHEELS := msgspec==0.22.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
-  setproctitle==1.3.8
+  setproctitle==1.3.8 xxhash==4.1.0
 
 # (every third-party module the check and its jobs import, tried first: one that only a
 # job's worker imports, cryptography say, would otherwise fail minutes in)
