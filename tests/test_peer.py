@@ -320,6 +320,12 @@ def test_bench_replication_measures_every_section_and_cleans_up(tmp_path: Path) 
     for section in ("push", "stream"):
         stats = res["replication"][section]["bps"]
         assert len(stats["samples"]) == 2 and stats["min"] > 0, section
+        # each end's CPU: the server's is its own clock, asked over its stdin, and moving
+        # bytes costs both ends something
+        for end in ("sender", "receiver"):
+            cpu = res["replication"][section][f"{end}_cpu_s_per_gib"]
+            assert len(cpu["samples"]) == 2 and cpu["max"] > 0, (section, end)
+    assert res["replication"]["checksum"]["cpu_s_per_gib"]["max"] > 0
     for method in ("peer", "durable_cold", "durable_warm"):
         for key in ("total", "read", "load"):
             stats = res["restore"][method][key]

@@ -83,7 +83,7 @@ def test_report_judges_each_claim_against_its_target_and_shows_failures(tmp_path
     assert "1.20 s (1.10 – 1.30)" in worker and worker.endswith("| yes |")
     import xxhash  # every checksum's speed depends on its version (SIMD since 4.1)
 
-    assert xxhash.VERSION in rows["xxhash (every checksum's speed)"]
+    assert xxhash.VERSION in rows["xxhash version (its xxh3 sets every checksum's speed)"]
     node = rows["recovery, node killed, spare host parked, 384 MiB/rank"]
     assert node.endswith("| **no** |"), "2.0 s is past the 1.5 s target"
     assert rows["step overhead, snapshot every step, tier 0, unpinned"].endswith("| yes |")
@@ -227,7 +227,7 @@ def test_report_puts_the_peers_size_into_the_recovery_curve_where_recovery_left_
     assert "1.20 s (1.10 – 1.30)" in worker and worker.endswith("| yes |")
     import xxhash  # every checksum's speed depends on its version (SIMD since 4.1)
 
-    assert xxhash.VERSION in rows["xxhash (every checksum's speed)"]
+    assert xxhash.VERSION in rows["xxhash version (its xxh3 sets every checksum's speed)"]
     assert "| 384 (bench peers) | node | 1.40 s" in md and "| 5 | worker | 0.30 s" in md
 
 

@@ -348,7 +348,7 @@ def run(repeats: int, chunk: int = delta.DEFAULT_CHUNK) -> dict[str, Any]:
         sock = stack.enter_context(socket.create_connection(server.stream, timeout=300))
 
         def stream() -> float:
-            return _stream_once(sock, frame)["bps"]
+            return _stream_once(server, sock, frame)["bps"]
 
         results, net = _measure(cases, codecs, repeats, chunk, stream)
     network = stats(net)

@@ -5,6 +5,9 @@
 ``python -m tierswap.bench.peerserver JOB_ID``, with the job's secret (hex) in
 ``TIERSWAP_BENCH_SECRET``. It prints its addresses as one JSON line on stdout, serves
 until its stdin closes (the bench is done, or gone), then unlinks its segments and exits.
+Each line ``cpu`` on its stdin is answered with a JSON line of the CPU seconds this
+process has spent so far, all its threads together (the kernel's clock, to the
+nanosecond: ``/proc``'s ticks are 10 ms, as much as a receiver spends on 64 MiB).
 
 The sink reads frames of an 8-byte little-endian length and that many bytes, received
 with ``recv_into`` into one buffer that is reused (touched by the first, warm-up frame),
@@ -23,6 +26,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from tierswap.control import protocol as p
@@ -136,6 +140,19 @@ class PeerServer:
         ready: dict[str, Any] = json.loads(line)
         return ready
 
+    def cpu_s(self) -> float:
+        """The CPU seconds this server has spent so far, all its threads together."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(b"cpu\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # gone: said below, with its exit code
+            pass
+        line = self.proc.stdout.readline()  # (its answer comes at once: no select)
+        if not line:
+            raise RuntimeError(f"bench peer server exited with code {self.proc.wait(10)}")
+        return float(json.loads(line)["cpu_s"])
+
     def close(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
@@ -167,7 +184,9 @@ def main(argv: list[str]) -> None:
             "pid": os.getpid(),
         }
         print(json.dumps(ready), flush=True)
-        sys.stdin.buffer.read()  # EOF: the bench is done, or gone
+        for line in sys.stdin.buffer:  # until EOF: the bench is done, or gone
+            if line.strip() == b"cpu":
+                print(json.dumps({"cpu_s": time.process_time()}), flush=True)
     finally:
         sink.close()
         server.close()

@@ -9,7 +9,9 @@ flattened into a replica as a rank's snapshot is, against a real
    server's checksum, its answer) against a plain TCP stream of as many bytes between the
    same two processes (``sendall``, ``recv_into`` a reused buffer, a one-byte answer),
    and ``peer.push`` over TLS (what ``--tls auto`` does between hosts), in alternating
-   rounds;
+   rounds; each with the CPU it cost the sender (this thread) and the receiver (the
+   server's process), per GiB, and beside them one xxh3 pass over the replica (what the
+   receiver's checksum costs): what tier 1 costs beyond the bytes' own transfer;
 2. restore of a lost rank: ``peer.fetch`` of the replica (checksum verified) and
    ``state.load`` of it into the live state, against ``durable.read_part`` of the same
    snapshot from a local disk with the part's pages dropped from the page cache first (a
@@ -69,24 +71,46 @@ class _Replica:
 # ---------------------------------------------------------------- 1. replication
 
 
-def _push_once(chan: Channel, replica: _Replica, steps: list[int]) -> Sample:
+def _timed(server: PeerServer, nbytes: int, transfer: Callable[[], None]) -> Sample:
+    """One transfer's speed and its CPU per GiB at both ends: the sender's is this
+    thread's, the receiver's the server process's (its other threads idle meanwhile)."""
+    far, near = server.cpu_s(), time.thread_time()
+    t0 = time.monotonic()
+    transfer()
+    seconds = time.monotonic() - t0
+    sent, received = time.thread_time() - near, server.cpu_s() - far
+    gib = nbytes / 2**30
+    return {"bps": nbytes / seconds, "sender_cpu_s_per_gib": sent / gib,
+            "receiver_cpu_s_per_gib": received / gib}  # fmt: skip
+
+
+def _push_once(server: PeerServer, chan: Channel, replica: _Replica, steps: list[int]) -> Sample:
     steps.append(steps[-1] + 1)
     r = replica
-    t0 = time.monotonic()
-    ok = peer.push(chan, RANK, steps[-1], r.layout, r.tree, r.checksum, r.view)
-    seconds = time.monotonic() - t0
-    if not ok:
-        raise RuntimeError(f"the bench peer server refused step {steps[-1]}")
-    return {"bps": r.layout.nbytes / seconds}
+
+    def push() -> None:
+        if not peer.push(chan, RANK, steps[-1], r.layout, r.tree, r.checksum, r.view):
+            raise RuntimeError(f"the bench peer server refused step {steps[-1]}")
+
+    return _timed(server, r.layout.nbytes, push)
 
 
-def _stream_once(sock: socket.socket, data: memoryview) -> Sample:
-    t0 = time.monotonic()
-    sock.sendall(struct.pack("<Q", len(data)))
-    sock.sendall(data)
-    if sock.recv(1) != b"k":
-        raise EOFError("the bench sink closed the stream")
-    return {"bps": len(data) / (time.monotonic() - t0)}
+def _stream_once(server: PeerServer, sock: socket.socket, data: memoryview) -> Sample:
+    def stream() -> None:
+        sock.sendall(struct.pack("<Q", len(data)))
+        sock.sendall(data)
+        if sock.recv(1) != b"k":
+            raise EOFError("the bench sink closed the stream")
+
+    return _timed(server, len(data), stream)
+
+
+def _checksum_once(replica: _Replica) -> Sample:
+    """One xxh3 pass over the replica, as the receiver checks it: its CPU per GiB."""
+    t0 = time.thread_time()
+    if checksum_chunks(replica.layout.chunks(replica.view)) != replica.checksum:
+        raise RuntimeError("the bench's replica changed under it")
+    return {"cpu_s_per_gib": (time.thread_time() - t0) / (replica.layout.nbytes / 2**30)}
 
 
 def _bench_replication(
@@ -99,9 +123,10 @@ def _bench_replication(
         stack.callback(chan_tls.close)
         sock = stack.enter_context(socket.create_connection(server.stream, timeout=300))
         methods: dict[str, Callable[[], Sample]] = {
-            "push": lambda: _push_once(chan, replica, steps),
-            "push_tls": lambda: _push_once(chan_tls, replica, steps),
-            "stream": lambda: _stream_once(sock, replica.view),
+            "push": lambda: _push_once(server, chan, replica, steps),
+            "push_tls": lambda: _push_once(server, chan_tls, replica, steps),
+            "stream": lambda: _stream_once(server, sock, replica.view),
+            "checksum": lambda: _checksum_once(replica),
         }
         res = interleave(methods, repeats, lambda: None, alternate=True)
     return {"nbytes": replica.layout.nbytes, **res}
@@ -168,12 +193,21 @@ def ratios(res: Mapping[str, Any]) -> dict[str, float]:
     """Replication throughput over the plain stream's; restore speedups of the peer."""
     rep, rest = res["replication"], res["restore"]
     peer_s = rest["peer"]["total"]["median"]
-    return {
+    out = {
         "push/stream": rep["push"]["bps"]["median"] / rep["stream"]["bps"]["median"],
         "push_tls/push": rep["push_tls"]["bps"]["median"] / rep["push"]["bps"]["median"],
         "restore durable_cold/peer": rest["durable_cold"]["total"]["median"] / peer_s,
         "restore durable_warm/peer": rest["durable_warm"]["total"]["median"] / peer_s,
     }
+    if "sender_cpu_s_per_gib" in rep["push"]:  # (older runs did not measure it)
+        out["CPU push/stream"] = cpu(rep, "push") / cpu(rep, "stream")
+    return out
+
+
+def cpu(rep: Mapping[str, Any], method: str) -> float:
+    """A transfer's CPU seconds per GiB, both ends, medians."""
+    m = rep[method]
+    return float(m["sender_cpu_s_per_gib"]["median"] + m["receiver_cpu_s_per_gib"]["median"])
 
 
 def run(size_mib: int, repeats: int) -> dict[str, Any]:
@@ -203,6 +237,13 @@ _ROWS = (  # section, measure, path to its stats, unit
     ("replication", "peer.push: request, bytes, server checksum", "replication/push/bps", "GiB/s"),
     ("", "peer.push over TLS (--tls auto off loopback)", "replication/push_tls/bps", "GiB/s"),
     ("", "plain TCP stream: sendall, recv_into", "replication/stream/bps", "GiB/s"),
+    ("", "CPU, peer.push: sender", "replication/push/sender_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "  receiver, checksum included", "replication/push/receiver_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "CPU, over TLS: sender", "replication/push_tls/sender_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "  receiver", "replication/push_tls/receiver_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "CPU, plain TCP stream: sender", "replication/stream/sender_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "  receiver", "replication/stream/receiver_cpu_s_per_gib", "CPU-s/GiB"),
+    ("", "CPU, one xxh3 pass over the replica", "replication/checksum/cpu_s_per_gib", "CPU-s/GiB"),
     ("restore", "peer.fetch + load", "restore/peer/total", "ms"),
     ("", "  fetch, checksum verified", "restore/peer/read", "ms"),
     ("", "  load into the live state", "restore/peer/load", "ms"),
@@ -215,23 +256,27 @@ _ROWS = (  # section, measure, path to its stats, unit
 
 
 def _cells(stats: Mapping[str, Any], unit: str) -> tuple[str, str]:
-    scale = 1e3 if unit == "ms" else 1 / (1 << 30)
+    scale = {"ms": 1e3, "GiB/s": 1 / (1 << 30)}.get(unit, 1.0)
     lo, mid, hi = (scale * stats[k] for k in ("min", "median", "max"))
-    digits = 1 if unit == "ms" else 2
+    digits = {"ms": 1, "GiB/s": 2}.get(unit, 3)
     return f"{mid:.{digits}f} {unit}", f"{lo:.{digits}f} – {hi:.{digits}f}"
 
 
 def _at(res: Mapping[str, Any], path: str) -> Any:
+    """The node at ``path``, or None where the run did not measure it."""
     node: Any = res
     for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
         node = node[part]
     return node
 
 
 def _ratio(name: str, value: float) -> tuple[str, str, str, str]:
     op, goal = TARGETS.get(name, ("", 0.0))
-    speedup = name.startswith("restore")
-    shown = f"{value:.1f} x" if speedup else f"{100 * value:.1f} %"
+    speedup = name.startswith(("restore", "CPU"))
+    digits = 2 if name.startswith("CPU") else 1
+    shown = f"{value:.{digits}f} x" if speedup else f"{100 * value:.1f} %"
     target = (f"{op} {goal:g} x" if speedup else f"{op} {100 * goal:g} %") if op else ""
     met = value <= goal if op == "<=" else value >= goal
     return name, shown, target, ("yes" if met else "NO") if op else ""
@@ -248,7 +293,8 @@ def report(res: Mapping[str, Any]) -> None:
              f"CPUs, loopback TCP, torch {m['torch']}")  # fmt: skip
     table = Table("section", "measure", "median", "min – max", title=title)
     for section, measure, path, unit in _ROWS:
-        table.add_row(section, measure, *_cells(_at(res, path), unit))
+        if (stats := _at(res, path)) is not None:  # (older runs measured less)
+            table.add_row(section, measure, *_cells(stats, unit))
     ratios = Table("ratio", "median", "target", "met")
     for name, value in res["ratios"].items():
         ratios.add_row(*_ratio(name, value))

@@ -245,8 +245,8 @@ def _machine_section(index: Res) -> list[str]:
             ["memory", f"{m['memory_bytes'] / GIB:.1f} GiB, /dev/shm {m['shm_bytes'] / GIB:.1f} "
              "GiB"], ["torch / Python", f"{m['torch']} / {m['python']}"],
             ["platform", m["platform"]]]  # fmt: skip
-    if "xxhash" in m:  # runs before 12-06 (5) did not record it
-        rows.insert(-1, ["xxhash (every checksum's speed)", m["xxhash"]])
+    if "xxhash" in m:  # (runs before efc51db did not record it)
+        rows.insert(-1, ["xxhash version (its xxh3 sets every checksum's speed)", m["xxhash"]])
     return ["## The machine", "", *_table(["", ""], rows)]
 
 
@@ -403,6 +403,8 @@ def _walk(node: Any, path: str, rows: list[list[str]], limits: Res) -> None:
             rows.append([path, _stats_cell(node, 1 / GIB, "GiB/s"), share])
         elif "overhead" in leaf:
             rows.append([path, _pct(node), ""])
+        elif leaf.endswith("_per_gib"):  # CPU seconds per GiB moved
+            rows.append([path, _stats_cell(node, 1.0, "CPU-s/GiB", 3), ""])
         elif leaf.endswith("mib") or leaf.endswith("bytes"):
             rows.append([path, f"{node['median']:.0f}", ""])
         else:
