@@ -176,7 +176,8 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
                      f"%, restart {100 * g['restart']:.1f} %", "–", "–"])  # fmt: skip
     note = ["*A quick run (`--quick`): small sizes, single repetitions; it shows that "
             "everything runs, not figures to quote.*", ""] if quick else []  # fmt: skip
-    return note + _table(["claim", "measured: median (min – max)", "target", "met"], rows)
+    spread = "measured: median (min – max; step overheads: quartiles)"  # as _met_spread judges
+    return note + _table(["claim", spread, "target", "met"], rows)
 
 
 def _peer_rows(peers: Res) -> list[list[str]]:
