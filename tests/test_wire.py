@@ -591,3 +591,24 @@ def test_a_handshake_past_its_deadline_is_a_timeout_but_a_signals_exit_stays_its
         expected = TimeoutError if issubclass(raised, Exception) else raised
         with pytest.raises(expected):
             wire.Channel.connect(server.getsockname(), b"k" * 16, None)
+
+
+def test_bulk_bytes_larger_than_a_send_piece_arrive_whole_in_order_from_any_format() -> None:
+    """Bulk bytes go out in pieces of ``BULK_PIECE``: 2.5 pieces of float32 values (a
+    view whose items are 4 bytes, as a tensor's are) arrive whole, byte for byte."""
+    import numpy as np
+
+    a, b = _pipe()
+    try:
+        n = (5 * wire.BULK_PIECE // 2) // 4
+        values = np.arange(n, dtype=np.float32)
+        buf = memoryview(bytearray(values.nbytes))
+        t = threading.Thread(target=b.recv_raw_into, args=(buf,))
+        t.start()
+        a.send_raw(memoryview(values))
+        t.join(30)
+        assert not t.is_alive()
+        assert np.array_equal(np.frombuffer(buf, dtype=np.float32), values)
+    finally:
+        a.close()
+        b.close()
