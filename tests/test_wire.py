@@ -593,15 +593,34 @@ def test_a_handshake_past_its_deadline_is_a_timeout_but_a_signals_exit_stays_its
             wire.Channel.connect(server.getsockname(), b"k" * 16, None)
 
 
-def test_bulk_bytes_larger_than_a_send_piece_arrive_whole_in_order_from_any_format() -> None:
-    """Bulk bytes go out in pieces of ``BULK_PIECE``: 2.5 pieces of float32 values (a
-    view whose items are 4 bytes, as a tensor's are) arrive whole, byte for byte."""
+class _Recorder:
+    """A socket's ``sendall`` that keeps what each call was given."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def sendall(self, data: memoryview) -> None:
+        self.pieces.append(bytes(data))
+
+
+@pytest.mark.parametrize("pipe", [_pipe, _tls_pipe], ids=["plain", "tls"])
+def test_bulk_bytes_go_in_pieces_of_bulk_piece_bytes_and_arrive_whole_from_any_format(
+    pipe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bulk bytes go out in sends of at most ``BULK_PIECE`` bytes, counted in bytes even
+    for a view of 4-byte items (as a tensor's is), and arrive whole, byte for byte."""
     import numpy as np
 
-    a, b = _pipe()
+    monkeypatch.setattr(wire, "BULK_PIECE", 1001)
+    values = np.arange(2600, dtype=np.float32)  # 10,400 bytes: 10 full pieces and a part
+    a, b = pipe()
     try:
-        n = (5 * wire.BULK_PIECE // 2) // 4
-        values = np.arange(n, dtype=np.float32)
+        real, rec = a.sock, _Recorder()
+        a.sock = rec  # type: ignore[assignment]
+        a.send_raw(memoryview(values))
+        a.sock = real
+        assert [len(p) for p in rec.pieces] == [1001] * 10 + [390]
+        assert b"".join(rec.pieces) == values.tobytes()
         buf = memoryview(bytearray(values.nbytes))
         t = threading.Thread(target=b.recv_raw_into, args=(buf,))
         t.start()

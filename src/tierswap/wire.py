@@ -326,10 +326,12 @@ class Channel:
     def send_raw(self, data: memoryview) -> None:
         """Send bulk bytes after a message that announced their length: no framing, no
         copy, at the speed of the socket, in blocking sends of :data:`BULK_PIECE` bytes.
-        One ``sendall`` of a whole replica cost more CPU here and went slower; many small
-        pieces, or non-blocking sends after ``poll``, lose half their speed or more when
-        another thread of the process wants the GIL, since every return from the kernel
-        waits for it (``bench/tcp_send.py``, README)."""
+        One ``sendall`` of a whole replica cost more CPU here and went slower. With a busy
+        thread in the process every way slows, as each return from the kernel waits for
+        the GIL: 16 MiB pieces kept pace with one ``sendall``, where 1 MiB pieces or
+        non-blocking sends after ``poll`` fell far behind (``bench/tcp_send.py``, README)."""
+        if data.nbytes == 0:
+            return
         view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
         with self._send_lock:
             for at in range(0, len(view), BULK_PIECE):
@@ -355,7 +357,7 @@ class Channel:
             self._idle_limit(idle, tls)
         try:
             while got < len(buf):
-                n = self.sock.recv_into(buf[got:], min(len(buf) - got, 1 << 24), flags)
+                n = self.sock.recv_into(buf[got:], min(len(buf) - got, BULK_PIECE), flags)
                 if n == 0:
                     raise EOFError(f"peer closed after {got} of {len(buf)} bytes")
                 got += n
@@ -403,8 +405,9 @@ class Channel:
 
 
 BULK_PIECE = 1 << 24
-"""The bytes of one blocking send of bulk bytes: as large as the receiver's reads (16 MiB,
-``recv_raw_into``), so a replica costs each end a few dozen returns from the kernel."""
+"""The bytes of one blocking send of bulk bytes, and of one read of them on a plain socket
+(``recv_raw_into``): a replica costs each end a few dozen returns from the kernel (a TLS
+socket reads record by record)."""
 
 
 def pair(a_incoming: Any, b_incoming: Any) -> tuple[Channel, Channel]:
