@@ -330,12 +330,8 @@ class Channel:
         thread in the process every way slows, as each return from the kernel waits for
         the GIL: 16 MiB pieces kept pace with one ``sendall``, where 1 MiB pieces or
         non-blocking sends after ``poll`` fell far behind (``bench/tcp_send.py``, README)."""
-        if data.nbytes == 0:
-            return
-        view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
         with self._send_lock:
-            for at in range(0, len(view), BULK_PIECE):
-                self.sock.sendall(view[at : at + BULK_PIECE])
+            send_pieces(self.sock, data)
 
     def recv_raw_into(self, buf: memoryview, idle: float = 0.0) -> None:
         """Receive exactly ``len(buf)`` announced bulk bytes straight into ``buf``; a dead
@@ -408,6 +404,17 @@ BULK_PIECE = 1 << 24
 """The bytes of one blocking send of bulk bytes, and of one read of them on a plain socket
 (``recv_raw_into``): a replica costs each end a few dozen returns from the kernel (a TLS
 socket reads record by record)."""
+
+
+def send_pieces(sock: socket.socket, data: memoryview) -> None:
+    """``sock.sendall(data)`` in blocking sends of :data:`BULK_PIECE` bytes (counted in
+    bytes whatever the view's items): how tier 1 sends bulk bytes, and so how the bench's
+    floors of it send theirs."""
+    if data.nbytes == 0:
+        return
+    view = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+    for at in range(0, len(view), BULK_PIECE):
+        sock.sendall(view[at : at + BULK_PIECE])
 
 
 def pair(a_incoming: Any, b_incoming: Any) -> tuple[Channel, Channel]:

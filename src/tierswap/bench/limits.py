@@ -21,6 +21,7 @@ from tierswap.bench.common import Sample, interleave, stats
 from tierswap.checksum import checksum_bytes
 from tierswap.memcopy import memcpy
 from tierswap.shm import populated
+from tierswap.wire import send_pieces
 
 CHUNK = 1 << 24
 
@@ -70,7 +71,7 @@ class _Sink:
         and the sink thread's own user and system time, counted as the agents' is (where
         the kernel charges loopback's softirq work elsewhere, to both alike)."""
         t0, cpu0 = time.monotonic(), time.thread_time()
-        self.sock.sendall(data)
+        send_pieces(self.sock, data)  # as tier 1 sends its replicas
         if self.sock.recv(1) != b"k":
             raise EOFError("the bench's loopback sink closed")
         cpu = time.thread_time() - cpu0 + self.cpu

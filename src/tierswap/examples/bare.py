@@ -24,6 +24,7 @@ import torch
 from tierswap import memcopy
 from tierswap.affinity import helper_cpus, pin_thread
 from tierswap.state import flatten, make_layout
+from tierswap.wire import send_pieces
 
 FRAME = struct.Struct("<Q")
 """A stream's frame: its length, then that many bytes; answered with one byte."""
@@ -194,7 +195,7 @@ class BareStream:
                 cpu0 = time.thread_time()
                 data = buf.numpy().data
                 self.out.sendall(FRAME.pack(len(data)))
-                self.out.sendall(data)
+                send_pieces(self.out, data)  # as tier 1 sends its replicas
                 if self.out.recv(1) != b"k":
                     raise EOFError("the next rank stopped receiving")
                 self.send_cpu = time.thread_time() - cpu0
