@@ -253,6 +253,9 @@ def test_bench_recovery_size_curve_runs_tiny_with_each_ranks_parts_and_floors(
         assert s["floors"]["restore"] > 0 and s["restore_vs_floor"] > 0
     assert entry["node"]["lost_tiers"] == [1], "the spare's rank came from a peer's memory"
     assert entry["worker"]["lost_tiers"] == [0], "the new worker's from its node's memory"
+    # the survivor's next step never had the dead worker's gradients: its own state is the
+    # step restored, proven by the slot's checksum, and it read nothing
+    assert entry["worker"]["kept_live"] == 1.0
     table = recovery._sizes_table(curve)
     assert table.row_count == 2
 

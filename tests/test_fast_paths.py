@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tierswap.checksum import checksum_bytes, hasher
+from tierswap.control import protocol as p
 from tierswap.fetch import Prefetch
 from tierswap.memcopy import CHUNK, copy_bytes_hashing, copy_hashing, memcpy, plain
 from tierswap.shm import PREFIX, SHM_DIR, SegmentPool
@@ -392,6 +393,134 @@ def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit(tier0_
         small.release()
     finally:
         reserve.close()
+
+
+def _flat_equal(state: dict[str, Any], layout: Any, buf: bytearray) -> None:
+    """Every tensor of ``state`` holds the bits of its entry in ``buf`` (a slot)."""
+    got = flatten(state, with_rng=False).tensors
+    for e, t in zip(layout.entries, got, strict=True):
+        assert torch.equal(t, tensor_view(memoryview(buf), e)), e.key
+
+
+def test_a_survivors_own_state_is_the_step_or_the_memory_the_step_is_read_into(
+    tier0_slot,
+) -> None:
+    """A survivor whose live state (the tensors its last snapshot was copied from) still
+    holds the step it restores takes it as it is: one hash pass, the slot not read at all
+    (named wrong, it is not missed), the restored model's parameters the old ones' memory.
+    One optimizer step later it no longer holds the step: the slot is read into that same
+    memory, and the restored state has the slot's bits, not the live ones. A flipped byte
+    in the slot is refused; a plan that is not a tier-0 step is not taken."""
+    from tierswap.errors import CorruptPartError
+    from tierswap.fetch import from_live
+    from tierswap.live import Live
+
+    model, opt, seg, buf, plan = tier0_slot
+    layout, checksum = plan.source.layout, plan.source.checksum
+
+    def live() -> Live:
+        flat = flatten({"model": model, "optim": opt}, with_rng=False)
+        return Live(layout, flat.tensors, checksum)
+
+    def restored(got: Any) -> nn.Module:
+        model2, opt2 = _trained(0)
+        load({"model": model2, "optim": opt2}, got.tree, got.views, got.layout,
+             adopt=got.private)  # fmt: skip
+        got.release()
+        _flat_equal({"model": model2, "optim": opt2}, layout, buf)
+        return model2
+
+    old = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    gone = msgspec.structs.replace(plan.source, segment="tierswap-no-such-slot")
+    timeline: dict[str, float] = {}
+    got = from_live(msgspec.structs.replace(plan, source=gone), live(), timeline)
+    assert got is not None and got.private and got.live and got.what == "live step 7"
+    assert timeline["fetch"] == 0.0 and timeline["verify"] > 0
+    model2 = restored(got)
+    assert {q.untyped_storage().data_ptr() for q in model2.parameters()} == old, "adopted"
+
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()  # the live state moves on past the step
+    got = from_live(plan, live(), timeline)
+    assert got is not None and got.private and not got.live and got.what == "tier-0 step 7"
+    model3 = restored(got)
+    assert {q.untyped_storage().data_ptr() for q in model3.parameters()} == old, "read into"
+
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()  # (the read made the live state the step again)
+    stale = Live(layout, live().tensors, "another snapshot's checksum")
+    got = from_live(plan, stale, timeline)
+    assert got is not None and not got.live, "a proof that cannot hold is not tried"
+    restored(got)
+    opt.step()
+    seg.buf[layout.entries[1].offset] ^= 0xFF
+    with pytest.raises(CorruptPartError, match="tier-0 memory"):
+        from_live(plan, live(), {})
+    durable = msgspec.structs.replace(plan, source=p.FromDurable(root="/x", part=0))
+    assert from_live(durable, live(), {}) is None
+
+
+def test_a_restore_takes_no_live_state_that_the_new_state_shares(tier0_slot) -> None:
+    """``job.steps`` proves the step in the state the worker trained only where the new
+    state shares none of its memory: a state that outlived ``train`` and is passed again
+    reads the slot as any restore does, and the live state is let go either way."""
+    from tierswap.job import Job
+    from tierswap.live import Live
+
+    model, opt, _seg, _buf, plan = tier0_slot
+    layout, checksum = plan.source.layout, plan.source.checksum
+    job = Job()
+
+    def live() -> Live:
+        flat = flatten({"model": model, "optim": opt}, with_rng=False)
+        return Live(layout, flat.tensors, checksum)
+
+    fresh = dict(zip(("model", "optim"), _trained(0), strict=True))
+    mine = live()
+    got = job._from_live(fresh, plan, mine)
+    assert got.live and mine.tensors == []
+    got.release()
+    mine = live()
+    got = job._from_live({"model": model, "optim": opt}, plan, mine)
+    assert not got.live and got.segment is not None, "the slot, mapped and read as before"
+    assert mine.tensors == []
+    got.release()
+
+
+def test_live_state_is_kept_and_taken_only_where_it_is_the_states_own_plain_memory() -> None:
+    """A snapshot's tensors are kept only where they are plain contiguous CPU tensors of
+    their entries' dtypes and shapes, mostly parameters and optimizer state (not a
+    ``state_dict`` of copies); they are taken for a slot of the same keys, dtypes and
+    shapes only, not where a new state shares their memory; one tensor under two entries
+    (a tied weight) is handed back once as itself and once as a copy (adopting one memory
+    twice would tie them)."""
+    from tierswap.live import Live, keepable
+
+    x = torch.arange(12.0).reshape(3, 4)
+    y = x.clone()
+
+    def layout_of(a: torch.Tensor, b: torch.Tensor) -> Any:
+        return make_layout(flatten({"w": {"a": a.contiguous(), "b": b.contiguous()}},
+                                   with_rng=False))  # fmt: skip
+
+    model, opt = _trained(3)
+    flat = flatten({"model": model, "optim": opt, "ema": {"w": x}}, with_rng=False)
+    assert keepable(make_layout(flat), flat.tensors)
+    big = torch.zeros(200_000)  # a copy as large as the model: not the state's own
+    flat = flatten({"model": model, "optim": opt, "ema": {"w": big}}, with_rng=False)
+    assert not keepable(make_layout(flat), flat.tensors)
+    assert not keepable(layout_of(x, y), [x, y]), "plain values only: not parameters"
+
+    layout = layout_of(x, y)
+    live = Live(layout, [x, y], "")
+    assert live.fits(layout) and live.shares_memory([y[0]]) and not live.shares_memory([y + 0])
+    assert not Live(layout, [x, x.t().contiguous().t()], "").fits(layout), "not contiguous"
+    assert not Live(layout, [x, y.double()], "").fits(layout), "another dtype"
+    assert not live.fits(layout_of(x, x.reshape(4, 3)))
+    got = live.adoptable()
+    assert [t.data_ptr() for t in got] == [x.data_ptr(), y.data_ptr()]
+    got = Live(layout, [x, x], "").adoptable()
+    assert got[0].data_ptr() == x.data_ptr() != got[1].data_ptr() and torch.equal(got[1], x)
 
 
 def test_a_reserve_is_made_once_handed_out_once_and_remade_at_a_new_size() -> None:

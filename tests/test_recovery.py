@@ -39,6 +39,9 @@ def test_ddp_worker_killed_restores_from_memory_bit_exact(tmp_path: Path, baseli
     assert failure["ranks"] == [1] and failure["what"] == "worker"
     (restored,) = events(run_dir, "restored")
     assert set(restored["tiers"].values()) == {0}, "a worker crash restores from tier 0"
+    # the survivor trained no further than the step restored (the next one's gradients
+    # never came from rank 1): it keeps its own state, proven equal, and reads nothing
+    assert restored["live"] == ([0] if restored["step"] == 9 else []), restored
     assert events(run_dir, "job_finished")[0]["step"] == 11
     # rank 1's new process is node 1's spare worker, parked since the start; rank 0's is
     # the same process as before

@@ -10,6 +10,10 @@ copy at all. For a tier-0 slot or a replica, a parked worker made that memory wh
 waited (``reserve.py``); without it, a tier-0 slot is mapped instead (not copied: the
 load copies from it), since memory made now costs the restore as much as a copy into
 the state's own, and a replica is received into memory made now.
+
+A survivor that kept the state it trained (``live.py``) fetches nothing here for a tier-0
+step that state fits: ``Job.steps`` proves the step in it, or reads it into it, once the
+new state exists (:func:`from_live`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tierswap.checksum import checksum_chunks, hasher
 from tierswap.control import protocol as p
 from tierswap.errors import CorruptPartError
 from tierswap.layout import Layout
+from tierswap.live import Live
 from tierswap.memcopy import copy_bytes_hashing
 from tierswap.reserve import Reserve
 from tierswap.shm import SHM_DIR, Segment, populated
@@ -50,6 +55,9 @@ class Fetched:
     """The source, for errors: "tier-0 step 7", say."""
     segment: Segment | None = None
     """A tier-0 slot the views map: the agent's memory, copied from, never kept."""
+    live: bool = False
+    """The views are the state this worker trained, proven to hold the step: nothing was
+    read (``from_live``)."""
 
     @property
     def private(self) -> bool:
@@ -67,14 +75,14 @@ class Fetched:
             self.segment = None
 
 
-def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
-    """Copy a tier-0 slot's tensors into ``buf`` at their offsets, each chunk hashed from
-    the slot right after it is copied, while it is in cache (one pass over the bytes:
-    :func:`tierswap.memcopy.copy_bytes_hashing`); their checksum. The slot is mapped
-    read-only with its page tables filled at once (a mapping faulted in 4 KiB at a time
-    costs more than the copy), and a libc memmove copies it (384 MiB here: 56 ms, with
-    the workers' non-temporal threshold; ``preadv`` of the same chunks 86 ms). A slot gone
-    with its agent, or shorter than its layout, is a lost part (``CorruptPartError``);
+def read_slot(name: str, layout: Layout, dests: list[memoryview]) -> str:
+    """Copy a tier-0 slot's tensors into ``dests`` (one buffer per entry), each chunk
+    hashed from the slot right after it is copied, while it is in cache (one pass over
+    the bytes: :func:`tierswap.memcopy.copy_bytes_hashing`); their checksum. The slot is
+    mapped read-only with its page tables filled at once (a mapping faulted in 4 KiB at a
+    time costs more than the copy), and a libc memmove copies it (384 MiB here: 56 ms,
+    with the workers' non-temporal threshold; ``preadv`` of the same chunks 86 ms). A slot
+    gone with its agent, or shorter than its layout, is a lost part (``CorruptPartError``);
     slots never shrink, so the mapping cannot lose pages under the copy."""
     path = SHM_DIR / name
     digest = hasher()
@@ -95,9 +103,10 @@ def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
         raise CorruptPartError(str(path), f"tier-0 memory: {e}") from e
     slot = memoryview(mm)
     try:
-        for entry in layout.entries:
-            at, end = entry.offset, entry.offset + entry.nbytes
-            copy_bytes_hashing(buf[at:end], slot[at:end], digest)
+        for entry, dst in zip(layout.entries, dests, strict=True):
+            if entry.nbytes:
+                at, end = entry.offset, entry.offset + entry.nbytes
+                copy_bytes_hashing(dst, slot[at:end], digest)
     finally:
         slot.release()
         try:
@@ -105,6 +114,34 @@ def read_slot(name: str, layout: Layout, buf: memoryview) -> str:
         except BufferError:  # a traceback still holds a slice: the mapping goes with it
             pass
     return digest.hexdigest()
+
+
+def from_live(plan: p.PlanReply, live: Live, timeline: dict[str, float]) -> Fetched | None:
+    """``plan``'s tier-0 step in the tensors of ``live``, the state this worker trained
+    (``live.py``): as they are where one hash pass proves them equal to the slot
+    (``verify``; skipped where the checksum of the snapshot they were copied into is
+    another), else with the slot read into their memory, hashed as it is read
+    (``fetch``); None where the plan is not a tier-0 step they fit. A slot whose bytes do
+    not match its checksum is a lost part (``CorruptPartError``)."""
+    source = plan.source
+    if not isinstance(source, p.FromSlot):
+        return None
+    source.layout.check()
+    held = live.tensors  # the memory ``raws`` point into: alive while they are used
+    raws = live.raws(source.layout)
+    if raws is None:
+        return None
+    t = time.monotonic()
+    proven = live.checksum == source.checksum and live.proven(raws, source.checksum)
+    t1 = time.monotonic()
+    if not proven and read_slot(source.segment, source.layout, raws) != source.checksum:
+        path = str(SHM_DIR / source.segment)
+        raise CorruptPartError(path, "checksum mismatch in tier-0 memory")
+    timeline.update(fetch=0.0 if proven else time.monotonic() - t1, verify=t1 - t)
+    what = f"{'live' if proven else 'tier-0'} step {plan.step}"
+    views = live.adoptable()
+    del raws, held
+    return Fetched(plan, source.layout, source.tree, views, what, live=proven)
 
 
 def fetch(
@@ -134,7 +171,8 @@ def fetch(
             buf = ready
             layout = source.layout
             layout.check()
-            if read_slot(source.segment, layout, buf) != source.checksum:
+            into = [buf[e.offset : e.offset + e.nbytes] for e in layout.entries]
+            if read_slot(source.segment, layout, into) != source.checksum:
                 raise CorruptPartError(
                     str(SHM_DIR / source.segment), "checksum mismatch in tier-0 memory"
                 )

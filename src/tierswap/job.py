@@ -18,10 +18,11 @@ from tierswap import snapshot
 from tierswap.control import protocol as p
 from tierswap.errors import GenerationEnded
 from tierswap.faults import Injection
-from tierswap.fetch import Fetched, Prefetch, fetch
+from tierswap.fetch import Fetched, Prefetch, fetch, from_live
 from tierswap.interrupt import in_own_call, own_call
+from tierswap.live import Live
 from tierswap.reserve import Reserve
-from tierswap.state import load
+from tierswap.state import flatten, load
 from tierswap.wire import Channel
 
 PREFETCH_GRACE_S = 5.0
@@ -49,6 +50,7 @@ class Job:
         max_redo: int = 0,
         interrupt_steps: bool = False,
         reserve: Reserve | None = None,
+        live: Live | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -70,6 +72,16 @@ class Job:
         self._max_redo = max_redo
         self._reserve = reserve
         """Memory the worker made ahead for a restore to read into (``reserve.py``)."""
+        self._live = live
+        """The state this worker trained in its last generation, which the restore takes
+        as it is where it is provably the step restored (``live.py``)."""
+        self._live_lock = threading.Lock()
+        self._closed = False
+        self._live_step: Live | None = None
+        """``_live``, where the plan's tier-0 step fits it: proven or read there by
+        ``steps``, on the training thread, once the new state exists (``from_live``)."""
+        self.kept: Live | None = None
+        """Once closed: this generation's newest snapshot's own tensors, for the next."""
         self._interrupt_steps = interrupt_steps
         """``--interrupt-steps``: a generation's end may cut the loop's step short."""
         self.interruptible = False
@@ -90,7 +102,8 @@ class Job:
         """Seconds this rank spent in each part of entering the generation, in order:
         ``enter`` (from joining the group to ``job.steps``: the script builds and wraps its
         model), ``plan``, ``fetch`` and ``verify`` (on a thread, during ``enter``),
-        ``waited`` (in ``job.steps`` for what was still being fetched), ``load``, ``sync``
+        ``waited`` (in ``job.steps`` for what was still being fetched; a survivor holding
+        the state it trained proves or reads its step after it, ``live.py``), ``load``, ``sync``
         (waiting for the other ranks), ``step`` (the first step) and ``snapshot`` (its
         snapshot, slots allocated if new); sent with ``Stepped``."""
 
@@ -222,9 +235,16 @@ class Job:
                 pending.result().release()
             except BaseException:
                 pass  # a fetch that failed holds nothing
+        with self._live_lock:
+            self._closed = True
+            unused = self._live_step or self._live  # train(job) never reached steps()
+            self._live = self._live_step = None
         if self._snap is not None:
             self._snap.close()
+            self.kept = self._snap.live
             self._snap = None
+        if self.kept is None and unused is not None and unused.tensors:
+            self.kept = unused  # still the state trained last: for the generation after
 
     # ---------------------------------------------------------------- restore
 
@@ -275,8 +295,22 @@ class Job:
             if plan.step is None or plan.source is None:
                 return Fetched(plan)
             self.plan_step, self.plan_tier = plan.step, plan.tier
+            source = plan.source
+            with self._live_lock:  # (close may be letting go of the job meanwhile)
+                live, self._live = self._live, None
+                if (
+                    live is not None
+                    and isinstance(source, p.FromSlot)
+                    and live.fits(source.layout)
+                    and not self._closed
+                ):
+                    self._live_step = live  # for job.steps, once the state exists
+                    return Fetched(plan)
+            if live is not None:
+                live.release()
             return fetch(plan, self.rank, self._secret, self._tls, self.timeline, self._reserve)
         finally:
+            self._live = None
             if self._reserve is not None:  # a restore that did not take it: not held on
                 self._reserve.want(0)  # while training (the agent asks again at a park)
 
@@ -289,6 +323,9 @@ class Job:
         if pending is not None:
             self.timeline["waited"] = time.monotonic() - t0
         plan = got.plan
+        live, self._live_step = self._live_step, None
+        if live is not None:
+            got = self._from_live(state, plan, live)
         step, tier = plan.step, plan.tier
         if (step is None or tier is None) and plan.init is not None:
             return self._init(state, plan.init, t0)
@@ -303,8 +340,28 @@ class Job:
             got.release()
         seconds = time.monotonic() - t0
         self.restored_step = step
-        self._chan.send(p.Restored(rank=self.rank, step=step, tier=tier, seconds=seconds))
+        msg = p.Restored(rank=self.rank, step=step, tier=tier, seconds=seconds, live=got.live)
+        self._chan.send(msg)
         return step + 1
+
+    def _from_live(self, state: MutableMapping[str, Any], plan: p.PlanReply, live: Live) -> Fetched:
+        """The plan's tier-0 step in ``live``, the state this worker trained (``live.py``):
+        here, once ``train(job)`` has built the new state, so that nothing of the user's
+        writes into it meanwhile; read as any restore reads it (into memory made now)
+        where the new state shares memory with it (an object that outlived ``train``)."""
+        got = None
+        try:
+            try:
+                new = flatten(state, with_rng=False).tensors
+            except Exception:  # (what cannot be snapshotted is named by the first take)
+                new = list(live.tensors)
+            if not live.shares_memory(new):
+                got = from_live(plan, live, self.timeline)
+        finally:
+            live.release()
+        if got is None:
+            got = fetch(plan, self.rank, self._secret, self._tls, self.timeline, self._reserve)
+        return got
 
     def _init(self, state: MutableMapping[str, Any], init: p.InitFrom, t0: float) -> int:
         """Load the job's ``--init-from`` DCP checkpoint (every rank: ``dcp.load`` reshards

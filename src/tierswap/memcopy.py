@@ -71,6 +71,12 @@ def _bytes_like(t: torch.Tensor) -> bool:
     )
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview | None:
+    """The bytes of a plain, contiguous CPU tensor (:func:`_bytes_like`) as they are in
+    its memory, without a copy; None for any other tensor."""
+    return _raw(t) if _bytes_like(t) else None
+
+
 def plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether ``src`` can be copied into ``dst`` as bytes: both plain, contiguous CPU
     tensors of the same dtype and shape (:func:`_bytes_like`)."""

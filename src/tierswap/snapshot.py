@@ -31,6 +31,7 @@ from tierswap.checksum import hasher
 from tierswap.control import protocol as p
 from tierswap.errors import UsageError
 from tierswap.interrupt import own_call
+from tierswap.live import Live, keepable
 from tierswap.memcopy import copy_hashing
 from tierswap.shm import Segment
 from tierswap.state import Flat, Layout, flatten, make_layout, tensor_view
@@ -208,6 +209,10 @@ class Snapshotter:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._streams: dict[torch.device, Any] = {}
         """Side stream of each CUDA device the deferred copies come from."""
+        self.live: Live | None = None
+        """The newest snapshot's tensors (aliases of the state's memory, not copies) and
+        checksum, where they are worth keeping (``live.keepable``): what a survivor
+        restores its next generation's step from, or into (``live.py``)."""
         self.midway: Callable[[int], None] | None = None
         """Called by the copy thread with the step when half of a snapshot's background
         copy is done (fault injection: a kill during the copy)."""
@@ -405,6 +410,7 @@ class Snapshotter:
         (:func:`tierswap.memcopy.copy_hashing`).
         Bytes a GPU copied (by DMA, on the side stream) are hashed once they are in."""
         t0, cpu0 = time.monotonic(), time.thread_time()
+        self.live = None  # (until this copy is done: its tensors may be changing)
         views = job.alloc.slot_views(job.slot)
         entries = job.alloc.layout.entries
         buf = job.alloc.segment(job.slot).buf
@@ -437,6 +443,10 @@ class Snapshotter:
         self.stats.record(self.stats.copy_times, time.monotonic() - t0)
         self.stats.record(self.stats.copy_cpu, time.thread_time() - cpu0)
         self.stats.taken += 1
+        checksum = digest.hexdigest()
+        if keepable(job.alloc.layout, job.flat.tensors):
+            tensors = [t.detach() for t in job.flat.tensors]  # (aliases: hold the memory)
+            self.live = Live(job.alloc.layout, tensors, checksum)
         written = p.Written(
             rank=self.rank,
             step=job.step,
@@ -444,6 +454,6 @@ class Snapshotter:
             alloc=job.alloc.id,
             tree=job.flat.tree,
             stall=self.stats.last_stall(),
-            checksum=digest.hexdigest(),
+            checksum=checksum,
         )
         self.chan.send(written)

@@ -34,6 +34,7 @@ from tierswap.errors import CorruptPartError, GenerationEnded, UsageError
 from tierswap.faults import FaultPlan
 from tierswap.interrupt import SIGNAL
 from tierswap.job import Job
+from tierswap.live import Live
 from tierswap.reserve import Reserve
 from tierswap.snapshot import Watermark
 from tierswap.store import StoreClient
@@ -99,6 +100,9 @@ class Control:
         self._lock = threading.Lock()
         self.reserve = None if torch.cuda.is_available() else Reserve()
         """Memory faulted in ahead for the next restore (a GPU's state is not adopted)."""
+        self.live_held = False
+        """Whether this parked worker holds the state it trained (``live.py``): the
+        memory its next restore reads into, so none is made ahead (``reserve``)."""
         self.chan.send(p.Attach(local=local, incarnation=incarnation, pid=os.getpid()))
         threading.Thread(target=self._read, name="tierswap-control", daemon=True).start()
         threading.Thread(
@@ -126,7 +130,7 @@ class Control:
                     case p.Settled(step=step):
                         self.watermark(env.gen).advance(step)
                     case p.Reserve(nbytes=nbytes) if self.reserve is not None:
-                        self.reserve.want(nbytes)
+                        self.reserve.want(0 if self.live_held else nbytes)
                     case p.Abort():
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
@@ -201,6 +205,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
     # this worker's own error: a failure elsewhere is found within a lease
     grace = float(env.get("TIERSWAP_LEASE", "10")) + heartbeat
     stores: dict[str, StoreClient] = {}
+    live: Live | None = None  # the state trained in the last generation (``live.py``)
     while True:
         generation, a = control.assignments.get()
         rank = a.rank
@@ -221,6 +226,7 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
             max_redo=a.max_redo,
             interrupt_steps=interrupt,
             reserve=control.reserve,
+            live=live,  # (kept for the next one if this one ends before it starts)
         )
         os.environ.update(torchrun_env(a))
         t0 = time.monotonic()
@@ -246,13 +252,15 @@ def _run_worker(train: Callable[[Job], Any], env: dict[str, str]) -> None:
         chan.send(p.Joined(rank=rank, pid=os.getpid(), seconds=time.monotonic() - t0))
         job.joined_at = time.monotonic()
         job.prefetch()  # the restore's bytes arrive while train(job) builds its model
+        live = None  # the job's now: its restore lets go of it once it has looked
         current[:] = [job]
         try:
             code = _train_once(train, job, chan, control, grace)
         finally:
             current.clear()
-        if code is None:
-            continue  # parked: the next assignment enters train(job) again
+        if code is None:  # parked: the next assignment enters train(job) again
+            live, job.kept = job.kept, None
+            continue
         if code:
             os._exit(code)  # peers may be blocked in collectives: do not wait for them
         dist.destroy_process_group()
@@ -357,6 +365,7 @@ def _train_once(
             return 1
         reason, why = "collective", f"{type(e).__name__}: {str(e)[:200]}"
     _leave(job)
+    control.live_held = job.kept is not None  # (before the agent hears of the park)
     control.chan.send(p.Parked(generation=job.generation, rank=rank, reason=reason, why=why))
     return None
 

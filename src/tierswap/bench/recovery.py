@@ -161,7 +161,9 @@ def account(run_dir: Path, slots: int) -> dict[str, Any]:
     recovery (``slots``: the tier-0 slots it ran with, to read a rank's state size off
     its ring). ``bench peers`` reads its tierswap recoveries with this too."""
     (resumed,) = _events(run_dir, "resumed")
-    tiers = _events(run_dir, "restored")[-1]["tiers"]
+    restored = _events(run_dir, "restored")[-1]
+    tiers = restored["tiers"]
+    replaced = set(resumed["replaced"])
     lost = [t for r, t in resumed["ranks"].items() if int(r) in resumed["replaced"]]
     kept = [t for r, t in resumed["ranks"].items() if int(r) not in resumed["replaced"]]
     reports = {e["step"]: e["time"] for e in _events(run_dir, "report")}
@@ -175,6 +177,7 @@ def account(run_dir: Path, slots: int) -> dict[str, Any]:
         "kept": _slowest(kept),
         "step_s": statistics.median(steady) if steady else float("nan"),
         "lost_tiers": sorted({tiers[str(r)] for r in resumed["replaced"]}),
+        "kept_live": set(restored.get("live", [])) >= {int(r) for r in tiers} - replaced,
         "rank_state_bytes": ring // slots,
     }
 
@@ -227,6 +230,9 @@ def size_entry(runs: dict[str, list[dict[str, Any]]], lim: dict[str, Any]) -> di
             summary[side] = {k: statistics.median(r[side][k] for r in rs) for k in PARTS}
         summary["step_s"] = statistics.median(r["step_s"] for r in rs)
         summary["lost_tiers"] = sorted({t for r in rs for t in r["lost_tiers"]})
+        # the share of runs whose surviving ranks all took their own state as the step
+        # (``live.py``), reading nothing
+        summary["kept_live"] = sum(bool(r.get("kept_live")) for r in rs) / len(rs)
         summary["floors"] = floors(entry["rank_state_bytes"], kind, lim, summary["step_s"])
         lost = summary["lost"]
         work_s = lost["fetch"] + lost["verify"] + lost["load"]

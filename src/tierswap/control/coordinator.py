@@ -424,8 +424,14 @@ class CoordinatorCore:
         tiers = {str(r): m.tier for r, m in sorted(self.restored.items())}
         seconds = max(m.seconds for m in self.restored.values())
         step = next(iter(self.restored.values())).step
+        live = sorted(r for r, m in self.restored.items() if m.live)
         self.out.log(
-            "restored", step=step, tiers=tiers, seconds=seconds, generation=self.generation
+            "restored",
+            step=step,
+            tiers=tiers,
+            live=live,
+            seconds=seconds,
+            generation=self.generation,
         )
         by_tier = sorted(set(tiers.values()))
         self.out.say(f"restored step {step} (tiers {by_tier}) in {seconds:.2f} s")

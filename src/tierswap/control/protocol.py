@@ -189,6 +189,9 @@ class Restored(Message, frozen=True, kw_only=True, tag="restored"):
     step: int
     tier: int
     seconds: float
+    live: bool = False
+    """Tier 0's step was taken from the state the rank trained, proven equal to the slot
+    by its checksum (``live.py``): nothing was read."""
 
 
 class Initialized(Message, frozen=True, kw_only=True, tag="initialized"):
