@@ -352,10 +352,10 @@ class Job:
         got = None
         try:
             try:
-                new = flatten(state, with_rng=False).tensors
+                shared = live.shares_memory(flatten(state, with_rng=False).tensors)
             except Exception:  # (what cannot be snapshotted is named by the first take)
-                new = list(live.tensors)
-            if not live.shares_memory(new):
+                shared = True
+            if not shared:
                 got = from_live(plan, live, self.timeline)
         finally:
             live.release()

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tierswap.checksum import hasher
 from tierswap.layout import Layout
 from tierswap.memcopy import tensor_bytes
 from tierswap.state import dtype_code
@@ -93,14 +92,6 @@ class Live:
         """Whether any of ``tensors`` (a new state's) uses the memory of one of these."""
         mine = {t.untyped_storage().data_ptr() for t in self.tensors if t.numel()}
         return any(t.numel() and t.untyped_storage().data_ptr() in mine for t in tensors)
-
-    @staticmethod
-    def proven(raws: list[memoryview], checksum: str) -> bool:
-        """Whether ``raws`` (:meth:`raws`) hold the bytes whose checksum is ``checksum``."""
-        digest = hasher()
-        for raw in raws:
-            digest.update(raw)
-        return digest.hexdigest() == checksum
 
     def adoptable(self) -> list[torch.Tensor]:
         """The tensors, for a state to take as its own. A tensor whose bytes another entry
