@@ -13,7 +13,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -27,7 +26,15 @@ from tierswap.affinity import parse_cpus, pin_process, worker_cpus
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
-from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch, connect_timeout
+from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch
+from tierswap.cluster.reach import (
+    Refused,
+    connect,
+    fence_on_silence,
+    find_leader,
+    greet,
+    quietly,
+)
 from tierswap.cluster.replication import Replicator
 from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_PID_ENV
 from tierswap.cluster.workers import Processes, own_template, stop_template, templates
@@ -58,7 +65,7 @@ from tierswap.control.agent_events import (
     WritePart,
 )
 from tierswap.control.workers import Kill, Spawn, Tell
-from tierswap.handshake import AuthenticationError, HandshakeCut
+from tierswap.handshake import AuthenticationError
 from tierswap.serving import reader, serve
 from tierswap.shm import SegmentPool
 from tierswap.tiers.delta_sender import BaseKeeper
@@ -202,13 +209,13 @@ class Agent:
         while True:
             leader = wait_for_leader(self.rdzv, min(deadline, time.monotonic() + 1.0), old)
             if leader is None:
-                done = _quietly(self.rdzv.done)
+                done = quietly(self.rdzv.done)
                 if done is not None:  # the job ended meanwhile: exit as it did
                     self.events.put(FromCoordinator(p.Envelope(-1, p.Exit(code=done["code"]))))
                     return
                 # the coordinator records whom it fences before it acts: a host it closed
                 # because it declared it lost stops, as it would without etcd
-                state = _quietly(self.rdzv.state) or {}
+                state = quietly(self.rdzv.state) or {}
                 fenced = self.core.host in state.get("fenced", ())
                 if fenced or time.monotonic() >= deadline:
                     why = "was declared lost" if fenced else "found no coordinator in time"
@@ -221,7 +228,7 @@ class Agent:
             try:
                 address = (str(leader["address"][0]), int(leader["address"][1]))
                 chan = Channel.connect(address, self.secret, p.CoordinatorToAgent)
-                _greet(chan, hello)
+                greet(chan, hello)
             except Refused as e:
                 print(f"tierswap agent: {e}", file=sys.stderr)
                 self.events.put(CoordinatorClosed())
@@ -232,7 +239,7 @@ class Agent:
                     return
                 time.sleep(0.2)  # it may not be listening yet
                 continue
-            _fence_on_silence(chan, self.cfg.lease)
+            fence_on_silence(chan, self.cfg.lease)
             with self._swap:
                 self.coord, self.leader_id = chan, leader["id"]
                 self.core.coord_host = str(leader["address"][0])
@@ -248,7 +255,7 @@ class Agent:
         while True:
             time.sleep(4 * POLL_S)
             swaps = self._swaps
-            leader = _quietly(self.rdzv.leader)
+            leader = quietly(self.rdzv.leader)
             with self._swap:  # (a rejoin since the read: the leader read may be stale)
                 if swaps == self._swaps and leader and leader.get("id") != self.leader_id:
                     self.coord.close()  # its reader reports the loss: _rejoin follows
@@ -423,90 +430,6 @@ class _SlotMaker:
         self._thread.join(timeout=60)
 
 
-def _connect(coord_host: str, port: int, secret: bytes, launch: HostLaunch | None) -> Channel:
-    """The coordinator's channel. A host of a multi-host launch may start before the
-    coordinator's host: it waits for it (``--startup-timeout``), saying so once; a wrong
-    secret is never retried."""
-    if launch is None:
-        return Channel.connect((coord_host, port), secret, p.CoordinatorToAgent)
-    deadline = time.monotonic() + connect_timeout(os.environ)
-    said = False
-    while True:
-        try:
-            return Channel.connect((coord_host, port), secret, p.CoordinatorToAgent)
-        except HandshakeCut as e:  # the coordinator's listener is not up (yet)
-            error: Exception = e
-        except AuthenticationError as e:  # another secret: waiting changes nothing
-            raise SystemExit(f"tierswap run: {e}") from None
-        except OSError as e:  # refused, unreachable, no route yet: the host may be booting
-            error = e
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"tierswap run: no coordinator answered at {coord_host}:{port} within "
-                f"--startup-timeout ({error}); is the endpoint's host up, and its port open?"
-            ) from None
-        if not said:
-            print(f"tierswap run: waiting for the coordinator at {coord_host}:{port}")
-            said = True
-        time.sleep(0.5)
-
-
-def _fence_on_silence(coord: Channel, lease: float) -> None:
-    """A host cut off from the coordinator (its link down, the coordinator's host gone
-    without a word) stops by itself within a lease: its heartbeats go unacknowledged, and
-    TCP gives the connection up after ``lease`` seconds (``TCP_USER_TIMEOUT``), which ends
-    this agent and its workers, as the coordinator, fencing it, expects."""
-    if isinstance(coord.sock.getsockname(), tuple) and hasattr(socket, "TCP_USER_TIMEOUT"):
-        coord.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
-
-
-class Refused(Exception):
-    """The coordinator does not take this host; the message says why."""
-
-
-def _greet(chan: Channel, hello: p.Hello) -> p.Welcome:
-    """Say ``hello`` on a coordinator's channel and read its welcome (``Refused``; the
-    channel is closed then)."""
-    try:
-        chan.send(hello)
-        welcome = chan.recv(timeout=60)
-    except BaseException:
-        chan.close()
-        raise
-    if welcome is not None and isinstance(welcome.msg, p.Welcome):
-        return welcome.msg
-    chan.close()
-    if welcome is not None and isinstance(welcome.msg, p.Refused):
-        raise Refused(f"the coordinator refused this host: {welcome.msg.why}")
-    raise Refused(f"the coordinator answered {welcome}")
-
-
-def _quietly(read: Any) -> Any:
-    """An etcd read, or None while etcd cannot be reached."""
-    try:
-        return read()
-    except Exception:
-        return None
-
-
-def _find_leader(env: Mapping[str, str]) -> tuple[Rendezvous, dict[str, Any]]:
-    """``--rdzv-backend etcd``: the coordinator that leads the job, from etcd."""
-    from tierswap.cluster.election import Rendezvous  # etcd3gw only where it is used
-
-    where, _, job = env[ETCD_ENV].partition(" ")
-    host, port = where.rsplit(":", 1)
-    rdzv = Rendezvous((host, int(port)), job or None)
-    leader = wait_for_leader(rdzv, time.monotonic() + connect_timeout(env))
-    if leader is None:
-        done = _quietly(rdzv.done)
-        if done is not None:
-            raise SystemExit(int(done["code"]))
-        raise SystemExit(
-            f"tierswap run: no coordinator led the job in etcd at {where} within --startup-timeout"
-        )
-    return rdzv, leader
-
-
 def main() -> None:
     env = os.environ
     secret = bytes.fromhex(env[KEY_ENV])
@@ -537,12 +460,12 @@ def main() -> None:
 def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
     """Join the job, serve it as this host's agent until it ends; the exit code."""
     launch = HostLaunch.from_env(env)
-    rdzv, leader = (None, None) if ETCD_ENV not in env else _find_leader(env)
+    rdzv, leader = (None, None) if ETCD_ENV not in env else find_leader(env)
     if leader is not None:
         coord_host, port = str(leader["address"][0]), str(leader["address"][1])
     else:
         coord_host, port = env["TIERSWAP_COORD"].rsplit(":", 1)
-    coord = _connect(coord_host, int(port), secret, launch)
+    coord = connect(coord_host, int(port), secret, launch)
     # this host listens where others reach it: its own --bind (a host that joins), else
     # the address its connection to the coordinator leaves from
     address = env.get("TIERSWAP_HOST_ADDRESS") or leaving_address(coord)
@@ -562,7 +485,7 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
             tag=tag,
         )
     try:
-        w = _greet(coord, hello)
+        w = greet(coord, hello)
     except Refused as e:
         raise SystemExit(f"tierswap run: {e}") from None
     cfg = Config.from_env(w.config)
@@ -572,7 +495,7 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
             pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
         except ValueError as e:
             raise SystemExit(f"tierswap run: {e}") from None
-    _fence_on_silence(coord, cfg.lease)
+    fence_on_silence(coord, cfg.lease)
     agent = Agent(
         host=w.host,
         coord=coord,
