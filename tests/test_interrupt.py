@@ -61,6 +61,40 @@ def test_a_step_is_cut_short_as_its_generation_ends(job: Job) -> None:
     assert not job.interruptible
 
 
+def test_a_cpu_backward_pass_is_cut_short_between_two_gradients(job: Job) -> None:
+    """On a CPU the backward pass is C++ on the loop's thread: the end of the generation
+    cuts it short at the next parameter whose gradient is accumulated, not once every
+    gradient is (most of the parameters still have none); the hooks go with the job."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(512, 1024)
+    took: list[float] = []
+
+    def train(job: Job) -> None:
+        for step in job.steps({"model": model, "optim": opt}, total=100):
+            loss = model(x).square().mean()
+            if step == 1:  # a tenth into the pass, as long as step 0's
+                _end_soon(job, took[0] / 10)
+            t = time.monotonic()
+            loss.backward()
+            took.append(time.monotonic() - t)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    with pytest.raises(GenerationEnded, match="cut short"):
+        worker._enter(train, job)
+    params = list(model.parameters())
+    present = [q for q in params if q.grad is not None]
+    assert 0 < len(present) < len(params) // 2, "cut short inside the pass, early in it"
+    assert len(job._points) == len(params) == 48
+    job.close()
+    assert not job._points
+    assert not any(q._post_accumulate_grad_hooks for q in model.parameters())
+
+
 def test_an_end_signalled_once_train_has_raised_is_not_raised_again(job: Job) -> None:
     """A collective's error leaves the loop mid-step; the worker then waits for the
     generation's end, which the signal brings: raising there would escape the handling."""

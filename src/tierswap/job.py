@@ -19,7 +19,7 @@ from tierswap.control import protocol as p
 from tierswap.errors import GenerationEnded
 from tierswap.faults import Injection
 from tierswap.fetch import Fetched, Prefetch, fetch, from_live
-from tierswap.interrupt import in_own_call, own_call
+from tierswap.interrupt import backward_points, in_own_call, own_call
 from tierswap.live import Live
 from tierswap.reserve import Reserve
 from tierswap.state import flatten, load
@@ -80,6 +80,9 @@ class Job:
         self._live_step: Live | None = None
         """``_live``, where the plan's tier-0 step fits it: proven or read there by
         ``steps``, on the training thread, once the new state exists (``from_live``)."""
+        self._points: list[Any] = []
+        """Hooks that let the end of the generation cut a CPU backward pass short
+        (``interrupt.backward_points``), removed when the job closes."""
         self.kept: Live | None = None
         """Once closed: this generation's newest snapshot's own tensors, for the next."""
         self._interrupt_steps = interrupt_steps
@@ -125,6 +128,9 @@ class Job:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # nobody trains until every rank holds the same step
         self.timeline["sync"] = time.monotonic() - t
+        if self._interrupt_steps:  # (a second steps() of the same job: its state's)
+            self._remove_points()
+            self._points = backward_points(state)
         if self._chan is not None and self._snap is None:
             self._snap = snapshot.Snapshotter(self._chan, self.rank, self._tier1, self._max_redo)
             if any(f.during == "snapshot" for f in self._faults):
@@ -224,7 +230,13 @@ class Job:
                 msg = p.Report(rank=self.rank, step=step, metrics=clean, stall=self.stall)
                 self._chan.send(msg)
 
+    def _remove_points(self) -> None:
+        points, self._points = self._points, []
+        for handle in points:  # the user's parameters, which may outlive the job
+            handle.remove()
+
     def close(self) -> None:
+        self._remove_points()
         pending, self._prefetch = self._prefetch, None
         if pending is not None and not pending.done(PREFETCH_GRACE_S):
             # a fetch from a peer that stopped answering: left to its thread, which holds
