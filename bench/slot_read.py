@@ -2,7 +2,7 @@
 
 A slot of ``--size-mib`` (two float32 tensors) is made in shared memory as an agent makes
 one; then, ``--rounds`` times: mapping it read-only with its page tables filled
-(``MAP_POPULATE``, as ``fetch.read_slot`` does) against the copy with its hash in 1 MiB
+(``MAP_POPULATE``, as ``fetch.read_slot`` did before 12-06's ``shm.ReadMap``) against the copy with its hash in 1 MiB
 pieces (``memcopy.copy_bytes_hashing``), a whole ``memmove`` and a whole hash after it
 (the floor's two passes); and ``read_slot`` itself alone and beside a Python thread that
 spins for 50 ms and for 1 s (each piece's copy and hash give up the GIL, and take it back

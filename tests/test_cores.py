@@ -570,11 +570,11 @@ def test_a_replica_arriving_after_the_node_reported_its_holdings_leaves_them_as_
 
 def test_parked_workers_are_told_what_to_hold_ready_for_a_restore() -> None:
     """A restore reads into memory a parked worker made ahead: the node's spare worker is
-    told the largest rank state once the node knows it, a survivor when it parks, and
-    with --no-warm-spares nobody."""
+    told the largest rank state once the node knows it, and the node's tier-0 slots to
+    map as each is made; a survivor when it parks; with --no-warm-spares nobody."""
 
-    def reserves(out: list[Any]) -> list[tuple[int, int]]:
-        return [(c.conn, c.msg.nbytes) for c in out if isinstance(c, Tell)
+    def reserves(out: list[Any]) -> list[tuple[int, int, tuple[str, ...]]]:
+        return [(c.conn, c.msg.nbytes, c.msg.slots) for c in out if isinstance(c, Tell)
                 and isinstance(c.msg, p.Reserve)]  # fmt: skip
 
     a = Agent(nproc=1, spare_workers=1)
@@ -583,11 +583,15 @@ def test_parked_workers_are_told_what_to_hold_ready_for_a_restore() -> None:
     (assigned,) = [w for w in a.core.workers.procs.values() if w.rank == 0]
     (spare,) = [w for w in a.core.workers.procs.values() if w.rank is None]
     out = a.worker(1, p.Alloc(rank=0, layout=LAYOUT))
-    assert reserves(out) == [(spare.ctl, LAYOUT.nbytes)]
+    names = a.core.rings[0].alloc.names  # type: ignore[union-attr]
+    told = reserves(out)
+    assert told[0] == (spare.ctl, LAYOUT.nbytes, (names[0],)), "the slot made at once"
+    assert told[-1] == (spare.ctl, LAYOUT.nbytes, tuple(sorted(names))), "then every slot"
+    assert len(told) == len(names), "told again as each slot was made, only then"
     a.coordinator(p.Stop(), 0)
     assert assigned.ctl is not None
     out = a.worker(assigned.ctl, p.Parked(generation=0, rank=0, reason="ended", why="told to"))
-    assert reserves(out) == [(assigned.ctl, LAYOUT.nbytes)]
+    assert reserves(out) == [(assigned.ctl, LAYOUT.nbytes, tuple(sorted(names)))]
 
     cold = Agent(nproc=1, spare_workers=1, warm_spares=False)
     cold.start(0)

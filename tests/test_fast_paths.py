@@ -7,7 +7,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -363,7 +363,7 @@ def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit(tier0_
         reserve.want(nbytes + 4096)  # the largest rank of the node: this one or more
         timeline: dict[str, float] = {}
         got = fetch(plan, 0, b"", "", timeline, reserve)
-        assert got.private and got.segment is None and set(timeline) == {"fetch", "verify"}
+        assert got.private and got.segment is None and set(timeline) == {"map", "fetch", "verify"}
         assert reserve.held() == 0, "taken: the state owns it now"
         model2 = _restored_equal(model, opt, got)
         reserved = {v.data_ptr() for v in got.views}
@@ -393,6 +393,119 @@ def test_a_tier0_fetch_into_reserved_memory_is_the_states_own_bit_for_bit(tier0_
         small.release()
     finally:
         reserve.close()
+
+
+def test_a_parked_worker_maps_its_nodes_slots_ahead_and_a_restore_reads_through_them(
+    tier0_slot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slots a parked worker is told of are mapped on a thread; a restore from one
+    reads through that mapping (mapping nothing itself) and gets the step's bits; a slot
+    no longer named is unmapped; a slot made anew in the same name is read from the new
+    file, not the old mapping; a flipped byte is refused through it too; and what a
+    restore took stays mapped until it lets go."""
+    import tierswap.fetch as fetch_mod
+    from tierswap.errors import CorruptPartError
+    from tierswap.reserve import Reserve, map_gently
+    from tierswap.shm import ReadMap, Segment
+
+    model, opt, seg, buf, plan = tier0_slot
+    name, nbytes = plan.source.segment, plan.source.layout.nbytes
+    ahead: list[ReadMap] = []
+    fresh: list[ReadMap] = []
+
+    def map_slot(path: Path) -> ReadMap | None:
+        got = map_gently(path)
+        if got is not None:
+            ahead.append(got)
+        return got
+
+    def mapped_here(*args: Any, **kwargs: Any) -> ReadMap:
+        fresh.append(ReadMap(*args, **kwargs))
+        return fresh[-1]
+
+    def until(cond: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, "not within 10 s"
+            time.sleep(0.01)
+
+    monkeypatch.setattr(fetch_mod, "ReadMap", mapped_here)
+    reserve = Reserve(map_slot=map_slot)
+    again = None
+    try:
+        reserve.want(nbytes, [name, f"{PREFIX}no-such-slot"])
+        until(lambda: reserve.mapped() == [name])
+        timeline: dict[str, float] = {}
+        got = fetch_mod.fetch(plan, 0, b"", "", timeline, reserve)
+        assert not fresh and reserve.mapped() == [], "read through the mapping made ahead"
+        assert timeline["map"] == 0.0
+        _restored_equal(model, opt, got)
+        got.release()
+        assert ahead[0].mm is not None, "kept mapped while the way back goes on"
+        reserve.let_go()
+        until(lambda: ahead[0].mm is None)
+
+        reserve.want(nbytes, [name])
+        until(lambda: reserve.mapped() == [name])
+        reserve.want(nbytes, [])
+        until(lambda: ahead[1].mm is None)  # no longer named: unmapped
+
+        reserve.want(nbytes, [name])
+        until(lambda: reserve.mapped() == [name])
+        seg.buf[plan.source.layout.entries[1].offset] ^= 0xFF
+        with pytest.raises(CorruptPartError, match="tier-0 memory"):
+            fetch_mod.fetch(plan, 0, b"", "", {}, reserve)
+        assert not fresh
+        seg.buf[:] = buf
+
+        reserve.want(nbytes, [name])
+        until(lambda: reserve.mapped() == [name])
+        seg.unlink()  # the agent makes it anew in the same name, with the step's bytes
+        again = Segment.create(name, nbytes)
+        again.buf[:] = buf
+        got = fetch_mod.fetch(plan, 0, b"", "", {}, reserve)
+        assert len(fresh) == 1 and fresh[0].mm is None, "the new file, mapped and unmapped"
+        _restored_equal(model, opt, got)
+        got.release()
+    finally:
+        reserve.close()
+        if again is not None:
+            again.unlink()
+    until(lambda: all(m.mm is None for m in ahead))
+
+
+def test_a_slot_mapped_ahead_reads_its_file_while_it_is_closed_and_on_old_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A view taken before a close (from another thread) still reads the file's bytes;
+    after it, there is no view; a kernel without ``MADV_POPULATE_READ`` gets a mapping
+    made with ``MAP_POPULATE`` instead, and the same bytes."""
+    import errno
+
+    from tierswap import shm
+
+    path = tmp_path / "slot"
+    data = os.urandom(3 * mmap.PAGESIZE + 5)
+    path.write_bytes(data)
+    m = shm.ReadMap(path)
+    view = m.view()
+    assert view is not None and m.current()
+    m.close()  # page tables emptied, the mapping held by the view
+    assert bytes(view) == data
+    view.release()
+    assert m.view() is None
+    monkeypatch.setattr(shm, "_madvise", lambda mm, advice, stride=0: errno.EINVAL)
+    monkeypatch.setattr(shm, "_populate_read", True)
+    old = shm.ReadMap(path, len(data) - 5)
+    got = old.view()
+    assert got is not None and bytes(got) == data[:-5] and shm._populate_read is False
+    got.release()
+    path.unlink()  # made anew in the same name (while mapped its inode is not reused)
+    path.write_bytes(data)
+    assert not old.current()
+    old.close()
+    with pytest.raises(ValueError, match="holds"):
+        shm.ReadMap(path, len(data) + 1)
 
 
 def _flat_equal(state: dict[str, Any], layout: Any, buf: bytearray) -> None:

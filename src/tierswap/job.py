@@ -156,6 +156,8 @@ class Job:
             if step == start and self._chan is not None:
                 self.timeline["snapshot"] = time.monotonic() - t
                 self._chan.send(p.Stepped(rank=self.rank, step=step, phases=self.timeline))
+                if self._reserve is not None:  # the way back is over: unmap what it read
+                    self._reserve.let_go()
             self._maybe_inject(step)
         self.fence()
 
@@ -247,6 +249,8 @@ class Job:
                 pending.result().release()
             except BaseException:
                 pass  # a fetch that failed holds nothing
+        if self._reserve is not None:  # (a fetch still reading keeps its view mapped)
+            self._reserve.let_go()
         with self._live_lock:
             self._closed = True
             unused = self._live_step or self._live  # train(job) never reached steps()
@@ -324,7 +328,7 @@ class Job:
         finally:
             self._live = None
             if self._reserve is not None:  # a restore that did not take it: not held on
-                self._reserve.want(0)  # while training (the agent asks again at a park)
+                self._reserve.hold_off()  # while training (the agent asks again at a park)
 
     def _restore(self, state: MutableMapping[str, Any]) -> int:
         if self._chan is None:

@@ -129,8 +129,11 @@ class Control:
                         self.assignments.put((env.gen, env.msg))
                     case p.Settled(step=step):
                         self.watermark(env.gen).advance(step)
-                    case p.Reserve(nbytes=nbytes) if self.reserve is not None:
-                        self.reserve.want(0 if self.live_held else nbytes)
+                    case p.Reserve(nbytes=nbytes, slots=slots) if self.reserve is not None:
+                        if self.live_held:  # its next restore reads into what it holds
+                            self.reserve.want(0)
+                        else:
+                            self.reserve.want(nbytes, slots)
                     case p.Abort():
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()

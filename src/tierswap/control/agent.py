@@ -198,6 +198,8 @@ class AgentCore:
         kept = ring is not None and ring.add(event.alloc, event.index, event.segment, error, fatal)
         if not kept and event.segment is not None:  # its allocation went meanwhile
             event.segment.unlink()
+        if kept and event.tier == 0:  # parked workers map it ahead
+            agent_workers.map_slots(self)
         if error and kept:
             self._tell(p.AgentError(rank=event.rank, request="alloc", error=error))
 
@@ -294,6 +296,7 @@ class AgentCore:
         self.progress_step = msg.restart_step
         restart, (memory, replicated) = msg.restart_step, msg.committed
         self.rings.serve(self.ranks, restart, memory, replicated)
+        agent_workers.map_slots(self)  # rings of ranks no longer served went
         self.peers.generation, self.peers.open = generation, True
         self.peers.discard_after(restart, replicated)
         self.peers.protects = list(msg.protects)

@@ -133,11 +133,25 @@ def _alloc(core: AgentCore, conn: int, msg: p.Alloc) -> None:
 
 def reserve(core: AgentCore, sizes: tuple[int, ...] = ()) -> None:
     """What parked workers hold ready for a restore: the largest state of this node's
-    ranks (or, on a spare host, of the segments a node holds, ``sizes``)."""
+    ranks (or, on a spare host, of the segments a node holds, ``sizes``), and this node's
+    tier-0 slots made so far, mapped (told again as slots are made and rings change)."""
     if not core.cfg.warm_spares:
         return
     ranks = [r.alloc.layout.nbytes for _, r in core.rings.items() if r.alloc is not None]
-    core.workers.reserve(max((*ranks, *sizes), default=0))
+    core.workers.reserve(max((*ranks, *sizes), default=0), _slots(core))
+
+
+def map_slots(core: AgentCore) -> None:
+    """This node's tier-0 slots changed (one was made, a ring went): parked workers map
+    the ones there are now, holding what memory they hold."""
+    if core.cfg.warm_spares:
+        core.workers.reserve(core.workers.reserve_bytes, _slots(core))
+
+
+def _slots(core: AgentCore) -> tuple[str, ...]:
+    """The segment names of this node's tier-0 slots made so far."""
+    allocs = [r.alloc for _, r in core.rings.items() if r.alloc is not None]
+    return tuple(sorted(s.segment.path.name for a in allocs for s in a.slots))
 
 
 def _slot(core: AgentCore, conn: int, msg: p.SlotRequest) -> None:

@@ -372,10 +372,14 @@ class Settled(Message, frozen=True, kw_only=True, tag="settled"):
 class Reserve(Message, frozen=True, kw_only=True, tag="reserve"):
     """To a parked worker: fault in ``nbytes`` of private memory ahead, the largest state
     of a rank it may be given, so that a restore reads into memory that is ready and
-    the restored state keeps it (0: hold none)."""
+    the restored state keeps it (0: hold none); and map the node's tier-0 slots
+    ``slots`` (segment names) ahead, read-only with their page tables filled, so that a
+    restore from one of them reads at once (a list drops the mappings it no longer
+    names)."""
 
     scoped = False
     nbytes: int
+    slots: tuple[str, ...] = ()
 
 
 class Abort(Message, frozen=True, kw_only=True, tag="abort"):

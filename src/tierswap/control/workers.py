@@ -94,7 +94,8 @@ class WorkerTable:
         self.stepped: set[int] = set()
         """Ranks that completed their first step of this generation."""
         self.reserve_bytes = 0
-        """What a parked worker faults in ahead for a restore (``p.Reserve``)."""
+        self.reserve_slots: tuple[str, ...] = ()
+        """What a parked worker faults in and maps ahead for a restore (``p.Reserve``)."""
 
     def take(self) -> list[WorkerCommand]:
         out, self.out = self.out, []
@@ -178,19 +179,20 @@ class WorkerTable:
         msg = p.Assign(rank=w.rank, local_rank=self.local_ranks[w.rank], **self.assignment)
         self.out.append(Tell(w.ctl, msg, self.generation))
 
-    def reserve(self, nbytes: int) -> None:
-        """Parked workers hold ``nbytes`` ready for a restore from now on: tell those
-        parked now, and each one as it parks."""
-        if nbytes == self.reserve_bytes:
+    def reserve(self, nbytes: int, slots: tuple[str, ...] = ()) -> None:
+        """Parked workers hold ``nbytes`` ready for a restore from now on, and the tier-0
+        slots ``slots`` mapped: tell those parked now, and each one as it parks."""
+        if (nbytes, slots) == (self.reserve_bytes, self.reserve_slots):
             return
-        self.reserve_bytes = nbytes
+        self.reserve_bytes, self.reserve_slots = nbytes, slots
         for w in self.procs.values():
             self.tell_reserve(w)
 
     def tell_reserve(self, w: Worker) -> None:
         """A worker that is parked (and stays so) is told what to hold ready."""
         if w.state is WorkerState.PARKED and w.ctl is not None:
-            self.out.append(Tell(w.ctl, p.Reserve(nbytes=self.reserve_bytes), self.generation))
+            msg = p.Reserve(nbytes=self.reserve_bytes, slots=self.reserve_slots)
+            self.out.append(Tell(w.ctl, msg, self.generation))
 
     def settled(self, step: int) -> None:
         """Tier 1 is done with ``step`` (``--max-redo``): tell the assigned workers, and
