@@ -81,7 +81,7 @@ def read_slot(
     timeline: dict[str, float] | None = None,
 ) -> str:
     """Copy a tier-0 slot's tensors into ``dests`` (one buffer per entry), each chunk
-    hashed from the slot right after it is copied, while it is in cache (one pass over
+    hashed from the slot right before it is copied, so the copy reads it from cache (one pass over
     the bytes: :func:`tierswap.memcopy.copy_bytes_hashing`); their checksum. The slot is
     read through ``ahead``, a mapping of it a parked worker made (``reserve.py``; left
     to its owner), where that is still the file of that name; else it is mapped here,

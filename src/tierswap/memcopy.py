@@ -1,9 +1,9 @@
 """Copying a rank's state into a slot at the speed of a plain memcpy, checksummed on the way.
 
 The snapshot's copy is one pass per byte: a CPU tensor is copied by libc's ``memmove`` in
-chunks, and each chunk is hashed from the *source*, which the copy has just read into
-the core's cache, so the checksum costs no second trip to memory. Two things make that
-pass close to a memcpy of the whole tensor:
+chunks, and each chunk is hashed from the *source* just before it is copied, so that the
+copy reads it from the core's cache and the checksum costs no second trip to memory.
+Three things make that pass close to a memcpy of the whole tensor:
 
 - libc's memmove, not torch's ``copy_``: one core here moves 384 MiB in 29-31 ms with
   the former and in 55 ms with the latter (torch's loop writes through the cache).
@@ -16,12 +16,19 @@ pass close to a memcpy of the whole tensor:
   over 100 MiB on this 2-core VM with its 300 MiB L3. :func:`tierswap.tunables.
   nt_tunables` sets it to :data:`CHUNK` in the environment a worker starts with (libc
   reads it only then); unset, the copy is correct and about a third slower.
+- The hash first, the copy after. Hashed right after it was copied, a chunk cost 41 ms
+  for 384 MiB here (1.66x a whole memmove's 25 ms); hashed right before, 28 ms (1.1x).
+  In training jobs (``bench/hash-first-copy-ab-2026-12-06.json``, 4 alternated rounds)
+  the copy's CPU per GiB fell from 1.45x to 1.19x a memcpy's, 1.57x to 1.18x pinned.
 
-Measured here, one core, 384 MiB: a whole memmove 29-31 ms; chunks of 1 MiB hashed
-from the source 40-42 ms with the threshold at 1 MiB and 58-64 ms without it; torch's
-chunked ``copy_`` hashed from the destination (the copy before 12-05) 72 ms.
+Measured here before that, one core, 384 MiB: a whole memmove 29-31 ms; chunks of 1 MiB
+hashed after their copy 40-42 ms with the threshold at 1 MiB and 58-64 ms without it;
+torch's chunked ``copy_`` hashed from the destination (the copy before 12-05) 72 ms.
+Chunks of 256 KiB (fit in L2 twice over) were faster alone, 35 ms, but slower in a
+training job (step overhead 18 % against 13 %, ``bench/chunk256-copy-ab-2026-12-06.json``):
+four times the calls, each giving up the GIL and taking it back from the trainer.
 
-The checksum is of the bytes the copy read. A deferred tensor is one only
+The checksum is of the bytes the hash read, which the copy reads next. A deferred tensor is one only
 ``optimizer.step()`` changes, and that step waits for the copy (``fence``); a loop that
 writes one anyway while it is copied (an in-place change of a parameter outside the
 optimizer) leaves a slot whose bytes may not match its checksum, and every reader of it
@@ -39,12 +46,10 @@ import torch
 from tierswap.tunables import COPY_CHUNK
 
 CHUNK = COPY_CHUNK
-"""Bytes copied before they are hashed: small enough that they are still in the core's
-L2 cache when the hash reads them, large enough that the two calls per chunk cost little.
-The hash, not memory, is then what limits it: ``xxhash`` before 4.1 ran xxh3's SSE2 code
-only (27 GiB/s here even from L2, ``bench/hash_floor.py``) and the pass cost about 1.6x a
-memcpy of its bytes; 4.1 picks AVX2 or AVX-512 at run time (55 GiB/s here), and the pass
-costs 1.2 - 1.5x."""
+"""Bytes hashed, then copied, at a time: small enough that they are still in the core's
+cache when the copy reads them, large enough that the two calls per chunk cost little.
+``xxhash`` before 4.1 ran xxh3's SSE2 code only (27 GiB/s here even from L2,
+``bench/hash_floor.py``); 4.1 picks AVX2 or AVX-512 at run time (55 GiB/s here)."""
 
 SMALL = 64 << 10
 """Below this many bytes a tensor is copied by torch and hashed from the slot: the ctypes
@@ -87,7 +92,8 @@ def plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 def copy_hashing(dst: torch.Tensor, src: torch.Tensor, raw: memoryview, digest: Any) -> None:
     """``dst.copy_(src)``, with ``dst``'s new bytes hashed into ``digest`` (``raw`` is
-    ``dst``'s memory): chunk by chunk, each hashed right after it is copied."""
+    ``dst``'s memory): chunk by chunk, each hashed from ``src`` right before it is
+    copied (the same bytes: the slot then holds what was hashed)."""
     if len(raw) < SMALL or not plain(dst, src):  # small, a view, a cast, a GPU tensor:
         dst.copy_(src)  # torch copies, then the hash reads the slot
         digest.update(raw)
@@ -102,7 +108,8 @@ def _address(buf: memoryview) -> int:
 
 def copy_bytes_hashing(dst: memoryview, src: memoryview, digest: Any) -> None:
     """``dst[:] = src`` by libc's memmove, chunk by chunk, each chunk hashed into
-    ``digest`` from ``src`` right after it is copied (while it is in cache)."""
+    ``digest`` from ``src`` right before it is copied (the copy then reads it from
+    cache)."""
     n = src.nbytes
     if dst.nbytes != n:
         raise ValueError(f"copy of {n} bytes into {dst.nbytes}")
@@ -112,8 +119,8 @@ def copy_bytes_hashing(dst: memoryview, src: memoryview, digest: Any) -> None:
     s, d = _address(src), _address(dst)
     for start in range(0, n, CHUNK):
         size = min(CHUNK, n - start)
-        ctypes.memmove(d + start, s + start, size)
         digest.update(src[start : start + size])
+        ctypes.memmove(d + start, s + start, size)
 
 
 def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
