@@ -81,8 +81,9 @@ def read_slot(
     timeline: dict[str, float] | None = None,
 ) -> str:
     """Copy a tier-0 slot's tensors into ``dests`` (one buffer per entry), each chunk
-    hashed from the slot right before it is copied, so the copy reads it from cache (one pass over
-    the bytes: :func:`tierswap.memcopy.copy_bytes_hashing`); their checksum. The slot is
+    hashed from the slot right before it is copied, so that the copy reads it from cache
+    (one pass over the bytes: :func:`tierswap.memcopy.copy_bytes_hashing`); their
+    checksum. The slot is
     read through ``ahead``, a mapping of it a parked worker made (``reserve.py``; left
     to its owner), where that is still the file of that name; else it is mapped here,
     read-only with its page tables filled at once (a mapping faulted in 4 KiB at a time
@@ -95,8 +96,9 @@ def read_slot(
     digest = hasher()
     mapped = None
     t = time.monotonic()
-    usable = ahead is not None and ahead.size >= layout.nbytes and ahead.current()
-    slot = ahead.view() if ahead is not None and usable else None
+    slot = None
+    if ahead is not None and ahead.size >= layout.nbytes and ahead.current():
+        slot = ahead.view()  # (None where it was closed meanwhile)
     if slot is None:
         try:
             mapped = ReadMap(path, layout.nbytes)

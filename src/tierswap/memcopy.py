@@ -25,14 +25,16 @@ Measured here before that, one core, 384 MiB: a whole memmove 29-31 ms; chunks o
 hashed after their copy 40-42 ms with the threshold at 1 MiB and 58-64 ms without it;
 torch's chunked ``copy_`` hashed from the destination (the copy before 12-05) 72 ms.
 Chunks of 256 KiB (fit in L2 twice over) were faster alone, 35 ms, but slower in a
-training job (step overhead 18 % against 13 %, ``bench/chunk256-copy-ab-2026-12-06.json``):
-four times the calls, each giving up the GIL and taking it back from the trainer.
+training job (step overhead 18 % against 13 %,
+``bench/chunk256-copy-ab-2026-12-06.json``): four times the calls, each giving up the
+GIL and taking it back from the trainer.
 
-The checksum is of the bytes the hash read, which the copy reads next. A deferred tensor is one only
-``optimizer.step()`` changes, and that step waits for the copy (``fence``); a loop that
-writes one anyway while it is copied (an in-place change of a parameter outside the
-optimizer) leaves a slot whose bytes may not match its checksum, and every reader of it
-(a peer's replica, a restore) rejects it as corrupt instead of restoring a torn state.
+The checksum is of the bytes the hash read, which the copy reads next. A deferred
+tensor is one only ``optimizer.step()`` changes, and that step waits for the copy
+(``fence``); a loop that writes one anyway while it is copied (an in-place change of a
+parameter outside the optimizer) leaves a slot whose bytes may not match its checksum,
+and every reader of it (a peer's replica, a restore) rejects it as corrupt instead of
+restoring a torn state.
 """
 
 from __future__ import annotations

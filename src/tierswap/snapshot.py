@@ -406,8 +406,8 @@ class Snapshotter:
 
     def _copy(self, job: _Job) -> None:
         """Copy the deferred tensors into the slot, checksumming the slot's bytes in the
-        same pass: each chunk is hashed right before it is copied, which then reads it from cache
-        (:func:`tierswap.memcopy.copy_hashing`).
+        same pass: each chunk is hashed right before it is copied, so that the copy reads
+        it from cache (:func:`tierswap.memcopy.copy_hashing`).
         Bytes a GPU copied (by DMA, on the side stream) are hashed once they are in."""
         t0, cpu0 = time.monotonic(), time.thread_time()
         self.live = None  # (until this copy is done: its tensors may be changing)
