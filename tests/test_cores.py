@@ -111,6 +111,51 @@ def test_tier_commits_never_count_a_lost_voter() -> None:
     assert t.held(0, 3).committed is None and t.held(1, 3).committed == 3
 
 
+def _tick(c: Coordinator, seconds: float) -> list[Any]:
+    """Time passes, ticked as the coordinator's loop ticks (every half heartbeat at most)."""
+    out: list[Any] = []
+    while seconds > 0:
+        step = min(seconds, 0.25)
+        c.now, seconds = c.now + step, seconds - step
+        heard = {conn: c.now for conn in c.core.hosts.conns.values()}
+        out += c.core.handle(cc.Tick(heard), c.now)
+    c.out += out
+    return out
+
+
+def test_a_replica_cut_off_is_given_up_a_heartbeat_later_unless_its_node_is_lost_first() -> None:
+    """A transfer that broke off between two nodes most often means one of them is dying.
+    Settling its step at once let the survivor's next optimizer step go on, and the node's
+    loss, seen a moment later, cost two steps with ``--max-redo 1``. The step is given up
+    one heartbeat later, and not at all once the loss ended the generation; a refusal for
+    any other reason (a full ring, an encoding that failed) is given up at once."""
+    c = Coordinator(spares=1)
+    beat = c.core.cfg.heartbeat
+    out = c.say(0, p.ReplicaRejected(rank=1, step=4, why=p.CUT_OFF))
+    out += c.say(1, p.ReplicateFailed(rank=1, step=4, peer=0, error="EOFError", cut=True))
+    out += _tick(c, 0.5 * beat)
+    assert not c.sent(p.Settled, out), "given up before the sender could be found dead"
+    out = _tick(c, beat)
+    assert c.sent(p.Settled, out) == [p.Settled(step=4)], "nobody died: given up now"
+    assert c.logged("tier1_given_up") == [{"step": 4, "generation": 0}]
+    assert not c.sent(p.Settled, _tick(c, beat)), "once"
+    out = c.say(0, p.ReplicaRejected(rank=1, step=5, why="no free slot"))
+    assert c.sent(p.Settled, out) == [p.Settled(step=5)]
+    out = c.say(1, p.ReplicateFailed(rank=1, step=6, peer=0, error="MemoryError()"))
+    assert c.sent(p.Settled, out) == [p.Settled(step=6)]
+
+    c.say(0, p.ReplicaRejected(rank=1, step=7, why=f"parity not made: {p.CUT_OFF}"))
+    c.now += 1.1 * beat  # a loop held up: the connection's loss waits behind a late tick
+    assert not c.sent(p.Settled, _tick(c, 0.1)), "a late tick gives nothing up"
+    out = _fail_node(c, 1)
+    assert c.sent(p.Stop, out)
+    c.say(0, p.Stopped(verified=None, holdings={0: {}}, peer={}, peer_deltas={}))
+    assert c.core.generation == 1 and c.core.phase == Phase.RUNNING
+    out = _tick(c, 2 * beat)
+    assert not c.sent(p.Settled, out), "the loss came first: step 7 is not given up"
+    assert len(c.logged("tier1_given_up")) == 1 and not c.core.doubted
+
+
 # ---------------------------------------------------------------- generations
 
 
@@ -119,6 +164,36 @@ def _fail_node(c: Coordinator, node: int) -> list[Any]:
     out = c.core.handle(cc.AgentClosed(node + 1), c.now)
     c.out += out
     return out
+
+
+def test_chaos_strikes_again_only_once_the_last_strike_was_found_and_recovered_from() -> None:
+    """12-06: a dying generation's last progress report let ``--chaos`` strike the next
+    generation before its first step; both nodes of a 2-node job were then lost in one
+    recovery, which went back to tier 2 and redid 9 steps."""
+    c = Coordinator(spares=1, chaos="7:6000000")  # a strike at every chance
+
+    def strikes() -> int:
+        return len(c.logged("fault_injected"))
+
+    c.say(0, p.Progress(step=3, stall=None))
+    _tick(c, 0.1)
+    assert strikes() == 1
+    c.say(0, p.Progress(step=4, stall=None))  # reported as the strike landed
+    _tick(c, 0.1)
+    assert strikes() == 1, "the strike is not found yet"
+    _fail_node(c, 1)
+    c.say(0, p.Stopped(verified=None, holdings={0: {}}, peer={}, peer_deltas={}))
+    assert c.core.generation == 1 and c.core.phase == Phase.RUNNING
+    c.say(0, p.Progress(step=5, stall=None))
+    _tick(c, 0.1)
+    assert strikes() == 1, "its recovery has not made a step yet"
+    for rank, host in ((0, 0), (1, 2)):
+        c.say(host, p.Joined(rank=rank, pid=500 + rank, seconds=0.0))
+    for rank, host in ((0, 0), (1, 2)):
+        c.say(host, p.Stepped(rank=rank, step=0))
+    assert len(c.logged("resumed")) == 1
+    _tick(c, 0.1)
+    assert strikes() == 2, "training goes on"
 
 
 def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -> None:

@@ -67,7 +67,8 @@ class Config:
     chaos: str | None = None
     """``SEED[:RATE[:COUNT]]``: kill random nodes and workers of this machine at random
     moments, about RATE a minute (default 6), COUNT in all (no end by default), each
-    logged as a ``fault_injected``; for soak tests. Spares or revived nodes keep the job
+    logged as a ``fault_injected``; for soak tests. A strike waits until the job has
+    recovered from the last one and trained a step. Spares or revived nodes keep the job
     going; raise --max-restarts to match."""
     replicas: int = 1
     """Tier-1 copies of each rank's snapshots in other nodes' memory (0 turns tier 1 off;

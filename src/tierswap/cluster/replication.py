@@ -130,7 +130,7 @@ class Replicator:
                 except Exception as e:  # any failure: a fresh connection next time, reported
                     self._drop(rank, node)
                     error = f"{type(e).__name__}: {e}"
-                    self.post(ReplicationFailed(rank, step, node, error, generation))
+                    self.post(ReplicationFailed(rank, step, node, error, generation, cut=True))
                     if self.parity:
                         break
             if base is not None and base.step == step and self.base_root is not None:

@@ -147,8 +147,9 @@ class AgentCore:
                 agent_tiers.checked(self, event)
             case Replicated():
                 agent_tiers.replicated(self, event)
-            case ReplicationFailed(rank=rank, step=step, peer=to, error=error, generation=gen):
-                self._tell(p.ReplicateFailed(rank=rank, step=step, peer=to, error=error), gen)
+            case ReplicationFailed(peer=to, generation=gen) as f:
+                msg = p.ReplicateFailed(rank=f.rank, step=f.step, peer=to, error=f.error, cut=f.cut)
+                self._tell(msg, gen)
             case PartWritten():
                 agent_tiers.part_written(self, event)
             case Ask():

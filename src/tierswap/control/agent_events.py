@@ -100,6 +100,8 @@ class ReplicationFailed:
     """None: a base to tier 2."""
     error: str
     generation: int
+    cut: bool = False
+    """The connection failed (the peer may be dying), not the encoding."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,8 @@ class CoordinatorCore:
         self.chaos_kills = 0
         self.chaos_step = -1
         """The newest step when chaos last struck: it waits for training to go on."""
+        self.chaos_generation = -1
+        """The generation the last strike hit: once it ended, the strike was found."""
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
         self.generation = -1
         self.restarts = 0
@@ -138,6 +140,8 @@ class CoordinatorCore:
         self.tiers = {0: TierCommits(0), 1: TierCommits(1)}
         self.settled = -1
         """The newest step tier 1 committed or gave up on in this generation."""
+        self.doubted: dict[tuple[int, int], float] = {}
+        """(generation, step) -> when tier 1 gives the step up (``_doubt``)."""
         self.ever_committed = False
         self.ever_protected = False
         """A step was ever committed in a tier that outlives a node (tier 1 or 2): before
@@ -265,12 +269,25 @@ class CoordinatorCore:
                 self._never(step, tiers=(0, 1))
             case p.ReplicaRejected(rank=rank, step=step, why=why):
                 self.out.log("replica_rejected", node=node, rank=rank, step=step, why=why)
-                self._never(step, tiers=(1,))
-            case p.ReplicateFailed(rank=rank, step=step, peer=to, error=error):
+                if why.endswith(p.CUT_OFF):
+                    self._doubt(step, now)
+                else:
+                    self._never(step, tiers=(1,))
+            case p.ReplicateFailed(rank=rank, step=step, peer=to, error=error, cut=cut):
                 self.out.log(
-                    "replicate_failed", node=node, rank=rank, step=step, peer=to, error=error
+                    "replicate_failed",
+                    node=node,
+                    rank=rank,
+                    step=step,
+                    peer=to,
+                    error=error,
+                    cut=cut,
                 )
-                if to is not None:  # None: a base to tier 2, nothing tier 1 waits for
+                if to is None:  # a base to tier 2: nothing tier 1 waits for
+                    pass
+                elif cut:
+                    self._doubt(step, now)
+                else:
                     self._never(step, tiers=(1,))
             case p.Stopped() if node is not None:
                 failures.stopped(self, node, msg, now)
@@ -364,6 +381,7 @@ class CoordinatorCore:
             failures.host_lost(
                 self, quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now
             )
+        self._given_up(now, gap)
         progress.chaos(self, min(gap, 1.0), now)
         if now > self.deadline and not self.done:
             raise JobStopped(f"timed out {progress.waiting_for(self)}")
@@ -513,6 +531,29 @@ class CoordinatorCore:
             self._released(tier, self.tiers[tier].never(step).released)
         if 1 in tiers:
             self._settle(step)
+
+    def _doubt(self, step: int, now: float) -> None:
+        """A transfer of ``step``'s replica broke off between two nodes. Most often one of
+        them is dying, and its connection here says so a moment later; giving the step up
+        in tier 1 at once would let the trainers' next optimizer step go on without it, so
+        that the failure, found then, costs one step more than ``--max-redo``. The step is
+        given up a heartbeat later, if this generation still runs (a peer that lives on
+        has only held training back that long)."""
+        due = now + self.cfg.heartbeat
+        self.doubted.setdefault((self.generation, step), due)
+
+    def _given_up(self, now: float, gap: float) -> None:
+        """Steps doubted a heartbeat ago: tier 1 is done with them, if their generation
+        still runs. Not on a tick that came late (``gap``): this loop was held up, and a
+        lost connection may be waiting in its queue behind the tick."""
+        if gap > self.cfg.heartbeat:
+            return
+        for key, due in list(self.doubted.items()):
+            if now >= due:
+                del self.doubted[key]
+                if key[0] == self.generation and self._commits_open():
+                    self.out.log("tier1_given_up", step=key[1], generation=key[0])
+                    self._never(key[1], tiers=(1,))
 
     def _released(self, tier: int, released: list[tuple[int, int]]) -> None:
         for node, step in released:

@@ -39,11 +39,18 @@ def progress(core: CoordinatorCore, msg: p.Progress, now: float) -> None:
 
 
 def chaos(core: CoordinatorCore, seconds: float, now: float) -> None:
-    """``--chaos``: strike, at about ``rate`` a minute, while training goes on (a
-    step done since the last strike): a random node of this machine, or one worker."""
+    """``--chaos``: strike, at about ``rate`` a minute, while training goes on (the last
+    strike was found and its recovery ended with a step, and a step was done since): a
+    random node of this machine, or one worker. (Until 12-06 a strike needed only a step
+    reported since the last one, which a dying generation's last report could be: the
+    next strike then hit a generation before its first step, both nodes of a 2-node job
+    were lost within one recovery, and it went back to tier 2.)"""
     c = core.chaos
     if c is None or core.phase != Phase.RUNNING or core.last_step <= core.chaos_step:
         return
+    found = core.clock.fault_time is None or core.generation != core.chaos_generation
+    if not found or core.clock.record is not None:
+        return  # the last strike not found yet, or its recovery not over
     if c.count is not None and core.chaos_kills >= c.count:
         return
     if core.chaos_rng.random() >= min(1.0, c.rate / 60.0 * seconds):
@@ -55,7 +62,7 @@ def chaos(core: CoordinatorCore, seconds: float, now: float) -> None:
     if not local:
         return
     core.chaos_kills += 1
-    core.chaos_step = core.last_step
+    core.chaos_step, core.chaos_generation = core.last_step, core.generation
     core.clock.fault(now)
     if core.chaos_rng.random() < 0.5 or not workers:
         node = core.chaos_rng.choice(sorted(local))

@@ -284,6 +284,11 @@ class ReplicaBaseLost(Message, frozen=True, kw_only=True, tag="replica_base_lost
     kept: list[int]
 
 
+CUT_OFF = "transfer cut off"
+"""The ``why`` of a :class:`ReplicaRejected` whose bytes stopped coming: its sender may
+be dying, and the coordinator gives it time to hear of that (``CoordinatorCore._doubt``)."""
+
+
 class ReplicaRejected(Message, frozen=True, kw_only=True, tag="replica_rejected"):
     """A replica of ``step`` (sent in the envelope's generation) is not held here."""
 
@@ -293,12 +298,14 @@ class ReplicaRejected(Message, frozen=True, kw_only=True, tag="replica_rejected"
 
 
 class ReplicateFailed(Message, frozen=True, kw_only=True, tag="replicate_failed"):
-    """A replica of ``step`` did not reach ``peer`` (None: a base to tier 2)."""
+    """A replica of ``step`` did not reach ``peer`` (None: a base to tier 2); ``cut``: the
+    connection failed, so the peer may be dying (``CoordinatorCore._doubt``)."""
 
     rank: int
     step: int
     peer: int | None
     error: str
+    cut: bool = False
 
 
 class Skipped(Message, frozen=True, kw_only=True, tag="skipped"):

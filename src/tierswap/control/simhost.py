@@ -280,7 +280,7 @@ class SimHost:
     def _cut(self, job: ae.Replicate, ask: dict[str, Any], token: Any) -> dict[str, Any]:
         """What a peer's server tells its loop of a transfer its sender died in."""
         fields = {"rank": job.rank, "step": job.step, "generation": job.generation}
-        cut = {**fields, "ok": False, "why": "transfer cut off"}
+        cut = {**fields, "ok": False, "why": p.CUT_OFF}
         if "unit" not in ask:  # a replica's slot
             return {**cut, "token": token}
         member = p.ParityMember(rank=job.rank, stripe=-1, nbytes=0, unit=ask["unit"],
@@ -288,7 +288,7 @@ class SimHost:
         return {**cut, "acc": token, "member": member}
 
     def _failed(self, job: ae.Replicate, node: int, error: str) -> None:
-        self.feed(ae.ReplicationFailed(job.rank, job.step, node, error, job.generation))
+        self.feed(ae.ReplicationFailed(job.rank, job.step, node, error, job.generation, cut=True))
 
     def ask(
         self, op: str, fields: dict[str, Any], then: Callable[[Any], None] | None = None

@@ -203,16 +203,17 @@ class SimWorker:
         for step in range(start, sim.steps):
             if gen in self.ended:
                 return (yield from self._leave(gen, rank, "ended", "generation ended"))
-            # the optimizer step waits until tier 1 is done with the step max_redo back
+            yield sim.step_time  # forward and backward: the abort is seen at the boundary
+            total = yield from sim.collective(self, gen, step, a.world_size)
+            if total is None:
+                return (yield from self._leave(gen, rank, "collective", "a peer is gone"))
+            # then the optimizer step, which waits (its pre-hook, after the gradients were
+            # exchanged) until tier 1 is done with the step max_redo back
             if a.max_redo > 0 and last >= 0:
                 target = last - (a.max_redo - 1)
                 yield Until(self, functools.partial(self._settled, gen, target))
                 if gen in self.ended:
                     return (yield from self._leave(gen, rank, "ended", "generation ended"))
-            yield sim.step_time  # forward and backward: the abort is seen at the boundary
-            total = yield from sim.collective(self, gen, step, a.world_size)
-            if total is None:
-                return (yield from self._leave(gen, rank, "collective", "a peer is gone"))
             assert self.value is not None
             self.value = advance(self.value, step, total)
             alloc, took = yield from self._snapshot(gen, rank, step, alloc)

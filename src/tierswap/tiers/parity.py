@@ -264,7 +264,7 @@ def receive(
             digest.update(data)
             acc.fold(buf, start, data)
     except BaseException:
-        ask("parity_added", **done, ok=False, why="transfer cut off")
+        ask("parity_added", **done, ok=False, why=p.CUT_OFF)
         raise
     ok = digest.hexdigest() == msg.stripe_checksum
     complete = ask("parity_added", **done, ok=ok, why="" if ok else "checksum mismatch")

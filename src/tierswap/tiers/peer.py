@@ -134,7 +134,7 @@ class ReplicaServer(Server):
                 token=token,
                 ok=False,
                 step=step,
-                why="transfer cut off",
+                why=p.CUT_OFF,
                 generation=generation,
             )
             raise
@@ -181,7 +181,7 @@ class ReplicaServer(Server):
             self.ask(
                 "replica_delta_written",
                 ok=False,
-                why="transfer cut off",
+                why=p.CUT_OFF,
                 tree={},
                 checksum="",
                 **fields,
