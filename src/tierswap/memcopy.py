@@ -27,7 +27,11 @@ torch's chunked ``copy_`` hashed from the destination (the copy before 12-05) 72
 Chunks of 256 KiB (fit in L2 twice over) were faster alone, 35 ms, but slower in a
 training job (step overhead 18 % against 13 %,
 ``bench/chunk256-copy-ab-2026-12-06.json``): four times the calls, each giving up the
-GIL and taking it back from the trainer.
+GIL and taking it back from the trainer. Chunks of 4 MiB (in L3, not L2) cost the same
+alone, 29.7 ms against 29.8 ms, with a quarter of the calls, but gained nothing in jobs
+either (``bench/chunk4m-copy-ab-2026-12-06.json``, 3 alternated rounds: the copy's CPU
+per GiB 0.108 against 0.112 s at tier 0, 0.113 against 0.106 s with tiers 0+1 pinned;
+the step overheads' spread, -14 to +97 %, hid any difference).
 
 The checksum is of the bytes the hash read, which the copy reads next. A deferred
 tensor is one only ``optimizer.step()`` changes, and that step waits for the copy
