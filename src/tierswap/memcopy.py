@@ -13,7 +13,8 @@ Three things make that pass close to a memcpy of the whole tensor:
   third of the traffic more). The threshold's default is derived from the last-level
   cache, and how depends on glibc's version (a per-thread share of it up to 2.37, a
   quarter of all of it since 2.38): from about a MiB to tens of MiB on a GPU host, and
-  over 100 MiB on this 2-core VM with its 300 MiB L3. :func:`tierswap.tunables.
+  240 MiB on this 2-core VM, whose glibc 2.36 reads a 320 MiB shared cache from CPUID
+  (sysfs says 32 MiB of L3; ``ld.so --list-tunables`` shows both). :func:`tierswap.tunables.
   nt_tunables` sets it to :data:`CHUNK` in the environment a worker starts with (libc
   reads it only then); unset, the copy is correct and about a third slower.
 - The hash first, the copy after. Hashed right after it was copied, a chunk cost 41 ms
