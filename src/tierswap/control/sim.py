@@ -296,7 +296,9 @@ class Sim:
 
     def kill_after(self, what: str, index: int, step: int) -> None:
         """Kill rank ``index``'s worker, or node ``index``'s host, once a worker of it has
-        done ``step`` (as ``--inject kill:rank=R:step=S`` does)."""
+        done ``step`` (as ``--inject kill:rank=R:step=S`` does); ``what`` "mid-node": the
+        host, once a worker of it has exchanged ``step``'s gradients, before its optimizer
+        step (its snapshot of the step before may still be on its way to a peer)."""
         self.kills[(what, index)] = step
 
     def pause_coordinator(self, at: float, seconds: float) -> None:
@@ -308,17 +310,24 @@ class Sim:
         """Kill the host serving ``node`` as soon as ``generation`` starts."""
         self.kills[("gen", generation)] = node
 
+    def fault_mid(self, w: SimWorker, step: int) -> bool:
+        return self._kill_host(w, "mid-node", step)
+
     def fault_after(self, w: SimWorker, rank: int, step: int) -> bool:
         if self.kills.get(("rank", rank)) == step:
             del self.kills[("rank", rank)]
             w.die(-9)
             return True
+        return self._kill_host(w, "node", step)
+
+    def _kill_host(self, w: SimWorker, what: str, step: int) -> bool:
+        """Kill ``w``'s host if a kill of its node is due at ``step`` (``kill_after``)."""
         node = w.host.core.node if w.host.core is not None else None
-        if node is not None and self.kills.get(("node", node)) == step:
-            del self.kills[("node", node)]
-            w.host.die()
-            return True
-        return False
+        if node is None or self.kills.get((what, node)) != step:
+            return False
+        del self.kills[(what, node)]
+        w.host.die()
+        return True
 
     def finished(self, rank: int, value: int) -> None:
         self.final[rank] = value

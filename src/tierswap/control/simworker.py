@@ -207,6 +207,8 @@ class SimWorker:
             total = yield from sim.collective(self, gen, step, a.world_size)
             if total is None:
                 return (yield from self._leave(gen, rank, "collective", "a peer is gone"))
+            if sim.fault_mid(self, step):
+                return "killed"
             # then the optimizer step, which waits (its pre-hook, after the gradients were
             # exchanged) until tier 1 is done with the step max_redo back
             if a.max_redo > 0 and last >= 0:
