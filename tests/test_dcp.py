@@ -249,8 +249,8 @@ def test_a_tensor_inside_a_tuple_is_refused_not_pickled(tmp_path: Path) -> None:
 
 TORCHRUN_TIMEOUT_S = 90.0
 """A torchrun of these tests takes 5 to 10 s; one hung for good once in four suites (12-06),
-a rank stuck in the interpreter's teardown. ``examples/torchrun_gpt.py`` now leaves by
-``os._exit``; the dump and the rerun stay, for whatever else may hang."""
+a rank stuck as ``main()``'s locals were freed. ``examples/torchrun_gpt.py`` now leaves by
+``os._exit`` before that; the dump and the rerun stay, for whatever else may hang."""
 
 
 def _torchrun(

@@ -175,6 +175,16 @@ class Coordinator:
                     event = Tick()
                 now = time.monotonic()
                 if now >= next_tick:
+                    # what arrived before the tick is handled first: a host's lost
+                    # connection waiting in the queue is then seen before the tick acts
+                    # on the time that passed (a replica cut off is given up on one)
+                    if not isinstance(event, Tick):
+                        self._step(event, now)
+                        event = Tick()
+                    self._drain(self.events.qsize())
+                    if self.code is not None:
+                        break
+                    now = time.monotonic()
                     next_tick = now + tick
                     self._step(Tick(dict(self.arrived)), now)
                     self._check_hosts(now)
@@ -291,6 +301,17 @@ class Coordinator:
             self.log.emit("job_failed", reason=why)
             self.progress.message(f"job stopped: {why}")
             self.code = 1
+
+    def _drain(self, count: int) -> None:
+        """Handle up to ``count`` events already queued, without waiting for more."""
+        for _ in range(count):
+            if self.code is not None:
+                return
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._step(event, time.monotonic())
 
     def _write_join_ticket(self) -> None:
         """What ``tierswap run --join`` needs, readable by this user only."""

@@ -98,14 +98,16 @@ def main() -> None:
             note(args.times, rank=rank, killed=time.time(), step=step)
             os.kill(os.getpid(), signal.SIGKILL)
     dist.destroy_process_group()
+    # Out at once, before this function's locals (DDP, the optimizer, the store) are
+    # freed: a rank hung there for good (torch 2.13, gloo; its stack dump showed the
+    # module's frame only, at the call of main(), which Python 3.11 shows while a
+    # returning function's locals are freed) in about one test suite in four, and
+    # torchrun waits for every rank. Everything is written by now: DCP's saves are
+    # synchronous, notes are closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Out at once, past the interpreter's teardown: a rank whose main() had returned hung
-    # there for good (torch 2.13, gloo; its stack dump showed the module's frame only, at
-    # the call of main) in about one test suite in four, and torchrun waits for every
-    # rank. Everything is written by now: DCP's saves are synchronous, notes are closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
