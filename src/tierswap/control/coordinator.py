@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierswap.config import Config
-from tierswap.control import failures, generation, membership, progress, resize, takeover
+from tierswap.control import (
+    failures,
+    generation,
+    membership,
+    progress,
+    resize,
+    settling,
+    takeover,
+)
 from tierswap.control import protocol as p
 from tierswap.control.commands import (
     AgentClosed,
@@ -141,7 +149,7 @@ class CoordinatorCore:
         self.settled = -1
         """The newest step tier 1 committed or gave up on in this generation."""
         self.doubted: dict[tuple[int, int], float] = {}
-        """(generation, step) -> when tier 1 gives the step up (``_doubt``)."""
+        """(generation, step) -> when tier 1 gives the step up (``settling.doubt``)."""
         self.ever_committed = False
         self.ever_protected = False
         """A step was ever committed in a tier that outlives a node (tier 1 or 2): before
@@ -254,25 +262,25 @@ class CoordinatorCore:
             case p.Ready():
                 membership.ready(self, host, msg, now)
             case p.Held(tier=tier, step=step) if node is not None:
-                self._held(node, tier, step)
+                settling.held(self, node, tier, step)
             case p.Unheld(tier=tier, step=step) if node is not None and tier in self.tiers:
                 self.tiers[tier].dropped(node, step)
                 if tier == 1 and self.parity is not None and step > self.tiers[1].committed:
                     # a parity node asks to let a hold go (its tier 0 needs the slot): it
                     # will never hold that step again, and gets its answer
-                    self._never(step, tiers=(1,))
+                    settling.never(self, step, tiers=(1,))
                     self._send_node(node, p.Release(tier=1, step=step))
             case p.Progress() if node is not None:
                 progress.progress(self, msg, now)
             case p.Skipped(rank=rank, step=step):
                 self.out.log("snapshot_skipped", node=node, rank=rank, step=step)
-                self._never(step, tiers=(0, 1))
+                settling.never(self, step, tiers=(0, 1))
             case p.ReplicaRejected(rank=rank, step=step, why=why):
                 self.out.log("replica_rejected", node=node, rank=rank, step=step, why=why)
                 if why.endswith(p.CUT_OFF):
-                    self._doubt(step, now)
+                    settling.doubt(self, step, now)
                 else:
-                    self._never(step, tiers=(1,))
+                    settling.never(self, step, tiers=(1,))
             case p.ReplicateFailed(rank=rank, step=step, peer=to, error=error, cut=cut):
                 self.out.log(
                     "replicate_failed",
@@ -286,9 +294,9 @@ class CoordinatorCore:
                 if to is None:  # a base to tier 2: nothing tier 1 waits for
                     pass
                 elif cut:
-                    self._doubt(step, now)
+                    settling.doubt(self, step, now)
                 else:
-                    self._never(step, tiers=(1,))
+                    settling.never(self, step, tiers=(1,))
             case p.Stopped() if node is not None:
                 failures.stopped(self, node, msg, now)
             case p.Parts(token=token, step=step, parts=parts, errors=errors):
@@ -381,7 +389,7 @@ class CoordinatorCore:
             failures.host_lost(
                 self, quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now
             )
-        self._given_up(now, gap)
+        settling.given_up(self, now, gap)
         progress.chaos(self, min(gap, 1.0), now)
         if now > self.deadline and not self.done:
             raise JobStopped(f"timed out {progress.waiting_for(self)}")
@@ -513,72 +521,6 @@ class CoordinatorCore:
 
     def _commits_open(self) -> bool:
         return self.phase.state in (Phase.RUNNING, Phase.FINISHING)
-
-    def _held(self, node: int, tier: int, step: int) -> None:
-        if not self._commits_open() or tier not in self.tiers:
-            return
-        outcome = self.tiers[tier].held(node, step)
-        self._released(tier, outcome.released)
-        if outcome.committed is not None:
-            self._commit(tier, outcome.committed)
-
-    def _never(self, step: int, tiers: tuple[int, ...]) -> None:
-        """``step`` will never be complete in these tiers (a skipped snapshot, a replica
-        refused or not sent): tier 1 is done with it, and holds of it are released."""
-        if not self._commits_open():
-            return
-        for tier in tiers:
-            self._released(tier, self.tiers[tier].never(step).released)
-        if 1 in tiers:
-            self._settle(step)
-
-    def _doubt(self, step: int, now: float) -> None:
-        """A transfer of ``step``'s replica broke off between two nodes. Most often one of
-        them is dying, and its connection here says so a moment later; giving the step up
-        in tier 1 at once would let the trainers' next optimizer step go on without it, so
-        that the failure, found then, costs one step more than ``--max-redo``. The step is
-        given up a heartbeat later, if this generation still runs (a peer that lives on
-        has only held training back that long)."""
-        due = now + self.cfg.heartbeat
-        self.doubted.setdefault((self.generation, step), due)
-
-    def _given_up(self, now: float, gap: float) -> None:
-        """Steps doubted a heartbeat ago: tier 1 is done with them, if their generation
-        still runs. Not on a tick that came late (``gap``): this loop was held up, and a
-        lost connection may be waiting in its queue behind the tick."""
-        if gap > self.cfg.heartbeat:
-            return
-        for key, due in list(self.doubted.items()):
-            if now >= due:
-                del self.doubted[key]
-                if key[0] == self.generation and self._commits_open():
-                    self.out.log("tier1_given_up", step=key[1], generation=key[0])
-                    self._never(key[1], tiers=(1,))
-
-    def _released(self, tier: int, released: list[tuple[int, int]]) -> None:
-        for node, step in released:
-            self._send_node(node, p.Release(tier=tier, step=step))
-        if tier == 1 and released:
-            self._settle(max(s for _, s in released))
-
-    def _commit(self, tier: int, step: int) -> None:
-        self.ever_committed = True
-        self.ever_protected = self.ever_protected or tier == 1
-        self.out.log("snapshot_committed", tier=tier, step=step)
-        self._broadcast(p.Committed(tier=tier, step=step))
-        if tier == 1:
-            self.settled = max(self.settled, step)  # agents take a tier-1 commit as settled
-        else:
-            self.persister.maybe_persist(step)
-            resize.maybe_grow(self, self.now)
-        progress.maybe_done(self)
-
-    def _settle(self, step: int) -> None:
-        """Tier 1 is done with ``step`` without committing it: agents tell their trainers,
-        whose ``optimizer.step()`` waits for it (``--max-redo``)."""
-        if step > self.settled:
-            self.settled = step
-            self._broadcast(p.Settled(step=step))
 
     def _parts(self, token: int, parts: list[Any], errors: dict[int, str]) -> None:
         step = self.persister.on_parts(token, parts, errors)

@@ -286,7 +286,7 @@ class ReplicaBaseLost(Message, frozen=True, kw_only=True, tag="replica_base_lost
 
 CUT_OFF = "transfer cut off"
 """The ``why`` of a :class:`ReplicaRejected` whose bytes stopped coming: its sender may
-be dying, and the coordinator gives it time to hear of that (``CoordinatorCore._doubt``)."""
+be dying, and the coordinator gives it time to hear of that (``settling.doubt``)."""
 
 
 class ReplicaRejected(Message, frozen=True, kw_only=True, tag="replica_rejected"):
@@ -299,7 +299,7 @@ class ReplicaRejected(Message, frozen=True, kw_only=True, tag="replica_rejected"
 
 class ReplicateFailed(Message, frozen=True, kw_only=True, tag="replicate_failed"):
     """A replica of ``step`` did not reach ``peer`` (None: a base to tier 2); ``cut``: the
-    connection failed, so the peer may be dying (``CoordinatorCore._doubt``)."""
+    connection failed, so the peer may be dying (``settling.doubt``)."""
 
     rank: int
     step: int
