@@ -285,6 +285,9 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         # /proc in clock ticks, may round to 0
         assert res[key]["agents_vs_tcp"] >= 0 and res["tcp_cpu_s_per_gib"] > 0
         assert res[key]["agents_vs_bare_stream"]["median"] >= 0
+    for key in ("tier01_pinned", "stream_pinned"):  # (at 1 MiB it may round to 0 ticks)
+        assert res[key]["agent_core_s"]["median"] >= 0, "the agents' core, per step"
+    assert "agent_core_s" not in res["tier01"], "unpinned: no core of their own"
     for key in ("stream", "stream_pinned"):
         assert res[key]["net_cpu_s_per_gib"]["median"] > 0, "the bare stream ran, timed"
         assert res[key]["copy_cpu_s_per_gib"]["median"] > 0
@@ -320,8 +323,12 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
             None,
             job(1.3) | {"net_cpu_s_per_gib": 0.4},
         ],
-        "tier01_pinned": [job(4.8, 0.6), job(4.4, 0.6), None],
-        "stream_pinned": [job(4.2) | {"net_cpu_s_per_gib": 0.3}, None, None],
+        "tier01_pinned": [
+            job(4.8, 0.6) | {"agent_core_s": 0.9},
+            job(4.4, 0.6) | {"agent_core_s": 0.8},
+            None,
+        ],
+        "stream_pinned": [job(4.2) | {"net_cpu_s_per_gib": 0.3, "agent_core_s": 0.6}, None, None],
     }
     res = overhead.summarize(runs, memcpy_bps=2**30 / 0.1, size_mib=1, steps=14, tcp_cpu=0.5)
     assert res["tier01"]["agents_vs_tcp"] == pytest.approx(2.0), "its agents' median, 1.0"
@@ -334,6 +341,10 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     assert res["tier01_pinned"]["agents_vs_bare_stream"]["samples"] == pytest.approx([2.0]), (
         "against the pinned stream, not the unpinned one"
     )
+    assert res["tier01_pinned"]["agent_core_vs_stream"]["samples"] == pytest.approx([1.5]), (
+        "the agents' core against the pinned stream's, in the one round both ran"
+    )
+    assert "agent_core_vs_stream" not in res["tier01"], "unpinned: no core of their own"
     assert "step_vs_stream" not in res["tier0"], "tier 0's floor is the memcpy"
     assert "agents_vs_bare_stream" not in res["tier0"], "tier 0 sends nothing"
     assert "agents_vs_tcp" not in res["tier0"], "tier 0 sends nothing"

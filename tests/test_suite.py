@@ -147,12 +147,19 @@ def test_each_floor_has_its_row_where_its_control_ran_and_a_control_below_0_void
     row = "step overhead, snapshot every step, tiers 0+1, trainers and agents pinned"
     tier0 = "step overhead, snapshot every step, tier 0, trainers and agents pinned"
     assert rows[row].endswith("| yes |") and rows[tier0].endswith("| yes |")
-    over["stream_pinned"] = dict(over["tier0_pinned"], overhead=_stats(-0.05, -0.06, -0.04))
+    assert not any(r.startswith("agents' core busy") for r in rows), "no pinned stream ran"
+    over["stream_pinned"] = dict(over["tier0_pinned"], overhead=_stats(-0.05, -0.06, -0.04),
+                                 agent_core_s=_stats(0.46))  # fmt: skip
+    over["tier01_pinned"] |= {"agent_core_s": _stats(0.55),
+                              "agent_core_vs_stream": _stats(1.2, 1.1, 1.3)}  # fmt: skip
     (tmp_path / "again").mkdir()
     folder = _folder(tmp_path / "again", {"overhead": ("ok", over)})
     md = writeup.write(folder, tmp_path / "BENCHMARKS.md").read_text()
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if "|" in line}
     assert f"{FLOOR01}, {pinned}" in rows
+    busy = ("agents' core busy per step: 550 ms, the floor's 460 ms; round by round (tiers "
+            "0+1, trainers and agents pinned)")  # fmt: skip
+    assert "1.20 x (1.10 – 1.30)" in rows[busy] and rows[busy].endswith("| – | – |")
     assert rows[row].endswith("| within noise (the floor measured below 0) |")
     assert rows[tier0].endswith("| within noise (the floor measured below 0) |")
 

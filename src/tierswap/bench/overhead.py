@@ -33,7 +33,11 @@ seconds per GiB, and the agents' CPU seconds per GiB snapshotted in that window,
 from ``/proc``; beside them the
 CPU seconds per GiB of a plain memcpy on this machine, alone (``bench/limits.py``), and
 of the ``memcpy`` run's copy thread, under the same training load; and tier 1's agents'
-against the ``stream`` run's sending and receiving threads, round by round.
+against the ``stream`` run's sending and receiving threads, round by round. In a pinned
+run, also how long the core of tierswap's own work was busy per step (whatever ran on it,
+kernel included, from ``/proc/stat``), tiers 0+1's against the stream's round by round:
+tier 1 must be done with a step within the next step's forward and backward, so once that
+core has more to do per step than that, the step waits for it.
 """
 
 from __future__ import annotations
@@ -65,13 +69,30 @@ def _cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
+def _cores_busy() -> dict[int, float]:
+    """Per CPU of this machine, the seconds it has spent busy so far (``/proc/stat``: all
+    but idle and I/O wait), or nothing where that cannot be read."""
+    out: dict[int, float] = {}
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4]) / CLK
+    return out
+
+
 class Sampler:
-    """Samples the CPU time of a job's agents (their pids from its event log) while the
-    ``with`` block runs."""
+    """Samples the CPU time of a job's agents (their pids from its event log), and how busy
+    each CPU of the machine is, while the ``with`` block runs."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.samples: dict[int, list[tuple[float, float]]] = {}
+        self.cores: list[tuple[float, dict[int, float]]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -96,6 +117,7 @@ class Sampler:
     def _run(self) -> None:
         while not self.stop.wait(0.1):
             now = time.monotonic()
+            self.cores.append((now, _cores_busy()))
             for pid in self._pids():
                 if (cpu := _cpu(pid)) is not None:
                     self.samples.setdefault(pid, []).append((now, cpu))
@@ -110,22 +132,43 @@ class Sampler:
                 total += after[0] - before[-1]
         return total
 
+    def busy(self, cpus: frozenset[int], t0: float, t1: float) -> float | None:
+        """Seconds ``cpus`` spent busy from ``t0`` to ``t1`` (nearest samples; whatever ran
+        there), or None without samples on both sides."""
+        before = [c for t, c in self.cores if t <= t0]
+        after = [c for t, c in self.cores if t >= t1]
+        if not before or not after:
+            return None
+        return sum(after[0].get(c, 0.0) - before[-1].get(c, 0.0) for c in cpus)
 
-def pin_args() -> tuple[str, ...]:
-    """``tierswap run`` options of a pinned run: tierswap's own work on the last CPU, the
-    trainers on the others."""
+
+def agent_cpus() -> frozenset[int]:
+    """Where a pinned run puts tierswap's own work: the last CPU this process may use."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise ValueError("a pinned run needs 2 CPUs or more: one for the agents, one for work")
-    return ("--agent-cpus", str(cpus[-1]), "--worker-cpus", ",".join(map(str, cpus[:-1])))
+    return frozenset(cpus[-1:])
+
+
+def pin_args() -> tuple[str, ...]:
+    """``tierswap run`` options of a pinned run: tierswap's own work on the last CPU
+    (:func:`agent_cpus`), the trainers on the others."""
+    mine = agent_cpus()
+    rest = sorted(set(os.sched_getaffinity(0)) - mine)
+    return ("--agent-cpus", ",".join(map(str, sorted(mine))),
+            "--worker-cpus", ",".join(map(str, rest)))  # fmt: skip
 
 
 def job_costs(
     notes: Sequence[dict[str, Any]], sampler: Sampler, snapshots: bool, size_mib: int,
-    steps: int,
+    steps: int, pinned: frozenset[int] | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """One job's figures from its trainers' ``--times`` entries and its agents' CPU
-    (``snapshots``: the job snapshots, so its agents' CPU is per GiB snapshotted)."""
+    (``snapshots``: the job snapshots, so its agents' CPU is per GiB snapshotted); for a
+    run ``pinned`` with tierswap's own work on those CPUs, how long they were busy per step
+    (``agent_core_s``): with ``--max-redo 1`` the next optimizer step waits for tier 1, so
+    a core that must do more than the trainers' forward and backward last shows in the
+    step, as tier 1's wait."""
     ends = {n["step"]: float(n["t"]) for n in notes if n["rank"] == 0}
     window = range(FIRST, steps - 1)
     step_s = [ends[s] - ends[s - 1] for s in window if s in ends and s - 1 in ends]
@@ -153,6 +196,11 @@ def job_costs(
     }
     if net_cpu:
         out["net_cpu_s_per_gib"] = statistics.median(net_cpu) / (state / 2**30)
+    if pinned:
+        busy = sampler.busy(pinned, ends[FIRST - 1], ends[steps - 2])
+        if busy is None:
+            raise ValueError("the agents' core was not sampled over the job's steps")
+        out["agent_core_s"] = busy / (steps - 1 - FIRST)
     return out
 
 
@@ -200,6 +248,9 @@ def summarize(
         floor = _by_round(counted, stream, "step_s", "step_s")  # the rounds its overhead has
         if floor and key.startswith("tier01"):  # its step against its floor's, round by round
             entry["step_vs_stream"] = stats(floor)
+        core = _by_round(rs, stream, "agent_core_s", "agent_core_s") if pin else []
+        if core and key.startswith("tier01"):  # the agents' core's work against the floor's
+            entry["agent_core_vs_stream"] = stats(core)
         entry["failed"] = len(rs) - len(ok)
         out[key] = entry
     return out
@@ -212,7 +263,7 @@ def _by_round(
     """``mine`` of each run over ``theirs`` of the other job's run in the same round, for
     the rounds where both ran and the other's figure is not 0."""
     return [r[mine] / o[theirs] for r, o in zip(rs, others, strict=False)
-            if r is not None and o is not None and o.get(theirs)]  # fmt: skip
+            if r is not None and o is not None and mine in r and o.get(theirs)]  # fmt: skip
 
 
 def run(
@@ -252,7 +303,7 @@ def report(res: dict[str, Any]) -> None:
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
                 "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
                 "vs memcpy (agents)", "vs TCP (agents)", "vs bare stream (agents)",
-                "step / the stream's"):  # fmt: skip
+                "step / the stream's", "agents' core busy / step"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
@@ -281,6 +332,7 @@ def report(res: dict[str, Any]) -> None:
             f"{e['agents_vs_tcp']:.2f}x" if "agents_vs_tcp" in e else "",
             _ratio(e.get("agents_vs_bare_stream")),
             _ratio(e.get("step_vs_stream")),
+            f"{e['agent_core_s']['median'] * 1e3:.0f} ms" if "agent_core_s" in e else "",
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")

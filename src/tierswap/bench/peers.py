@@ -230,8 +230,9 @@ class Bench:
                 if sampler is None:
                     raise ValueError("its agents' CPU was not sampled")
                 snapshots = system.removesuffix(PINNED) not in CONTROLS
+                pinned = overhead.agent_cpus() if system.endswith(PINNED) else None
                 figures = overhead.job_costs(
-                    notes, sampler, snapshots, self.cfg.size_mib, self.cfg.steps
+                    notes, sampler, snapshots, self.cfg.size_mib, self.cfg.steps, pinned
                 )
             except ValueError as e:
                 self.failures.append(f"{system} (overhead): {e}")

@@ -147,6 +147,14 @@ def headline(res: dict[str, Any], quick: bool) -> list[str]:
             ratio = _stats_cell(o["step_vs_stream"], unit="x", digits=2)
             rows.append([f"  step of tiers 0+1 / its floor's, round by round ({_mode(mode)})",
                          ratio, "–", "–"])  # fmt: skip
+        if "agent_core_vs_stream" in o and "agent_core_s" in stream:
+            # tier 1 is due within the next step's forward and backward: a core with more
+            # to do per step than that makes the trainers wait (the tier-1 wait above)
+            mine, floor = o["agent_core_s"]["median"], stream["agent_core_s"]["median"]
+            ratio = _stats_cell(o["agent_core_vs_stream"], unit="x", digits=2)
+            rows.append([f"  agents' core busy per step: {1e3 * mine:.0f} ms, the floor's "
+                         f"{1e3 * floor:.0f} ms; round by round ({_mode(mode)})", ratio, "–",
+                         "–"])  # fmt: skip
     if "copy_vs_memcpy" in over.get("tier0", {}):
         copy = over["tier0"]["copy_vs_memcpy"]
         rows.append(["snapshot copy's CPU per GiB / a plain memcpy's, alone on a core",
