@@ -30,7 +30,7 @@ RUN = (
 )
 NO_NT = "glibc.cpu.x86_non_temporal_threshold=0xffffffffffff"
 FIELDS = ("step_s", "stall_s", "overhead", "stall_of_step", "copy_cpu_s_per_gib",
-          "copy_vs_memcpy", "agents_cpu_s_per_gib")  # fmt: skip
+          "copy_vs_memcpy", "agents_cpu_s_per_gib", "gate_of_step", "agent_core_s")  # fmt: skip
 
 
 def arm_env(name: str, old: Path) -> dict[str, str]:

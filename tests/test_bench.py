@@ -303,6 +303,18 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
     overhead.report(res)
 
 
+def test_a_core_s_busy_time_is_its_share_between_the_samples_around_the_window(
+    tmp_path,
+) -> None:
+    from tierswap.bench import overhead
+
+    sampler = overhead.Sampler(tmp_path)
+    sampler.cores = [(0.0, {0: 10.0, 1: 5.0}), (1.0, {0: 10.5, 1: 5.9}), (2.0, {0: 11.0, 1: 6.3})]
+    assert sampler.busy(frozenset({1}), 0.5, 1.5) == pytest.approx(1.3 / 2), "its rate, 1 s"
+    assert sampler.busy(frozenset({0, 1}), 0.0, 2.0) == pytest.approx(2.3)
+    assert sampler.busy(frozenset({1}), 0.5, 2.5) is None, "no sample after the window"
+
+
 def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -> None:
     from tierswap.bench import overhead
 

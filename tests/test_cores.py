@@ -196,6 +196,48 @@ def test_chaos_strikes_again_only_once_the_last_strike_was_found_and_recovered_f
     assert strikes() == 2, "training goes on"
 
 
+def test_training_that_keeps_waiting_for_tier_1_is_told_why_once_while_it_lasts() -> None:
+    """12-06: with the agents of a 2-core machine pinned to one core, the trainers waited
+    for tier 1 16 % of every step and nothing said so but the stall of the progress line."""
+    c = Coordinator()
+
+    def steps(first: int, gates: list[float]) -> None:
+        for i, gate in enumerate(gates):
+            c.now += 0.98  # (say adds 0.01: a step a second)
+            c.say(0, p.Progress(step=first + i, stall=gate, gate=gate))
+            c.say(1, p.Progress(step=first + i, stall=None))  # another node's: no wait
+
+    def said() -> list[str]:
+        return [x.text for x in c.out if isinstance(x, cc.Say) and "tier 1" in x.text]
+
+    steps(0, [0.01, 0.01, 5.0] + [0.01] * 9)  # a generation's first replica makes slots
+    assert not c.logged("tier1_behind"), "one long wait is no lasting lack of CPU"
+    steps(12, [0.2] * 5)
+    assert not c.logged("tier1_behind"), "5 of the last 10 steps: not most of them"
+    steps(17, [0.2])
+    (behind,) = c.logged("tier1_behind")
+    assert behind["share"] == pytest.approx(0.2, abs=0.01) and behind["step"] == 17
+    (text,) = said()
+    assert "--agent-cpus" in text and "--max-redo 2" in text, text
+    steps(18, [0.2] * 12 + [0.04] * 12)
+    assert len(said()) == 1, "said once while it lasts, and 4 % is not below half of 5 %"
+    steps(42, [0.0] * 12 + [0.2] * 12)
+    assert len(said()) == 2 and len(c.logged("tier1_behind")) == 2, "it came back"
+
+
+def test_tier_1_lag_weighs_each_generation_s_steps_apart() -> None:
+    """A new generation's first steps are not weighed with the last one's."""
+    from tierswap.control.progress import LAG_STEPS, Tier1Lag
+
+    lag = Tier1Lag()
+    for i in range(LAG_STEPS):
+        assert lag.add(0, float(i), 0.5) is None
+    assert lag.add(1, float(LAG_STEPS), 0.5) is None, "a new generation's first step"
+    for i in range(LAG_STEPS - 1):
+        assert lag.add(1, LAG_STEPS + 1.0 + i, 0.5) is None
+    assert lag.add(1, 2.0 * LAG_STEPS, 0.5) == pytest.approx(0.5)
+
+
 def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -> None:
     """790919f: a "never" of an abandoned timeline released the next generation's waits."""
     c = Coordinator(spares=1)

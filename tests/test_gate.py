@@ -121,3 +121,18 @@ def test_without_tier1_nothing_waits() -> None:
         assert snap.stats.tier1_waits == []
     finally:
         snap.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_training_keeps_waiting_for_tier_1_is_told_why(tmp_path) -> None:
+    """Node 1's replicas held back 0.25 s each, far longer than a step: every optimizer
+    step waits for tier 1, each worker says how long in its ``written`` and the
+    coordinator, from rank 0's, says once what to do about it."""
+    from e2e import events, run_job
+
+    slow = "delay:node=1:seconds=0.25"
+    code, run_dir, out = run_job(tmp_path, "slow", steps=16, extra=("--inject", slow))
+    assert code == 0, out[-3000:]
+    (behind,) = events(run_dir, "tier1_behind")
+    assert behind["share"] > 0.05 and behind["step"] >= 10, behind
+    assert "tier 1 is behind" in out and "(--agent-cpus)" in out and "--max-redo 2" in out

@@ -155,7 +155,8 @@ def test_the_door_drops_what_an_ended_generation_sent_and_counts_it() -> None:
 def test_an_envelope_is_small() -> None:
     """What a node sends per step: a few dozen bytes, not a JSON object per rank."""
     assert len(p.Codec.encode(p.Held(tier=1, step=123_456), 7)) < 32
-    assert len(p.Codec.encode(p.Progress(step=123_456, stall=0.001), 7)) < 48
+    progress = p.Progress(step=123_456, stall=0.001, gate=0.0005)  # rank 0's node's
+    assert len(p.Codec.encode(progress, 7)) < 56
 
 
 def test_the_architecture_page_holds_the_protocol_and_state_tables_of_the_code() -> None:

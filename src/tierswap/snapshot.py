@@ -454,6 +454,7 @@ class Snapshotter:
             alloc=job.alloc.id,
             tree=job.flat.tree,
             stall=self.stats.last_stall(),
+            gate=self.stats.last_gate(),
             checksum=checksum,
         )
         self.chan.send(written)

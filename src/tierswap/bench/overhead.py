@@ -133,13 +133,16 @@ class Sampler:
         return total
 
     def busy(self, cpus: frozenset[int], t0: float, t1: float) -> float | None:
-        """Seconds ``cpus`` spent busy from ``t0`` to ``t1`` (nearest samples; whatever ran
-        there), or None without samples on both sides."""
-        before = [c for t, c in self.cores if t <= t0]
-        after = [c for t, c in self.cores if t >= t1]
+        """Seconds ``cpus`` spent busy from ``t0`` to ``t1`` (whatever ran there), or None
+        without samples on both sides: their busy share between the nearest samples
+        outside, times ``t1 - t0``."""
+        before = [(t, c) for t, c in self.cores if t <= t0]
+        after = [(t, c) for t, c in self.cores if t >= t1]
         if not before or not after:
             return None
-        return sum(after[0].get(c, 0.0) - before[-1].get(c, 0.0) for c in cpus)
+        (ta, a), (tb, b) = before[-1], after[0]
+        total = sum(b.get(c, 0.0) - a.get(c, 0.0) for c in cpus)
+        return total * (t1 - t0) / (tb - ta) if tb > ta else total
 
 
 def agent_cpus() -> frozenset[int]:

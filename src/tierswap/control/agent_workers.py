@@ -182,8 +182,9 @@ def _written(core: AgentCore, msg: p.Written) -> None:
         core.out.append(Checksum(msg.rank, msg.step, slot, ring.layout()))
     if msg.step > core.progress_step or msg.rank == 0:
         core.progress_step = max(core.progress_step, msg.step)
-        stall = msg.stall if msg.rank == 0 else None
-        core._tell(p.Progress(step=msg.step, stall=stall))
+        mine = msg.rank == 0
+        gate = msg.gate if mine else None
+        core._tell(p.Progress(step=msg.step, stall=msg.stall if mine else None, gate=gate))
 
 
 def _plan(core: AgentCore, rank: int) -> p.PlanReply:

@@ -174,6 +174,8 @@ class CoordinatorCore:
         self.persister = Persistence(cfg, tier2, self.out, self._broadcast_persist)
         self.last_step = -1
         self.last_loss: float | None = None
+        self.tier1_lag = progress.Tier1Lag()
+        """Whether training keeps waiting for tier 1, said once while it does."""
         self.total: int | None = None
         self.deadline = now + cfg.startup_timeout
         self.last_tick = now
@@ -271,7 +273,7 @@ class CoordinatorCore:
                     settling.never(self, step, tiers=(1,))
                     self._send_node(node, p.Release(tier=1, step=step))
             case p.Progress() if node is not None:
-                progress.progress(self, msg, now)
+                progress.progress(self, msg, now, event.at)
             case p.Skipped(rank=rank, step=step):
                 self.out.log("snapshot_skipped", node=node, rank=rank, step=step)
                 settling.never(self, step, tiers=(0, 1))

@@ -6,11 +6,15 @@ Progress and finished ranks move the last step on; faults due at a step, a trans
 persist or a generation fire (``inject_nodes``; ``--chaos`` strikes at random moments);
 reports carry the loss; once every rank has finished,
 the last step's commit and durable write end the job (``finished``, ``maybe_done``); a
-deadline missed says what the job was waiting for (``waiting_for``).
+deadline missed says what the job was waiting for (``waiting_for``); training that keeps
+waiting for tier 1 is told why (:class:`Tier1Lag`).
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING
 
 from tierswap.control import protocol as p
@@ -22,9 +26,66 @@ if TYPE_CHECKING:
     from tierswap.control.coordinator import CoordinatorCore
 
 
-def progress(core: CoordinatorCore, msg: p.Progress, now: float) -> None:
+LAG_STEPS = 10
+"""Steps whose waits for tier 1 are weighed together (:class:`Tier1Lag`)."""
+LAG_SHARE = 0.05
+"""The share of a step spent waiting for tier 1 that is said, where most steps wait that
+long: more than a failure's redone step costs a job that fails less than every 20 steps."""
+
+
+class Tier1Lag:
+    """Whether training keeps waiting for tier 1: rank 0's wait for it in each step (as its
+    node's agent reports them with ``progress``) against that step's time (between two
+    reports' arrivals; a skipped snapshot makes one share span two steps), over the last
+    :data:`LAG_STEPS` steps. Said once when most of them (their lower median) waited
+    :data:`LAG_SHARE` of a step or more, and again only after that fell below half. A
+    median: a single long wait (the first replica of a generation, which makes its peer's
+    slots) is no lasting lack of CPU or bandwidth. Each generation starts a new window;
+    a warning already given stands across it until the waits fall."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, float]] = deque(maxlen=LAG_STEPS + 1)
+        self._generation = -1
+        self.behind = False
+
+    def add(self, generation: int, at: float, gate: float) -> float | None:
+        """Rank 0's step, its report arrived at ``at``, with its wait ``gate``: the share of
+        a step most of the last steps waited, when that is newly too much, else None."""
+        if generation != self._generation:
+            self._generation = generation
+            self._seen.clear()
+        self._seen.append((at, gate))
+        if len(self._seen) <= LAG_STEPS:
+            return None
+        pairs = itertools.pairwise(self._seen)
+        shares = [g / (t - t0) if t > t0 else 0.0 for (t0, _), (t, g) in pairs]
+        share = statistics.median_low(shares)  # most steps waited at least that long
+        if self.behind:
+            self.behind = share >= LAG_SHARE / 2
+            return None
+        self.behind = share >= LAG_SHARE
+        return share if self.behind else None
+
+
+def progress(core: CoordinatorCore, msg: p.Progress, now: float, at: float) -> None:
+    """A node's newest step (``now``: the time of the event; ``at``: when the message
+    arrived, which the coordinator's queue does not delay)."""
     inject_nodes(core, core.faults.at_step(msg.step), now)
     core.last_step = max(core.last_step, msg.step)
+    if msg.gate is not None:
+        share = core.tier1_lag.add(core.generation, at, msg.gate)
+        if share is not None:
+            redo, cpus = core.cfg.max_redo, core.cfg.agent_cpus
+            core.out.log("tier1_behind", step=msg.step, share=round(share, 3), steps=LAG_STEPS)
+            more = f"more CPUs (--agent-cpus, now {cpus})" if cpus else "CPUs of their own"
+            core.out.say(
+                f"tier 1 is behind: most of the last {LAG_STEPS} steps waited for it "
+                f"{share:.0%} of a step or more (--max-redo {redo}: a step's replicas must be "
+                f"in before the optimizer step {redo} step(s) later). The network or the "
+                f"agents' CPUs cannot carry this state every step: give the agents {more}"
+                f"{'' if cpus else ' (--agent-cpus)'}, or let tier 1 trail further "
+                f"(--max-redo {redo + 1}: a node failure then redoes up to {redo + 1} steps)"
+            )
     if msg.stall is not None:
         core.out.add(
             ShowProgress(

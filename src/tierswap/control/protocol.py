@@ -146,10 +146,12 @@ class Unheld(Message, frozen=True, kw_only=True, tag="unheld"):
 
 
 class Progress(Message, frozen=True, kw_only=True, tag="progress"):
-    """The newest step any rank of this node wrote; ``stall`` is rank 0's, where it runs."""
+    """The newest step any rank of this node wrote; ``stall`` is rank 0's, where it runs,
+    and ``gate`` the part of it that waited for tier 1."""
 
     step: int
     stall: float | None
+    gate: float | None = None
 
 
 class Stopped(Message, frozen=True, kw_only=True, tag="stopped"):

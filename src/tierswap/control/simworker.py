@@ -211,14 +211,16 @@ class SimWorker:
                 return "killed"
             # then the optimizer step, which waits (its pre-hook, after the gradients were
             # exchanged) until tier 1 is done with the step max_redo back
+            gate = sim.now
             if a.max_redo > 0 and last >= 0:
                 target = last - (a.max_redo - 1)
                 yield Until(self, functools.partial(self._settled, gen, target))
                 if gen in self.ended:
                     return (yield from self._leave(gen, rank, "ended", "generation ended"))
+            gate = sim.now - gate  # the step's wait for tier 1, reported with its snapshot
             assert self.value is not None
             self.value = advance(self.value, step, total)
-            alloc, took = yield from self._snapshot(gen, rank, step, alloc)
+            alloc, took = yield from self._snapshot(gen, rank, step, alloc, gate)
             if alloc is None:
                 return (yield from self._leave(gen, rank, "collective", "no slots"))
             last = step if took else last
@@ -235,10 +237,11 @@ class SimWorker:
         return "finished"
 
     def _snapshot(
-        self, gen: int, rank: int, step: int, alloc: p.Allocated | None
+        self, gen: int, rank: int, step: int, alloc: p.Allocated | None, gate: float = 0.0
     ) -> Generator[Any, Any, tuple[p.Allocated | None, bool]]:
-        """Snapshot the value as ``step`` (its slots allocated if not yet): the allocation
-        (None if refused) and whether a slot was granted."""
+        """Snapshot the value as ``step`` (its slots allocated if not yet; ``gate``: the
+        step's wait for tier 1): the allocation (None if refused) and whether a slot was
+        granted."""
         sim = self.sim
         if alloc is None:
             got = yield from self._call(p.Alloc(rank=rank, layout=LAYOUT), gen)
@@ -263,7 +266,7 @@ class SimWorker:
             seg.buf[:8] = self.value.to_bytes(8, "little")
         yield sim.latency()
         written = p.Written(rank=rank, step=step, slot=granted.slot, alloc=alloc.alloc,
-                            tree={"step": step}, stall=0.0)  # fmt: skip
+                            tree={"step": step}, stall=gate, gate=gate)  # fmt: skip
         self.send(written, gen)
         return alloc, True
 

@@ -127,6 +127,8 @@ class Written(Message, frozen=True, kw_only=True, tag="written"):
     tree: Tree
     stall: float
     """Seconds this rank's loop waited for the copy of its last step."""
+    gate: float = 0.0
+    """The part of ``stall`` its optimizer step waited for tier 1 (``--max-redo``)."""
     checksum: str = ""
     """xxh3 of the slot's tensor bytes, hashed by the copy as it wrote them (one pass per
     byte); empty: the agent reads the slot to compute it."""
