@@ -3,7 +3,7 @@ end (rank 0's ``--times``) to tier 1's commit of it (the job's events) and on to
 step's end, how busy that core was (``/proc/stat``, sampled every 10 ms), and how long
 rank 0's next optimizer step waited for tier 1. Written for the 12-06 finding that the
 pinned tiers 0+1 job waits for tier 1 because that core has more to do per step than the
-trainers' forward and backward leave it (README, "Why the pinned tiers 0+1 miss 3 %").
+trainers' forward and backward leave it (README, "The agents' core per step, pinned").
 
     .venv/bin/python bench/agent_core_trace.py tier01-pinned [--steps 30] > trace.json
 

@@ -218,7 +218,7 @@ def test_training_that_keeps_waiting_for_tier_1_is_told_why_once_while_it_lasts(
     (behind,) = c.logged("tier1_behind")
     assert behind["share"] == pytest.approx(0.2, abs=0.01) and behind["step"] == 17
     (text,) = said()
-    assert "--agent-cpus" in text and "--max-redo 2" in text, text
+    assert "(--agent-cpus)" in text and "--max-redo 2 --slots 3 --peer-slots 3" in text, text
     steps(18, [0.2] * 12 + [0.04] * 12)
     assert len(said()) == 1, "said once while it lasts, and 4 % is not below half of 5 %"
     steps(42, [0.0] * 12 + [0.2] * 12)

@@ -135,4 +135,4 @@ def test_a_job_whose_training_keeps_waiting_for_tier_1_is_told_why(tmp_path) -> 
     assert code == 0, out[-3000:]
     (behind,) = events(run_dir, "tier1_behind")
     assert behind["share"] > 0.05 and behind["step"] >= 10, behind
-    assert "tier 1 is behind" in out and "(--agent-cpus)" in out and "--max-redo 2" in out
+    assert "tier 1 is behind" in out and "(--agent-cpus)" in out and "--max-redo 2 " in out

@@ -75,16 +75,21 @@ def progress(core: CoordinatorCore, msg: p.Progress, now: float, at: float) -> N
     if msg.gate is not None:
         share = core.tier1_lag.add(core.generation, at, msg.gate)
         if share is not None:
-            redo, cpus = core.cfg.max_redo, core.cfg.agent_cpus
+            cfg = core.cfg
+            redo, cpus = cfg.max_redo, cfg.agent_cpus
             core.out.log("tier1_behind", step=msg.step, share=round(share, 3), steps=LAG_STEPS)
             more = f"more CPUs (--agent-cpus, now {cpus})" if cpus else "CPUs of their own"
+            # trailing further needs a slot more in each ring, or steps are skipped instead
+            trail = (f"--max-redo {redo + 1} --slots {cfg.tier0_slots + 1} --peer-slots "
+                     f"{cfg.peer_slots + 1}")  # fmt: skip
             core.out.say(
                 f"tier 1 is behind: most of the last {LAG_STEPS} steps waited for it "
                 f"{share:.0%} of a step or more (--max-redo {redo}: a step's replicas must be "
                 f"in before the optimizer step {redo} step(s) later). The network or the "
                 f"agents' CPUs cannot carry this state every step: give the agents {more}"
-                f"{'' if cpus else ' (--agent-cpus)'}, or let tier 1 trail further "
-                f"(--max-redo {redo + 1}: a node failure then redoes up to {redo + 1} steps)"
+                f"{'' if cpus else ' (--agent-cpus)'}, or let tier 1 trail further ({trail}: "
+                f"a node failure then redoes up to {redo + 1} steps, and each ring holds a "
+                "snapshot more)"
             )
     if msg.stall is not None:
         core.out.add(
