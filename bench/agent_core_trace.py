@@ -27,17 +27,6 @@ from typing import Any
 
 from tierswap.bench import overhead, peerjobs
 
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def _idle_total(cpu: int) -> tuple[int, int]:
-    """(idle + iowait, all) clock ticks of ``cpu`` so far."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith(f"cpu{cpu} "):
-            ticks = [int(x) for x in line.split()[1:9]]
-            return ticks[3] + ticks[4], sum(ticks)
-    raise ValueError(f"no cpu{cpu} in /proc/stat")
-
 
 def trace(system: str, steps: int) -> dict[str, Any]:
     (cpu,) = overhead.agent_cpus()
@@ -46,13 +35,13 @@ def trace(system: str, steps: int) -> dict[str, Any]:
         cmds = peerjobs.Commands(steps=steps, size_mib=384, python=sys.executable,
                                  scripts=peerjobs.peers_folder())  # fmt: skip
         cmd = cmds.tierswap_cmd(system, folder)
-        samples: list[tuple[float, float, int, int]] = []  # wall, monotonic, idle, all
+        samples: list[tuple[float, float, float]] = []  # wall, monotonic, busy seconds
         with (folder / "output.log").open("w") as log:
             env = {**os.environ, **peerjobs.same_env()}
             job = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
             while job.poll() is None:
-                samples.append((time.time(), time.monotonic(), *_idle_total(cpu)))
+                samples.append((time.time(), time.monotonic(), overhead.cores_busy()[cpu]))
                 time.sleep(0.01)
         if job.returncode != 0:
             raise RuntimeError(f"{system}: exit {job.returncode}")
@@ -61,13 +50,13 @@ def trace(system: str, steps: int) -> dict[str, Any]:
         evs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     ends = {n["step"]: n["t"] for n in notes if n["rank"] == 0}
     gates = {n["step"]: n["gate"] for n in notes if n["rank"] == 0}
-    to_wall = statistics.median(w - m for w, m, _, _ in samples)  # events carry wall time
+    to_wall = statistics.median(w - m for w, m, _ in samples)  # events carry wall time
 
     def busy(a: float, b: float) -> float | None:
         xs = [s for s in samples if a <= s[0] <= b]
-        if len(xs) < 2 or xs[-1][3] == xs[0][3]:
+        if len(xs) < 2 or xs[-1][1] == xs[0][1]:
             return None
-        return 1 - (xs[-1][2] - xs[0][2]) / (xs[-1][3] - xs[0][3])
+        return (xs[-1][2] - xs[0][2]) / (xs[-1][1] - xs[0][1])
 
     def commit(tier: int, step: int) -> float | None:
         at = [e["time"] for e in evs if e["event"] == "snapshot_committed"

@@ -69,7 +69,7 @@ def _cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
-def _cores_busy() -> dict[int, float]:
+def cores_busy() -> dict[int, float]:
     """Per CPU of this machine, the seconds it has spent busy so far (``/proc/stat``: all
     but idle and I/O wait), or nothing where that cannot be read."""
     out: dict[int, float] = {}
@@ -117,7 +117,7 @@ class Sampler:
     def _run(self) -> None:
         while not self.stop.wait(0.1):
             now = time.monotonic()
-            self.cores.append((now, _cores_busy()))
+            self.cores.append((now, cores_busy()))
             for pid in self._pids():
                 if (cpu := _cpu(pid)) is not None:
                     self.samples.setdefault(pid, []).append((now, cpu))

@@ -211,13 +211,13 @@ class SimWorker:
                 return "killed"
             # then the optimizer step, which waits (its pre-hook, after the gradients were
             # exchanged) until tier 1 is done with the step max_redo back
-            gate = sim.now
+            gated_at = sim.now
             if a.max_redo > 0 and last >= 0:
                 target = last - (a.max_redo - 1)
                 yield Until(self, functools.partial(self._settled, gen, target))
                 if gen in self.ended:
                     return (yield from self._leave(gen, rank, "ended", "generation ended"))
-            gate = sim.now - gate  # the step's wait for tier 1, reported with its snapshot
+            gate = sim.now - gated_at  # the step's wait for tier 1, reported with its snapshot
             assert self.value is not None
             self.value = advance(self.value, step, total)
             alloc, took = yield from self._snapshot(gen, rank, step, alloc, gate)
