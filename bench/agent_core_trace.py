@@ -1,7 +1,8 @@
 """When the agents' core is busy in one pinned ``bench overhead`` job: each step, from its
 end (rank 0's ``--times``) to tier 1's commit of it (the job's events) and on to the next
 step's end, how busy that core was (``/proc/stat``, sampled every 10 ms), and how long
-rank 0's next optimizer step waited for tier 1. Written for the 12-06 finding that the
+rank 0's next optimizer step waited for tier 1; beside it, how busy the trainers' core
+(the other CPUs) was over each step (``trainers_busy``). Written for the 12-06 finding that the
 pinned tiers 0+1 job waits for tier 1 because that core has more to do per step than the
 trainers' forward and backward leave it (README, "The agents' core per step, pinned").
 
@@ -30,18 +31,22 @@ from tierswap.bench import overhead, peerjobs
 
 def trace(system: str, steps: int) -> dict[str, Any]:
     (cpu,) = overhead.agent_cpus()
+    others = sorted(set(os.sched_getaffinity(0)) - {cpu})
     with tempfile.TemporaryDirectory(prefix="tierswap-trace-") as tmp:
         folder = Path(tmp)
         cmds = peerjobs.Commands(steps=steps, size_mib=384, python=sys.executable,
                                  scripts=peerjobs.peers_folder())  # fmt: skip
         cmd = cmds.tierswap_cmd(system, folder)
-        samples: list[tuple[float, float, float]] = []  # wall, monotonic, busy seconds
+        # wall, monotonic, the agents' core's busy seconds, the trainers' cores'
+        samples: list[tuple[float, float, float, float]] = []
         with (folder / "output.log").open("w") as log:
             env = {**os.environ, **peerjobs.same_env()}
             job = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
             while job.poll() is None:
-                samples.append((time.time(), time.monotonic(), overhead.cores_busy()[cpu]))
+                now = overhead.cores_busy()
+                trainers = sum(now[c] for c in others)
+                samples.append((time.time(), time.monotonic(), now[cpu], trainers))
                 time.sleep(0.01)
         if job.returncode != 0:
             raise RuntimeError(f"{system}: exit {job.returncode}")
@@ -50,13 +55,16 @@ def trace(system: str, steps: int) -> dict[str, Any]:
         evs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     ends = {n["step"]: n["t"] for n in notes if n["rank"] == 0}
     gates = {n["step"]: n["gate"] for n in notes if n["rank"] == 0}
-    to_wall = statistics.median(w - m for w, m, _ in samples)  # events carry wall time
+    to_wall = statistics.median(w - m for w, m, _, _ in samples)  # events carry wall time
 
-    def busy(a: float, b: float) -> float | None:
+    def busy(a: float, b: float, which: int = 2) -> float | None:
+        """The share of ``a`` to ``b`` the agents' core (``which`` 3: the trainers'
+        cores, per core) was busy."""
         xs = [s for s in samples if a <= s[0] <= b]
         if len(xs) < 2 or xs[-1][1] == xs[0][1]:
             return None
-        return (xs[-1][2] - xs[0][2]) / (xs[-1][1] - xs[0][1])
+        share = (xs[-1][which] - xs[0][which]) / (xs[-1][1] - xs[0][1])
+        return share / len(others) if which == 3 else share
 
     def commit(tier: int, step: int) -> float | None:
         at = [e["time"] for e in evs if e["event"] == "snapshot_committed"
@@ -73,9 +81,10 @@ def trace(system: str, steps: int) -> dict[str, Any]:
             row["tier1_commit_after_s"] = c1 - t
             row["busy_until_tier1"], row["busy_after_tier1"] = busy(t, c1), busy(c1, nxt)
         row["busy"] = busy(t, nxt)
+        row["trainers_busy"] = busy(t, nxt, 3)
         rows.append(row)
-    return {"system": system, "steps": steps, "agents_cpu": cpu, "sample_s": 0.01,
-            "rows": rows}  # fmt: skip
+    return {"system": system, "steps": steps, "agents_cpu": cpu, "trainers_cpus": others,
+            "sample_s": 0.01, "rows": rows}  # fmt: skip
 
 
 def main() -> int:

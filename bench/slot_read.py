@@ -2,12 +2,13 @@
 
 A slot of ``--size-mib`` (two float32 tensors) is made in shared memory as an agent makes
 one; then, ``--rounds`` times: mapping it read-only with its page tables filled
-(``MAP_POPULATE``, as ``fetch.read_slot`` did before 12-06's ``shm.ReadMap``) against the copy with its hash in 1 MiB
-pieces (``memcopy.copy_bytes_hashing``), a whole ``memmove`` and a whole hash after it
-(the floor's two passes); and ``read_slot`` itself alone and beside a Python thread that
-spins for 50 ms and for 1 s (each piece's copy and hash give up the GIL, and take it back
-from a busy thread only after a switch interval). Run by the workers' environment
-(``GLIBC_TUNABLES`` with the non-temporal threshold, ``tunables.nt_tunables``)::
+(``MAP_POPULATE``, as ``fetch.read_slot`` did before 12-06's ``shm.ReadMap``) against the
+copy with its hash in 1 MiB pieces (``memcopy.copy_bytes_hashing``), a whole ``memmove``
+and a whole hash after it (the floor's two passes); and ``read_slot`` itself alone and
+beside a Python thread that spins for 50 ms and for 1 s (each piece's copy and hash give
+up the GIL, and take it back from a busy thread only after a switch interval). Run by the
+workers' environment (``GLIBC_TUNABLES`` with the non-temporal threshold,
+``tunables.nt_tunables``)::
 
     GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 \\
         .venv/bin/python bench/slot_read.py --out bench/slot-read.json

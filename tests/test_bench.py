@@ -315,6 +315,20 @@ def test_a_core_s_busy_time_is_its_share_between_the_samples_around_the_window(
     assert sampler.busy(frozenset({1}), 0.5, 2.5) is None, "no sample after the window"
 
 
+def test_the_agents_cpu_is_read_at_the_window_s_ends_not_at_the_samples_outside(
+    tmp_path,
+) -> None:
+    from tierswap.bench import overhead
+
+    sampler = overhead.Sampler(tmp_path)
+    sampler.samples = {7: [(0.0, 0.0), (1.0, 1.0), (2.0, 1.1)], 8: [(1.0, 3.0), (2.0, 3.0)]}
+    # agent 7 at 0.5 s: 0.5, at 1.5 s: 1.05; the samples outside would give 1.1
+    assert sampler.between(0.5, 1.5) == pytest.approx(0.55)
+    assert sampler.between(1.0, 2.0) == pytest.approx(0.1), "agent 8 idle; both sampled"
+    # agent 8 started after 0.5 s: not sampled on both sides, so it counts nothing
+    assert sampler.between(0.5, 2.0) == pytest.approx(0.6)
+
+
 def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -> None:
     from tierswap.bench import overhead
 

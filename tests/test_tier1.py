@@ -108,6 +108,28 @@ def test_two_nodes_fsdp2_node_lost_restores_from_full_replica(tmp_path: Path, ba
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_the_advised_max_redo_2_with_a_slot_more_redoes_at_most_2_steps_bit_for_bit(
+    tmp_path: Path, baseline
+) -> None:
+    """What ``tier1_behind`` advises when tier 1 keeps the trainers waiting: ``--max-redo
+    2`` with a slot more in each ring. Node 1's replicas are held 0.25 s each, far longer
+    than a step, so tier 1 trails training by all the bound allows; node 1 is then killed
+    and its rank comes back on a spare from node 0's memory, at most 2 steps back, with no
+    snapshot skipped for want of a slot, and bit for bit."""
+    base = baseline(nodes=2, mode="ddp")
+    code, run_dir, out = run_job(
+        tmp_path, "kill", steps=12, mode="ddp",
+        extra=("--max-redo", "2", "--slots", "3", "--peer-slots", "3", "--spares", "1",
+               "--inject", "delay:node=1:seconds=0.25", "--inject", "kill:node=1:step=8"),
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    assert_same_bits(base, final_state(tmp_path, "kill"))
+    assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1"
+    (resumed,) = events(run_dir, "resumed")
+    assert resumed["redone"] <= 2, resumed
+    assert not events(run_dir, "snapshot_skipped"), "3 + 3 slots hold what tier 1 trails by"
+
+
 def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(
     tmp_path: Path, baseline
 ) -> None:

@@ -42,6 +42,7 @@ core has more to do per step than that, the step waits for it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -123,26 +124,33 @@ class Sampler:
                     self.samples.setdefault(pid, []).append((now, cpu))
 
     def between(self, t0: float, t1: float) -> float:
-        """CPU seconds all agents spent from ``t0`` to ``t1`` (nearest samples)."""
+        """CPU seconds all agents spent from ``t0`` to ``t1``, each agent's sampled total
+        read at both ends between the samples around them (an agent not sampled on both
+        sides of the window counts 0)."""
         total = 0.0
         for series in self.samples.values():
-            before = [c for t, c in series if t <= t0]
-            after = [c for t, c in series if t >= t1]
-            if before and after:
-                total += after[0] - before[-1]
+            a, b = _at(series, t0), _at(series, t1)
+            if a is not None and b is not None:
+                total += b - a
         return total
 
     def busy(self, cpus: frozenset[int], t0: float, t1: float) -> float | None:
-        """Seconds ``cpus`` spent busy from ``t0`` to ``t1`` (whatever ran there), or None
-        without samples on both sides: their busy share between the nearest samples
-        outside, times ``t1 - t0``."""
-        before = [(t, c) for t, c in self.cores if t <= t0]
-        after = [(t, c) for t, c in self.cores if t >= t1]
-        if not before or not after:
-            return None
-        (ta, a), (tb, b) = before[-1], after[0]
-        total = sum(b.get(c, 0.0) - a.get(c, 0.0) for c in cpus)
-        return total * (t1 - t0) / (tb - ta) if tb > ta else total
+        """Seconds ``cpus`` spent busy from ``t0`` to ``t1`` (whatever ran there), their
+        sampled busy time read at both ends between the samples around them, or None
+        without samples on both sides."""
+        series = [(t, sum(c.get(cpu, 0.0) for cpu in cpus)) for t, c in self.cores]
+        a, b = _at(series, t0), _at(series, t1)
+        return None if a is None or b is None else b - a
+
+
+def _at(series: Sequence[tuple[float, float]], t: float) -> float | None:
+    """A running total sampled as ``(time, total)`` pairs, at ``t``: linear between the
+    samples on either side, as a steady rate between them would make it; None where no
+    sample lies on one side of ``t``."""
+    for (ta, a), (tb, b) in itertools.pairwise(series):
+        if ta <= t <= tb:
+            return a if tb == ta else a + (b - a) * (t - ta) / (tb - ta)
+    return None
 
 
 def agent_cpus() -> frozenset[int]:
