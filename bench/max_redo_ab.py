@@ -10,11 +10,13 @@ redoes up to two steps. Each tier01 job's own events say how many steps tier 1 c
 and how many snapshots were skipped, so that a lower overhead bought by replicating fewer
 steps shows as such.
 
-``--burn F`` runs, for the whole bench, a process pinned to the agents' core that keeps it
-busy a fraction F of every 10 ms: a core that other work shares (a data loader, say), so
-that tier 1 falls behind the next forward and backward as on a slower machine.
+``--burn F`` runs, for the whole bench, a process pinned to the agents' core that spins F
+of each ~10 ms cycle and sleeps the rest: a core that other work shares (a data loader,
+say), so that tier 1 falls behind the next forward and backward as on a slower machine;
+the share of the core it got is measured (``burn_cpu_share``).
 
-    .venv/bin/python bench/max_redo_ab.py --rounds 3 [--burn 0.35] > bench/max-redo-ab.json
+    .venv/bin/python bench/max_redo_ab.py --rounds 3 [--burn 0.35] \
+        > bench/max-redo-ab-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,8 +40,9 @@ ARMS = {
         "TIERSWAP_MAX_REDO": "2", "TIERSWAP_SLOTS": "3", "TIERSWAP_PEER_SLOTS": "3",
     },
 }  # fmt: skip
-EVENTS: list[dict[str, int]] = []
-"""Per job sampled (in the order run), what its events say of its snapshots."""
+EVENTS: dict[str, dict[str, int]] = {}
+"""Per job sampled (by its folder's name: ``003-tier01-checkpoint``), what its events say
+of its snapshots."""
 
 
 class Counting(overhead.Sampler):
@@ -49,7 +53,7 @@ class Counting(overhead.Sampler):
         self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         super().__exit__(kind, e, tb)
-        EVENTS.append(count(self.run_dir / "events.jsonl"))
+        EVENTS[self.run_dir.parent.name] = count(self.run_dir / "events.jsonl")
 
 
 def count(path: Path) -> dict[str, int]:
@@ -71,7 +75,8 @@ def count(path: Path) -> dict[str, int]:
 
 
 BURN = """
-import os, sys, time
+import ctypes, os, signal, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with us
 os.sched_setaffinity(0, {int(sys.argv[1])})
 share, period = float(sys.argv[2]), 0.01
 while True:
@@ -88,19 +93,23 @@ def main() -> int:
     ap.add_argument("--size-mib", type=int, default=384)
     ap.add_argument("--burn", type=float, default=0.0)
     args = ap.parse_args()
+    if not 0 <= args.burn < 1:
+        ap.error(f"--burn {args.burn}: give the share of the core to take, from 0 up to 1")
     burner = None
     if args.burn:
         (cpu,) = overhead.agent_cpus()
         burner = subprocess.Popen([sys.executable, "-c", BURN, str(cpu), str(args.burn)])
     try:
-        return measure(args)
+        return measure(args, burner)
     finally:
         if burner is not None:
             burner.kill()
             burner.wait()
 
 
-def measure(args: argparse.Namespace) -> int:
+def measure(args: argparse.Namespace, burner: subprocess.Popen[bytes] | None) -> int:
+    start = time.monotonic()
+    burnt = overhead._cpu(burner.pid) if burner is not None else None
     overhead.Sampler = Counting  # type: ignore[misc]
     names = sorted({k for env in ARMS.values() for k in env})
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ARMS}
@@ -117,14 +126,17 @@ def measure(args: argparse.Namespace) -> int:
                 res = overhead.run(args.size_mib, 1, modes=("plain", "tier01"), pinned=True)
             keep = {m: {k: res[m].get(k) for k in fields if k in res[m]}
                     for m in ("tier01", "tier01_pinned")}  # fmt: skip
-            # the jobs sampled, in the order bench peers runs them: plain, tier01 and
-            # their pinned twins; the tier01 ones are those with tier-1 commits
-            keep["events"] = [e for e in EVENTS if e["tier1_committed"] or e["skipped"]]
+            keep["events"] = dict(EVENTS)  # every job sampled, plain ones included
+            if burner is not None and burner.poll() is not None:
+                raise RuntimeError(f"the burner ended (exit {burner.returncode})")
             runs[name].append(keep)
             print(name, r, json.dumps(keep), file=sys.stderr, flush=True)
     for k in names:
         os.environ.pop(k, None)
-    out = {"size_mib": args.size_mib, "burn": args.burn, "arms": ARMS, "runs": runs}
+    out: dict[str, Any] = {"size_mib": args.size_mib, "burn": args.burn, "arms": ARMS}
+    if burner is not None and burnt is not None and (now := overhead._cpu(burner.pid)):
+        out["burn_cpu_share"] = (now - burnt) / (time.monotonic() - start)
+    out["runs"] = runs
     json.dump(out, sys.stdout, indent=1)
     return 0
 

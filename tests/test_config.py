@@ -72,6 +72,21 @@ def test_defaults_are_valid_and_world_size_multiplies() -> None:
     assert Config(nodes=3, nproc_per_node=4).world_size == 12
 
 
+def test_unset_slots_follow_max_redo_and_fewer_given_are_said_with_the_fix() -> None:
+    """With ``--max-redo`` K of 2 or more tier 1 may trail tier 0 by K steps, each holding
+    its slot: unset, the ring gets K + 1 (K + 2 with a tier-2 write's slot); given fewer,
+    the job is told what to give instead, as its snapshots would be skipped."""
+    assert [Config(max_redo=k).tier0_slots for k in (0, 1, 2, 3)] == [2, 2, 3, 4]
+    assert Config(max_redo=2, persist="/t").tier0_slots == 4
+    assert Config(max_redo=3, replicas=0).tier0_slots == 2, "no tier 1 to trail tier 0"
+    assert Config(max_redo=2).slot_advice() is None and Config(slots=2).slot_advice() is None
+    assert Config(max_redo=3, slots=4).slot_advice() is None
+    assert Config(max_redo=2, slots=2, replicas=0).slot_advice() is None
+    advice = Config(max_redo=3, slots=3).slot_advice()
+    assert advice is not None and "--slots 3 with --max-redo 3" in advice, advice
+    assert "give --slots 4 or more" in advice, advice
+
+
 def test_unset_peer_parity_is_groups_of_3_where_they_apply_and_never_an_error() -> None:
     """The defaults hold 3x a node's state from 3 nodes on (2 + 2 slots, parity over groups
     of 3); elsewhere unset keeps full copies instead of refusing the job."""

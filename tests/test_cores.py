@@ -55,6 +55,15 @@ class Coordinator:
         return [c.fields for c in self.out if isinstance(c, cc.Log) and c.event == event]
 
 
+def test_a_job_whose_slots_are_fewer_than_its_max_redo_needs_is_told_at_the_start() -> None:
+    c = Coordinator(max_redo=2, slots=2)
+    (short,) = c.logged("slots_short")
+    assert short == {"slots": 2, "max_redo": 2}
+    said = [x.text for x in c.out if isinstance(x, cc.Say) and "--slots 2 with" in x.text]
+    assert said and "give --slots 3 or more" in said[0], said
+    assert not Coordinator(max_redo=2).logged("slots_short"), "unset: the ring follows"
+
+
 # ---------------------------------------------------------------- commits
 
 

@@ -108,26 +108,31 @@ def test_two_nodes_fsdp2_node_lost_restores_from_full_replica(tmp_path: Path, ba
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_the_advised_max_redo_2_with_a_slot_more_redoes_at_most_2_steps_bit_for_bit(
-    tmp_path: Path, baseline
+@pytest.mark.parametrize("redo", [2, 3])
+def test_the_advised_larger_max_redo_with_a_slot_more_redoes_its_bound_bit_for_bit(
+    tmp_path: Path, baseline, redo: int
 ) -> None:
-    """What ``tier1_behind`` advises when tier 1 keeps the trainers waiting: ``--max-redo
-    2`` with a slot more in each ring. Node 1's replicas are held 0.25 s each, far longer
-    than a step, so tier 1 trails training by all the bound allows; node 1 is then killed
-    and its rank comes back on a spare from node 0's memory, at most 2 steps back, with no
-    snapshot skipped for want of a slot, and bit for bit."""
+    """What ``tier1_behind`` advises when tier 1 keeps the trainers waiting: a larger
+    ``--max-redo`` with a slot more in each ring. Node 1's replicas are held 0.25 s each,
+    far longer than a step, so training runs as far ahead of tier 1 as the bound allows;
+    node 1 is then killed after step 8, and its rank comes back on a spare from node 0's
+    memory exactly ``redo`` steps back (the bound used, not exceeded), with no snapshot
+    skipped for want of a slot, and bit for bit."""
     base = baseline(nodes=2, mode="ddp")
+    slots = str(redo + 1)
     code, run_dir, out = run_job(
         tmp_path, "kill", steps=12, mode="ddp",
-        extra=("--max-redo", "2", "--slots", "3", "--peer-slots", "3", "--spares", "1",
-               "--inject", "delay:node=1:seconds=0.25", "--inject", "kill:node=1:step=8"),
+        extra=("--max-redo", str(redo), "--slots", slots, "--peer-slots", slots,
+               "--spares", "1", "--inject", "delay:node=1:seconds=0.25",
+               "--inject", "kill:node=1:step=8"),
     )  # fmt: skip
     assert code == 0, out[-3000:]
     assert_same_bits(base, final_state(tmp_path, "kill"))
     assert _restored(run_dir) == {0: 0, 1: 1}, "node 1's rank from tier 1"
+    assert events(run_dir, "spare_assigned")[0]["node"] == 1
     (resumed,) = events(run_dir, "resumed")
-    assert resumed["redone"] <= 2, resumed
-    assert not events(run_dir, "snapshot_skipped"), "3 + 3 slots hold what tier 1 trails by"
+    assert resumed["redone"] == redo and resumed["step"] == 8 - redo, resumed
+    assert not events(run_dir, "snapshot_skipped"), "a slot more holds what tier 1 trails by"
 
 
 def test_three_nodes_exact_ddp_node_lost_restores_from_peer_memory(

@@ -41,17 +41,21 @@ class Config:
     run_dir: str | None = None
     """Where the event log and sockets go; a fresh folder under ./runs when None."""
     slots: int | None = None
-    """Tier-0 slots per rank: the step committed in tier 0 and one being written. Unset
-    (the default): 2, or 3 with ``--persist``, whose write of a step to tier 2 holds that
-    step's slot until it is written (with two, every snapshot taken meanwhile finds no
-    slot and is skipped). In a ring of 2 a step is skipped (and counted) whenever the one
-    before is not yet committed when its snapshot is taken; with tier 1 on, the step tier
-    1 committed is the one kept, tier 0's own newer commit giving way when they differ.
-    ``--max-redo 1``, the default, makes them the same step wherever replication keeps
-    up, so nothing is skipped there. A third slot keeps the newest step apart from the
-    committed one, a fourth every step while tier 1 trails tier 0, each at one more
-    snapshot of memory per rank. With ``--max-redo 0`` give both rings a third
-    (``--slots 3 --peer-slots 3``): in the simulation 2 + 2 then skipped 2.5x the
+    """Tier-0 slots per rank: the step committed in tier 0 and one being written. Unset (the
+    default): 2, or 3 with ``--persist``, whose write of a step to tier 2 holds that step's
+    slot until it is written (with two, every snapshot taken meanwhile finds no slot and is
+    skipped); with tier 1 on and ``--max-redo`` K of 2 or more, K + 1 (K + 2 with
+    ``--persist``), as tier 1 may then trail tier 0 by K steps, each holding its slot (with
+    2 slots and ``--max-redo 2`` a 2-node job whose replicas lag skipped 23 of its 32
+    snapshots and committed 3 of 16 steps in tier 1; with 3, none and 14). A ring given
+    fewer is said at the start (:meth:`Config.slot_advice`). In a ring of 2 a step is
+    skipped (and counted) whenever the one before is not yet committed when its snapshot is
+    taken; with tier 1 on, the step tier 1 committed is the one kept, tier 0's own newer
+    commit giving way when they differ. ``--max-redo 1``, the default, makes them the same
+    step wherever replication keeps up, so nothing is skipped there. A third slot keeps the
+    newest step apart from the committed one, a fourth every step while tier 1 trails tier
+    0, each at one more snapshot of memory per rank. With ``--max-redo 0`` give both rings a
+    third (``--slots 3 --peer-slots 3``): in the simulation 2 + 2 then skipped 2.5x the
     snapshots of 3 + 3 and committed 13 % fewer tier-1 steps (with ``--max-redo 1``, 0.3 %
     fewer)."""
     peer_slots: int = 2
@@ -280,7 +284,26 @@ class Config:
         """The slots of each rank's tier-0 ring: ``--slots``, or what unset picks."""
         if self.slots is not None:
             return self.slots
-        return 3 if self.persist is not None else 2
+        return self._ring_need() + (1 if self.persist is not None else 0)
+
+    def _ring_need(self) -> int:
+        """Tier-0 slots a ring needs for tier 1 to trail it by ``--max-redo`` steps and
+        one more to be written (2 at the least), not counting a tier-2 write's."""
+        return max(2, self.max_redo + 1) if self.replicas else 2
+
+    def slot_advice(self) -> str | None:
+        """What to give where ``--slots`` leaves tier 0's ring fewer slots than tier 1 may
+        trail it by (``--max-redo``): snapshots would be skipped whenever it does; None
+        where the ring is large enough."""
+        need = self._ring_need()
+        if self.tier0_slots >= need:
+            return None
+        return (
+            f"--slots {self.tier0_slots} with --max-redo {self.max_redo}: tier 1 may trail "
+            f"tier 0 by {self.max_redo} steps, each holding its slot, so snapshots will be "
+            f"skipped whenever it does; give --slots {need} or more (leave it unset and it "
+            "follows --max-redo), one more snapshot of memory per rank each"
+        )
 
     @property
     def parity_group(self) -> int:

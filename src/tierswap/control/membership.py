@@ -34,6 +34,9 @@ def begin(core: CoordinatorCore, event: Begin, now: float) -> None:
     )
     if event.durable_warning:
         core.persister.failing(f"cannot write {core.cfg.persist}: {event.durable_warning}")
+    if (advice := core.cfg.slot_advice()) is not None:
+        core.out.log("slots_short", slots=core.cfg.tier0_slots, max_redo=core.cfg.max_redo)
+        core.out.say(advice)
     announce_placement(core)
     if core.multihost:
         core.out.say(
