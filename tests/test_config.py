@@ -76,13 +76,15 @@ def test_unset_slots_follow_max_redo_and_fewer_given_are_said_with_the_fix() -> 
     """With ``--max-redo`` K of 2 or more tier 1 may trail tier 0 by K steps, each holding
     its slot: unset, the ring gets K + 1 (K + 2 with a tier-2 write's slot); given fewer,
     the job is told what to give instead, as its snapshots would be skipped."""
-    assert [Config(max_redo=k).tier0_slots for k in (0, 1, 2, 3)] == [2, 2, 3, 4]
-    assert Config(max_redo=2, persist="/t").tier0_slots == 4
-    assert Config(max_redo=3, replicas=0).tier0_slots == 2, "no tier 1 to trail tier 0"
-    assert Config(max_redo=2).slot_advice() is None and Config(slots=2).slot_advice() is None
-    assert Config(max_redo=3, slots=4).slot_advice() is None
-    assert Config(max_redo=2, slots=2, replicas=0).slot_advice() is None
-    advice = Config(max_redo=3, slots=3).slot_advice()
+    assert [Config(nodes=2, max_redo=k).tier0_slots for k in (0, 1, 2, 3)] == [2, 2, 3, 4]
+    assert Config(nodes=2, max_redo=2, persist="/t").tier0_slots == 4
+    assert Config(nodes=2, max_redo=3, replicas=0).tier0_slots == 2, "no tier 1"
+    assert Config(nodes=1, max_redo=3).tier0_slots == 2, "one node: no peer to replicate to"
+    two = Config(nodes=2, max_redo=2)
+    assert two.slot_advice() is None and Config(nodes=2, slots=2).slot_advice() is None
+    assert Config(nodes=2, max_redo=3, slots=4).slot_advice() is None
+    assert Config(nodes=2, max_redo=2, slots=2, replicas=0).slot_advice() is None
+    advice = Config(nodes=2, max_redo=3, slots=3).slot_advice()
     assert advice is not None and "--slots 3 with --max-redo 3" in advice, advice
     assert "give --slots 4 or more" in advice, advice
 

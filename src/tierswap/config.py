@@ -289,7 +289,7 @@ class Config:
     def _ring_need(self) -> int:
         """Tier-0 slots a ring needs for tier 1 to trail it by ``--max-redo`` steps and
         one more to be written (2 at the least), not counting a tier-2 write's."""
-        return max(2, self.max_redo + 1) if self.replicas else 2
+        return max(2, self.max_redo + 1) if self.replicas and self.nodes >= 2 else 2
 
     def slot_advice(self) -> str | None:
         """What to give where ``--slots`` leaves tier 0's ring fewer slots than tier 1 may
