@@ -87,6 +87,10 @@ def test_unset_slots_follow_max_redo_and_fewer_given_are_said_with_the_fix() -> 
     advice = Config(nodes=2, max_redo=3, slots=3).slot_advice()
     assert advice is not None and "--slots 3 with --max-redo 3" in advice, advice
     assert "give --slots 4 or more" in advice, advice
+    advice = Config(nodes=2, max_redo=2, slots=3, persist="/t").slot_advice()
+    assert advice is not None and "give --slots 4 or more" in advice, "a tier-2 write's slot"
+    assert Config(nodes=2, max_redo=2, slots=4, persist="/t").slot_advice() is None
+    assert Config(nodes=2, slots=2, persist="/t").slot_advice() is None, "--max-redo 1: as before"
 
 
 def test_unset_peer_parity_is_groups_of_3_where_they_apply_and_never_an_error() -> None:

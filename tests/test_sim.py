@@ -84,7 +84,7 @@ def scenario(seed: int, since_12_05: bool = True) -> Sim:
         cfg,
         max_redo=redo,
         peer_parity=rng.choice([None, 0, 2, 3]) if cfg.replicas == 1 and redo else None,
-        slots=rng.choice([None, 3, 2]),  # unset: 2, or 3 with --persist
+        slots=rng.choice([None, 3, 2]),  # unset: Config.tier0_slots (it follows max_redo)
         peer_slots=rng.choice([2, 2, 3]),
     )
     return Sim(cfg, seed=seed, steps=steps, chaos=chaos, step_time=step_time)

@@ -113,8 +113,9 @@ def test_the_advised_larger_max_redo_with_a_slot_more_redoes_its_bound_bit_for_b
     tmp_path: Path, baseline, redo: int
 ) -> None:
     """What ``tier1_behind`` advises when tier 1 keeps the trainers waiting: a larger
-    ``--max-redo`` with a slot more in each ring. Node 1's replicas are held 0.25 s each,
-    far longer than a step, so training runs as far ahead of tier 1 as the bound allows;
+    ``--max-redo`` with a slot more in each ring. Node 1's replicas are held 1 s each, far
+    longer than a step (and than the hops from tier 1's commit of a step to the kill after
+    step 8, on a loaded machine), so training runs as far ahead of tier 1 as the bound allows;
     node 1 is then killed after step 8, and its rank comes back on a spare from node 0's
     memory exactly ``redo`` steps back (the bound used, not exceeded), with no snapshot
     skipped for want of a slot, and bit for bit."""
@@ -123,7 +124,7 @@ def test_the_advised_larger_max_redo_with_a_slot_more_redoes_its_bound_bit_for_b
     code, run_dir, out = run_job(
         tmp_path, "kill", steps=12, mode="ddp",
         extra=("--max-redo", str(redo), "--slots", slots, "--peer-slots", slots,
-               "--spares", "1", "--inject", "delay:node=1:seconds=0.25",
+               "--spares", "1", "--inject", "delay:node=1:seconds=1",
                "--inject", "kill:node=1:step=8"),
     )  # fmt: skip
     assert code == 0, out[-3000:]

@@ -292,17 +292,24 @@ class Config:
         return max(2, self.max_redo + 1) if self.replicas and self.nodes >= 2 else 2
 
     def slot_advice(self) -> str | None:
-        """What to give where ``--slots`` leaves tier 0's ring fewer slots than tier 1 may
-        trail it by (``--max-redo``): snapshots would be skipped whenever it does; None
-        where the ring is large enough."""
-        need = self._ring_need()
-        if self.tier0_slots >= need:
+        """What to give where ``--slots`` leaves tier 0's ring fewer slots than an unset one
+        would have with ``--max-redo`` 2 or more (tier 1 may trail it by that many steps,
+        each holding its slot): snapshots would be skipped whenever it does; None where
+        the ring is large enough, ``--slots`` is unset, or ``--max-redo`` is 0 or 1."""
+        if self.slots is None or self._ring_need() <= 2:
+            return None
+        persist = self.persist is not None
+        need = self._ring_need() + (1 if persist else 0)
+        if self.slots >= need:
             return None
         return (
-            f"--slots {self.tier0_slots} with --max-redo {self.max_redo}: tier 1 may trail "
-            f"tier 0 by {self.max_redo} steps, each holding its slot, so snapshots will be "
-            f"skipped whenever it does; give --slots {need} or more (leave it unset and it "
-            "follows --max-redo), one more snapshot of memory per rank each"
+            f"--slots {self.slots} with --max-redo {self.max_redo}"
+            + (" and --persist" if persist else "")
+            + f": tier 1 may trail tier 0 by {self.max_redo} steps, each holding its slot"
+            + (", and a tier-2 write holds one more" if persist else "")
+            + f", so snapshots will be skipped whenever it does; give --slots {need} or "
+            "more (leave it unset and it follows --max-redo), one more snapshot of memory "
+            "per rank each"
         )
 
     @property
