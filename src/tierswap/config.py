@@ -282,8 +282,11 @@ class Config:
     @property
     def tier0_slots(self) -> int:
         """The slots of each rank's tier-0 ring: ``--slots``, or what unset picks."""
-        if self.slots is not None:
-            return self.slots
+        return self.slots if self.slots is not None else self._unset_slots()
+
+    def _unset_slots(self) -> int:
+        """What an unset ``--slots`` picks: :meth:`_ring_need`, and one more with
+        ``--persist`` (a tier-2 write holds its step's slot while it lasts)."""
         return self._ring_need() + (1 if self.persist is not None else 0)
 
     def _ring_need(self) -> int:
@@ -296,12 +299,10 @@ class Config:
         would have with ``--max-redo`` 2 or more (tier 1 may trail it by that many steps,
         each holding its slot): snapshots would be skipped whenever it does; None where
         the ring is large enough, ``--slots`` is unset, or ``--max-redo`` is 0 or 1."""
-        if self.slots is None or self._ring_need() <= 2:
+        need = self._unset_slots()
+        if self.slots is None or self._ring_need() <= 2 or self.slots >= need:
             return None
         persist = self.persist is not None
-        need = self._ring_need() + (1 if persist else 0)
-        if self.slots >= need:
-            return None
         return (
             f"--slots {self.slots} with --max-redo {self.max_redo}"
             + (" and --persist" if persist else "")
