@@ -3,10 +3,12 @@ reason, with no process, socket or clock (time is an argument)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
+from tierswap.cluster.candidate import job_config
 from tierswap.config import Config
 from tierswap.control import agent_events as ae
 from tierswap.control import commands as cc
@@ -62,6 +64,29 @@ def test_a_job_whose_slots_are_fewer_than_its_max_redo_needs_is_told_at_the_star
     said = [x.text for x in c.out if isinstance(x, cc.Say) and "--slots 2 with" in x.text]
     assert said and "give --slots 3 or more" in said[0], said
     assert not Coordinator(max_redo=2).logged("slots_short"), "unset: the ring follows"
+
+
+def test_a_leader_that_takes_over_runs_the_job_with_the_options_it_was_started_with() -> None:
+    """A host launched with other options (``--max-redo 2`` here) that wins the election
+    leads with the job's recorded ones, keeps only where it listens, its terminal and its
+    directory, and says which of its own it does not use."""
+    c = Coordinator(max_redo=1, persist_every=5)
+    rec = c.core.record()
+    own = Config(nodes=2, max_redo=2, persist_every=5, bind="10.0.0.2", console=False,
+                 run_dir="/r")  # fmt: skip
+    job, ignored = job_config(own, rec)
+    assert job == dataclasses.replace(c.core.cfg, bind="10.0.0.2", run_dir="/r")
+    assert ignored == ["max_redo"] and job.tier0_slots == c.core.cfg.tier0_slots
+    assert job_config(own, None) == (own, []), "a first leader: its own launch's"
+    older = {k: v for k, v in rec.items() if k != "config"}
+    assert job_config(own, older) == (own, []), "a record without them: its own"
+    core = CoordinatorCore(job, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
+                           tier2=None, now=0.0)  # fmt: skip
+    out = core.handle(cc.TakeOver(rec, 0, tuple(ignored)), 0.0)
+    logs = [x for x in out if isinstance(x, cc.Log)]
+    (took,) = [x.fields for x in logs if x.event == "coordinator_took_over"]
+    assert took["ignored"] == ["max_redo"] and core.cfg.max_redo == 1
+    assert any(isinstance(x, cc.Say) and "--max-redo otherwise" in x.text for x in out), out
 
 
 # ---------------------------------------------------------------- commits

@@ -150,7 +150,8 @@ def test_the_coordinators_host_killed_another_leads_and_the_job_ends_bit_exact(
     (it started first) and serves node 0; B serves node 1; C is a spare. Every process of
     A is killed: within etcd's lease another launcher leads, reads the state back, B and
     C reconnect to it, C takes node 0, and the job ends bit for bit as an uninterrupted
-    one, with every host's launcher exiting 0."""
+    one, with every host's launcher exiting 0. B and C were launched with another
+    ``--max-redo``: whichever leads next runs the job with A's, as its hosts do."""
     base = baseline(nodes=2, mode="ddp")
     try:
         net = Network(4)
@@ -163,8 +164,10 @@ def test_the_coordinators_host_killed_another_leads_and_the_job_ends_bit_exact(
             server.wait(prefix=a.prefix)
             procs.append(_launch(a, 0, tmp_path, server.endpoint, "--node-rank", "0"))
             _wait(tmp_path, 60, lambda e: e["event"] == "job_started")
-            procs.append(_launch(b, 1, tmp_path, server.endpoint, "--node-rank", "1"))
-            procs.append(_launch(c, 2, tmp_path, server.endpoint, "--spare"))
+            # B and C were launched with another --max-redo: the job keeps A's
+            other = ("--max-redo", "2")
+            procs.append(_launch(b, 1, tmp_path, server.endpoint, "--node-rank", "1", *other))
+            procs.append(_launch(c, 2, tmp_path, server.endpoint, "--spare", *other))
             _wait(tmp_path, 120, lambda e: e["event"] == "snapshot_committed" and e["step"] >= 4)
             killed = a.kill_all()
             killed_at = time.time()
@@ -192,6 +195,7 @@ def test_the_coordinators_host_killed_another_leads_and_the_job_ends_bit_exact(
     assert_same_bits(base, final_state(tmp_path, "etcd"))
     (took,) = [e for e in evs if e["event"] == "coordinator_took_over"]
     assert took["old_host"] == 0 and took["time"] - killed_at < 5, took
+    assert took["ignored"] == ["max_redo"], "the new leader runs the job's options, not its own"
     (complete,) = [e for e in evs if e["event"] == "takeover_complete"]
     assert complete["missing"] == [0]
     (assigned,) = [e for e in evs if e["event"] == "spare_assigned"]

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,32 @@ def address_towards(endpoint: tuple[str, int]) -> str:
     """The address of this host that its connections to ``endpoint`` leave from."""
     with socket.create_connection(endpoint, timeout=10) as s:
         return str(s.getsockname()[0])
+
+
+OWN_OPTIONS = ("bind", "console", "run_dir")
+"""Options that are the launching host's own, kept by a leader that takes a job over:
+where it listens, its terminal, its directory."""
+
+
+def job_config(own: Config, record: Mapping[str, Any] | None) -> tuple[Config, list[str]]:
+    """The options a winning candidate leads the job with, and the names of this launch's
+    options that it does not use.
+
+    A first leader (no ``record``) starts the job with its own launch's options. One that
+    takes a job over runs it with the options its first leader started it with, as
+    recorded (``takeover.record``): every host serves the job with those (its agent got
+    them when it joined), and a later leader must not change the job's ring sizes,
+    redo bound, persist path or restart budget because its host was launched with other
+    ones. Only :data:`OWN_OPTIONS` come from this launch."""
+    if record is None or "config" not in record:  # (a record written before it was kept)
+        return own, []
+    job = Config.from_env(record["config"], **{k: getattr(own, k) for k in OWN_OPTIONS})
+    ignored = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.name not in OWN_OPTIONS and getattr(own, f.name) != getattr(job, f.name)
+    ]
+    return job, ignored
 
 
 def _old_host(record: dict[str, Any]) -> int | None:
@@ -86,8 +113,15 @@ def run(
                     won = False
                 if won:
                     led = True
-                    takeover = None if record is None else TakeOver(record, _old_host(record))
-                    job = dataclasses.replace(cfg, bind=here, job_name=cfg.job_name or launch.job)
+                    job, ignored = job_config(
+                        dataclasses.replace(cfg, bind=here, job_name=cfg.job_name or launch.job),
+                        record,
+                    )
+                    takeover = (
+                        None
+                        if record is None
+                        else TakeOver(record, _old_host(record), tuple(ignored))
+                    )
                     coordinator = Coordinator(
                         job,
                         script,

@@ -69,10 +69,13 @@ class DurableLost:
 class TakeOver:
     """This coordinator leads a job another one led (``--rdzv-backend etcd``): ``record``
     is what that one wrote last (``CoordinatorCore.record``); ``old_host`` the host of
-    the old leader's own machine, which is not waited for."""
+    the old leader's own machine, which is not waited for; ``ignored`` the options this
+    leader's own launch gave otherwise than the job's, which it does not use
+    (``candidate.job_config``)."""
 
     record: Mapping[str, Any]
     old_host: int | None = None
+    ignored: tuple[str, ...] = ()
 
 
 CoordinatorEvent = Begin | TakeOver | AgentMessage | AgentClosed | Tick | HostExited | DurableLost

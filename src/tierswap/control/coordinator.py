@@ -232,8 +232,8 @@ class CoordinatorCore:
                         resize.salvaged(self, None, now)
                 case Begin():
                     membership.begin(self, event, now)
-                case TakeOver(record=record, old_host=old_host):
-                    takeover.adopt(self, record, old_host, now)
+                case TakeOver(record=record, old_host=old_host, ignored=ignored):
+                    takeover.adopt(self, record, old_host, now, ignored)
         except JobStopped as e:
             self.phase.move(Phase.FAILED)
             self.out.log("job_failed", reason=str(e))

@@ -28,9 +28,11 @@ OLD_HOST_GRACE_S = 0.5
 
 def record(core: CoordinatorCore) -> dict[str, Any]:
     """What a coordinator that takes this one's place needs (JSON-able): membership,
-    generation, each tier's commit, the settled step, spares, the hosts fenced."""
+    generation, each tier's commit, the settled step, spares, the hosts fenced, and the
+    options the job runs with (``candidate.job_config``)."""
     return {
         "job_id": core.job_id,
+        "config": core.cfg.to_env(),
         "generation": core.generation,
         **core.hosts.record(),
         "committed": {str(t): c.committed for t, c in core.tiers.items()},
@@ -45,10 +47,17 @@ def record(core: CoordinatorCore) -> dict[str, Any]:
     }
 
 
-def adopt(core: CoordinatorCore, rec: Mapping[str, Any], old_host: int | None, now: float) -> None:
+def adopt(
+    core: CoordinatorCore,
+    rec: Mapping[str, Any],
+    old_host: int | None,
+    now: float,
+    ignored: tuple[str, ...] = (),
+) -> None:
     """Lead the job another coordinator led: its hosts, as it last recorded them,
     reconnect (:func:`rejoin`); then the generation it ran is stopped and a new one
-    started from what the hosts hold, as after any failure."""
+    started from what the hosts hold, as after any failure. ``ignored``: options of this
+    leader's own launch that differ from the job's (it runs with the job's)."""
     core.hosts.adopt(rec)
     core.generation = int(rec["generation"])
     core.door.generation = core.generation
@@ -78,11 +87,18 @@ def adopt(core: CoordinatorCore, rec: Mapping[str, Any], old_host: int | None, n
         generation=core.generation,
         expected=sorted(core.expected),
         old_host=old_host,
+        ignored=list(ignored),
     )
     core.out.say(
         f"this host's coordinator took the job over (generation {core.generation}); "
         f"waiting for hosts {sorted(core.expected)} to reconnect"
     )
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        core.out.say(
+            f"it runs the job with the options the job was started with: this host's "
+            f"launch gave {flags} otherwise, and those are not used"
+        )
 
 
 def rejoin(core: CoordinatorCore, conn: int, msg: p.Hello, now: float) -> None:
