@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench bench-peers clean etcd gpu-check gpu-wheels
+.PHONY: test demo lint bench bench-peers clean etcd gpu-check gpu-wheels compat
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -80,10 +80,31 @@ gpu-check:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)/src PYTHONUNBUFFERED=1 $(GPU_PY) -m tierswap.cli bench \
 	  gpu-check --json $${OUT:-.}/gpu-check.json
 
+# The suite under the device machine's torch (2.11), in a venv of its own, so that an API
+# that torch lacks there fails here and not in the GPU check's few minutes. PyPI's wheel of
+# it is the CUDA build: about 4.6 GB installed, hence not part of `make test`. tierswap goes
+# in without its deps (it asks for 2.13); the others at the versions .venv has.
+COMPAT_TORCH ?= 2.11.0
+COMPAT := .venv-torch$(COMPAT_TORCH)
+
+compat: $(STAMP) etcd
+	test -x $(COMPAT)/bin/python || $(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install -q torch==$(COMPAT_TORCH)
+	$(COMPAT)/bin/pip install -q --no-deps -e .
+	$(BIN)/pip freeze --exclude-editable | grep -v -i '^torch==' > $(COMPAT)/constraints.txt
+	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["dev"] \
+	  if not d.startswith("torch")))' > $(COMPAT)/requirements.txt
+	$(COMPAT)/bin/pip install -q -c $(COMPAT)/constraints.txt -r $(COMPAT)/requirements.txt
+	@base=$$(mktemp -d /tmp/tsw.XXXX); \
+	TORCHINDUCTOR_CACHE_DIR=$$base/inductor \
+	$(COMPAT)/bin/pytest -q -n 2 --dist loadfile --basetemp=$$base; rc=$$?; \
+	rm -rf $$base; exit $$rc
+
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .venv-torch* .pytest_cache .mypy_cache .ruff_cache
