@@ -31,7 +31,6 @@ from typing import Any
 from tierswap.bench.common import run_bounded
 from tierswap.bench.hostmem import node_memory
 from tierswap.bench.recovery import MLP, account
-from tierswap.config import Config
 from tierswap.examples import job_command
 
 MODES: dict[str, list[str]] = {
@@ -54,13 +53,12 @@ def job(work: Path, name: str, extra: list[str], size_mib: int, nodes: int) -> d
     if code != 0:
         return {"failed": (work / f"{name}.log").read_text()[-2000:]}
     evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else Config().tier0_slots
-    mem = node_memory(evs, slots)
+    mem = node_memory(evs)
     count = {k: sum(e["event"] == k for e in evs) for k in ("snapshot_skipped", "replica_rejected")}
     commits = [e for e in evs if e["event"] == "snapshot_committed"]
     count["committed_tier1"] = len({e["step"] for e in commits if e.get("tier") == 1})
     return {
-        **account(run_dir, slots),
+        **account(run_dir),
         **count,
         "memory_x": {n: round(m["total_x"], 3) for n, m in mem.items()},
     }

@@ -209,18 +209,22 @@ def test_host_memory_per_node_counts_both_tiers_against_the_nodes_own_state() ->
 
     mib = 2**20
     evs = [  # 2 nodes, a rank each, 4 slots of 1 MiB; node 1's ring was made anew, bigger
-        {"event": "memory", "node": 0, "rank": 0, "tier": 0, "bytes": 4 * mib},
-        {"event": "memory", "node": 1, "rank": 1, "tier": 0, "bytes": 4 * mib},
+        {"event": "memory", "node": 0, "rank": 0, "tier": 0, "bytes": 4 * mib, "slots": 4},
+        {"event": "memory", "node": 1, "rank": 1, "tier": 0, "bytes": 4 * mib, "slots": 4},
         {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 4 * mib},
         {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 2 * mib},
         {"event": "memory", "node": 1, "rank": 0, "tier": 1, "bytes": 4 * mib},
         {"event": "report", "step": 0},
     ]
-    out = node_memory(evs, slots=4)
+    out = node_memory(evs)
     assert {n: v["total_x"] for n, v in out.items()} == {"0": 8.0, "1": 8.0}
     delta = [*evs[:2], {"event": "memory", "node": 0, "rank": 1, "tier": 1, "bytes": 3 * mib,
                         "scope": "node"}]  # fmt: skip
-    assert node_memory(delta, slots=4)["0"]["tier1_x"] == 3.0
+    assert node_memory(delta)["0"]["tier1_x"] == 3.0
+    three = [{**evs[0], "bytes": 3 * mib, "slots": 3}, *evs[1:]]  # a ring of 3 slots
+    assert node_memory(three)["0"]["state"] == mib, "the state is the ring over its slots"
+    with pytest.raises(ValueError, match="without its ring's slots"):
+        node_memory([{k: v for k, v in evs[0].items() if k != "slots"}])
 
 
 def test_bench_memory_runs_tiny() -> None:

@@ -159,7 +159,7 @@ def test_three_nodes_with_the_defaults_hold_3x_memory_and_hot_swap_a_lost_node_b
     assert not events(run_dir, "replica_served"), "no node holds a whole replica"
     (placement,) = events(run_dir, "placement")
     assert placement["parity"] == 3, placement
-    per_node = node_memory(events(run_dir), slots=2)
+    per_node = node_memory(events(run_dir))
     assert sorted(per_node) == ["0", "1", "2"]
     for n, mem in per_node.items():
         assert 2.9 < mem["total_x"] <= 3.01, f"node {n} holds {mem['total_x']:.2f}x its state"

@@ -166,3 +166,21 @@ def run_bounded(
     for job in jobs:  # a killed job leaves its tier-0 memory: no agent lived to unlink it
         remove_job_segments(job)
     return code
+
+
+def ring_slots(event: Mapping[str, Any]) -> int:
+    """The slots of the ring a ``memory`` event reports (one segment each): a rank's
+    state is the tier-0 ring's bytes over them, whatever ``--slots`` the job picked."""
+    if not event.get("slots"):
+        raise ValueError(f"a memory event without its ring's slots (older than 12-07): {event}")
+    return int(event["slots"])
+
+
+def state_bytes(events: Sequence[Mapping[str, Any]], rank: int) -> int:
+    """``rank``'s state in bytes, off its largest tier-0 ring in a job's events."""
+    rings = [e for e in events if e["event"] == "memory" and e["rank"] == rank and not e["tier"]
+             and e.get("scope", "rank") == "rank"]  # fmt: skip
+    if not rings:
+        raise ValueError(f"no tier-0 memory event of rank {rank}")
+    ring = max(rings, key=lambda e: int(e["bytes"]))
+    return int(ring["bytes"]) // ring_slots(ring)

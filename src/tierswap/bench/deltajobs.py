@@ -39,8 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tierswap.bench.common import stats
-from tierswap.config import Config
+from tierswap.bench.common import ring_slots, stats
 from tierswap.examples import EXAMPLE, job_command
 
 WARMUP_STEPS = 5
@@ -93,8 +92,8 @@ def _run(work: Path, name: str, workload: str, mode: str) -> dict[str, Any]:
     out: dict[str, Any] = {"step_s": _step_s(evs), "peer_bytes": peer_memory(evs)}
     commits = [e for e in evs if e["event"] == "snapshot_committed" and e["tier"] == 1]
     out["tier1_per_step"] = len(commits) / STEPS
-    snap = [e["bytes"] for e in evs if e["event"] == "memory" and e["tier"] == 0]
-    out["snapshot_bytes"] = snap[0] // Config().tier0_slots if snap else 0  # no --persist
+    snap = [e for e in evs if e["event"] == "memory" and e["tier"] == 0]
+    out["snapshot_bytes"] = snap[0]["bytes"] // ring_slots(snap[0]) if snap else 0
     traffic = [e for e in evs if e["event"] == "replica_traffic"]
     if traffic:
         t = traffic[-1]

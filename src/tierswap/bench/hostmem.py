@@ -24,12 +24,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from tierswap.bench.common import run_bounded
+from tierswap.bench.common import ring_slots, run_bounded
 from tierswap.config import AUTO_PARITY, Config
 from tierswap.examples import job_command
 from tierswap.shm import PREFIX, SHM_DIR
 
-_DEFAULT = Config()
+_DEFAULT = Config(nodes=3)  # (its modes run 3 nodes)
 PARITY_3X = "--peer-parity 3 --slots 2 --peer-slots 2"
 """The mode that held 3x before it was the default (12-05); read in older results."""
 OLD = "--slots 3 --peer-slots 3 --peer-parity 0"
@@ -48,26 +48,28 @@ MODES: dict[str, list[str]] = {
 }  # fmt: skip
 
 
-def node_memory(evs: list[dict[str, Any]], slots: int) -> dict[str, Any]:
+def node_memory(evs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per node: bytes of tier 0 and tier 1, and each as a multiple of the node's own
-    state, from the ``memory`` events (the largest report of each)."""
-    rank_bytes: dict[tuple[int, int, int], int] = {}
+    state, from the ``memory`` events (the largest report of each; a rank's state is its
+    tier-0 ring's bytes over the ring's slots, both in the event)."""
+    largest: dict[tuple[int, int, int], dict[str, Any]] = {}
     node_peak: dict[int, int] = defaultdict(int)
     for e in evs:
         if e["event"] != "memory" or e.get("node") is None:
             continue
         if e.get("scope") == "node":
             node_peak[e["node"]] = max(node_peak[e["node"]], e["bytes"])
-        else:
-            key = (e["node"], e["tier"], e["rank"])
-            rank_bytes[key] = max(rank_bytes.get(key, 0), e["bytes"])
-    nodes = sorted({n for n, _, _ in rank_bytes})
+            continue
+        key = (e["node"], e["tier"], e["rank"])
+        if key not in largest or e["bytes"] > largest[key]["bytes"]:
+            largest[key] = e
     out: dict[str, Any] = {}
-    for n in nodes:
-        tier0 = sum(b for (m, t, _), b in rank_bytes.items() if m == n and t == 0)
-        tier1 = sum(b for (m, t, _), b in rank_bytes.items() if m == n and t == 1)
+    for n in sorted({n for n, _, _ in largest}):
+        rings = [e for (m, t, _), e in largest.items() if m == n and t == 0]
+        tier0 = sum(e["bytes"] for e in rings)
+        tier1 = sum(e["bytes"] for (m, t, _), e in largest.items() if m == n and t == 1)
         tier1 = max(tier1, node_peak.get(n, 0))
-        state = tier0 / slots
+        state = sum(e["bytes"] / ring_slots(e) for e in rings)
         out[str(n)] = {
             "state": state, "tier0": tier0, "tier1": tier1,
             "tier0_x": tier0 / state, "tier1_x": tier1 / state,
@@ -117,8 +119,7 @@ def measure_mode(tmp: Path, name: str, extra: list[str], nodes: int, steps: int)
         tail = (tmp / f"{name}.log").read_text()[-1500:]
         raise RuntimeError(f"{name}: exit code {code}: {tail}")
     evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    slots = int(extra[extra.index("--slots") + 1]) if "--slots" in extra else _DEFAULT.tier0_slots
-    per_node = node_memory(evs, slots)
+    per_node = node_memory(evs)
     state = sum(n["state"] for n in per_node.values())
     return {"args": extra, "nodes": per_node, "shm_peak": peak[0],
             "shm_x": peak[0] / state if state else None}  # fmt: skip

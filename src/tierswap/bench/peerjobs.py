@@ -129,10 +129,11 @@ def probe(python: Path | None) -> dict[str, Any]:
     return found
 
 
-_D = TierswapConfig()
+_D = TierswapConfig(nodes=2)  # (the jobs' defaults: 2 nodes)
+_P = TierswapConfig(nodes=2, persist="x")
 SETTINGS = {
     "tierswap": f"tierswap run --nodes 2 --threads 1 (defaults: {_D.tier0_slots} slots, "
-    f"{TierswapConfig(persist='x').tier0_slots} with --persist, {_D.peer_slots} peer slots, 1 full "
+    f"{_P.tier0_slots} with --persist, {_D.peer_slots} peer slots, 1 full "
     "replica: parity needs 3 nodes); tier0: --replicas 0; tier012: --persist <local dir> "
     "--persist-every 1",
     "dlrover": "dlrover-run --standalone --nproc_per_node 2 --max_restarts 1 (its local master "

@@ -71,7 +71,6 @@ from tierswap.bench.peerjobs import (
     STEPS,
     VICTIM,
 )
-from tierswap.config import Config as TierswapConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -252,7 +251,7 @@ class Bench:
         kill_t = None if own else fired
         if system in ACCOUNTED:  # its own events, whatever its times file says
             try:
-                acc = recovery.account(folder / "run", TierswapConfig().tier0_slots)
+                acc = recovery.account(folder / "run")
                 self.accounts.setdefault(ACCOUNTED[system], []).append(acc)
             except (KeyError, ValueError, IndexError, TypeError, OSError) as e:
                 self.failures.append(f"{system} (its account of the way back): {e!r}")

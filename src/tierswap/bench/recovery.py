@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.bench import limits
-from tierswap.bench.common import run_bounded, stats
-from tierswap.config import Config
+from tierswap.bench.common import run_bounded, state_bytes, stats
 from tierswap.examples import EXAMPLE, FOLDER, job_command
 
 MLP = FOLDER / "train_mlp.py"
@@ -62,14 +61,12 @@ def tierswap_once(work: Path, name: str, nodes: int, width: int) -> dict[str, An
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
     (resumed,) = _events(run_dir, "resumed")
-    slots = Config().tier0_slots  # the job runs with the default (no --persist)
-    ring = max(e["bytes"] for e in _events(run_dir, "memory") if e["rank"] == 1)
     return {
         "seconds": resumed["seconds"],
         "phases": resumed["phases"],
         "redone": resumed["redone"],
         "kept": resumed["kept"],
-        "rank_state_bytes": ring // slots,
+        "rank_state_bytes": state_bytes(_events(run_dir, "memory"), 1),
     }
 
 
@@ -153,13 +150,12 @@ def mlp_once(work: Path, name: str, size_mib: int, kind: str) -> dict[str, Any]:
     code, out = _run(cmd, work, work / f"{name}.log", 900)
     if code != 0:
         raise RuntimeError(f"benchmark job {name} failed:\n{out}")
-    return account(run_dir, 3 if extra else Config().tier0_slots)
+    return account(run_dir)
 
 
-def account(run_dir: Path, slots: int) -> dict[str, Any]:
+def account(run_dir: Path) -> dict[str, Any]:
     """What the events of a finished job of the reference model with one kill say of its
-    recovery (``slots``: the tier-0 slots it ran with, to read a rank's state size off
-    its ring). ``bench peers`` reads its tierswap recoveries with this too."""
+    recovery. ``bench peers`` reads its tierswap recoveries with this too."""
     (resumed,) = _events(run_dir, "resumed")
     restored = _events(run_dir, "restored")[-1]
     tiers = restored["tiers"]
@@ -168,7 +164,6 @@ def account(run_dir: Path, slots: int) -> dict[str, Any]:
     kept = [t for r, t in resumed["ranks"].items() if int(r) not in resumed["replaced"]]
     reports = {e["step"]: e["time"] for e in _events(run_dir, "report")}
     steady = [reports[s + 1] - reports[s] for s in range(2, KILL - 1) if s + 1 in reports]
-    ring = max(e["bytes"] for e in _events(run_dir, "memory") if e["rank"] == 1 and not e["tier"])
     return {
         "seconds": resumed["seconds"],
         "phases": resumed["phases"],
@@ -178,7 +173,7 @@ def account(run_dir: Path, slots: int) -> dict[str, Any]:
         "step_s": statistics.median(steady) if steady else float("nan"),
         "lost_tiers": sorted({tiers[str(r)] for r in resumed["replaced"]}),
         "kept_live": set(restored.get("live", [])) >= {int(r) for r in tiers} - replaced,
-        "rank_state_bytes": ring // slots,
+        "rank_state_bytes": state_bytes(_events(run_dir, "memory"), 1),
     }
 
 

@@ -339,7 +339,9 @@ class CoordinatorCore:
             case p.AgentError():
                 self.out.log("agent_error", node=node, **_fields(msg, "rank", "request", "error"))
             case p.Memory(rank=rank, tier=tier, nbytes=nbytes, scope=scope, segments=segs):
-                extra = {} if scope == "rank" else {"scope": scope}
+                extra: dict[str, Any] = {} if scope == "rank" else {"scope": scope}
+                if segs:  # a ring, a segment per slot: what a bench reads a state's size off
+                    extra["slots"] = len(segs)
                 self.out.log("memory", node=node, rank=rank, tier=tier, bytes=nbytes, **extra)
                 if segs and node is not None and self.spare_memory.noted(node, tier, rank, segs):
                     membership.warm_spares(self)
