@@ -4,6 +4,7 @@ reason, with no process, socket or clock (time is an argument)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -78,6 +79,12 @@ def test_a_leader_that_takes_over_runs_the_job_with_the_options_it_was_started_w
     assert job == dataclasses.replace(c.core.cfg, bind="10.0.0.2", run_dir="/r")
     assert ignored == ["max_redo"] and job.tier0_slots == c.core.cfg.tier0_slots
     assert job_config(own, None) == (own, []), "a first leader: its own launch's"
+    unset = dataclasses.replace(own, run_dir=None, init_from="ckpt")
+    old = {**rec, "config": {**rec["config"], "TIERSWAP_RUN_DIR": "/old",
+                             "TIERSWAP_INIT_FROM": os.path.abspath("ckpt")}}  # fmt: skip
+    job2, ignored2 = job_config(unset, old)
+    assert job2.run_dir is None, "its own unset --run-dir, not the old leader's folder"
+    assert ignored2 == ["max_redo"], "a relative --init-from is compared as it was recorded"
     older = {k: v for k, v in rec.items() if k != "config"}
     assert job_config(own, older) == (own, []), "a record without them: its own"
     core = CoordinatorCore(job, job_id="t", script=["x.py"], address=("h", 1), store="h:2",

@@ -53,13 +53,24 @@ def job_config(own: Config, record: Mapping[str, Any] | None) -> tuple[Config, l
     ones. Only :data:`OWN_OPTIONS` come from this launch."""
     if record is None or "config" not in record:  # (a record written before it was kept)
         return own, []
-    job = Config.from_env(record["config"], **{k: getattr(own, k) for k in OWN_OPTIONS})
+    job = dataclasses.replace(  # (an unset one of this launch's own stays unset)
+        Config.from_env(record["config"]), **{k: getattr(own, k) for k in OWN_OPTIONS}
+    )
+    mine = _as_recorded(own)
     ignored = [
         f.name
         for f in dataclasses.fields(Config)
-        if f.name not in OWN_OPTIONS and getattr(own, f.name) != getattr(job, f.name)
+        if f.name not in OWN_OPTIONS and getattr(mine, f.name) != getattr(job, f.name)
     ]
     return job, ignored
+
+
+def _as_recorded(cfg: Config) -> Config:
+    """``cfg`` as a first leader records it: a local ``--init-from`` made absolute
+    (``launch.check_init_from``), so that the same relative path is not told apart."""
+    if cfg.init_from is None or "://" in cfg.init_from:
+        return cfg
+    return dataclasses.replace(cfg, init_from=os.path.abspath(cfg.init_from))
 
 
 def _old_host(record: dict[str, Any]) -> int | None:
