@@ -44,9 +44,9 @@ def trace(system: str, steps: int) -> dict[str, Any]:
             job = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
             while job.poll() is None:
-                now = overhead.cores_busy()
-                trainers = sum(now[c] for c in others)
-                samples.append((time.time(), time.monotonic(), now[cpu], trainers))
+                now = overhead.cpu_times()  # (busy, steal) per CPU
+                trainers = sum(now[c][0] for c in others)
+                samples.append((time.time(), time.monotonic(), now[cpu][0], trainers))
                 time.sleep(0.01)
         if job.returncode != 0:
             raise RuntimeError(f"{system}: exit {job.returncode}")

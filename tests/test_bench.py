@@ -291,6 +291,7 @@ def test_bench_overhead_runs_tiny_plain_and_pinned_in_the_peers_rounds() -> None
         assert res[key]["agents_vs_bare_stream"]["median"] >= 0
     for key in ("tier01_pinned", "stream_pinned"):  # (at 1 MiB it may round to 0 ticks)
         assert res[key]["agent_core_s"]["median"] >= 0, "the agents' core, per step"
+    assert all(res[key]["steal_s"]["median"] >= 0 for key in keys), "the host's steal, per step"
     assert "agent_core_s" not in res["tier01"], "unpinned: no core of their own"
     for key in ("stream", "stream_pinned"):
         assert res[key]["net_cpu_s_per_gib"]["median"] > 0, "the bare stream ran, timed"
@@ -317,6 +318,17 @@ def test_a_core_s_busy_time_is_its_share_between_the_samples_around_the_window(
     assert sampler.busy(frozenset({1}), 0.5, 1.5) == pytest.approx(1.3 / 2), "its rate, 1 s"
     assert sampler.busy(frozenset({0, 1}), 0.0, 2.0) == pytest.approx(2.3)
     assert sampler.busy(frozenset({1}), 0.5, 2.5) is None, "no sample after the window"
+    sampler.stolen = [(0.0, 1.0), (1.0, 1.0), (2.0, 1.4)]
+    assert sampler.steal(0.5, 1.5) == pytest.approx(0.2) and sampler.steal(0.0, 2.5) is None
+
+
+def test_a_cores_busy_time_leaves_out_what_the_hypervisor_took(monkeypatch) -> None:
+    from tierswap.bench import overhead
+
+    stat = "cpu  9 0 9 9 9 0 0 9 0 0\ncpu0 100 0 50 400 10 5 5 30 0 0\nintr 1\n"
+    monkeypatch.setattr(overhead.Path, "read_text", lambda self: stat)
+    clk = overhead.CLK
+    assert overhead.cpu_times() == {0: (160 / clk, 30 / clk)}, "user+system+irq+softirq; steal"
 
 
 def test_the_agents_cpu_is_read_at_the_window_s_ends_not_at_the_samples_outside(
@@ -339,7 +351,7 @@ def test_overhead_pairs_each_run_with_the_plain_run_of_its_pinning_and_round() -
     def job(step: float, agents: float = 0.0, copy: float = 0.2) -> dict[str, float]:
         return {"step_s": step, "stall_s": 0.01, "gate_s": 0.0, "copy_cpu_s_per_gib": copy,
                 "agents_cpu_s": agents, "agents_sampled": 2.0,
-                "agents_cpu_s_per_gib": agents}  # fmt: skip
+                "agents_cpu_s_per_gib": agents, "steal_s": 0.0}  # fmt: skip
 
     runs = {
         "plain": [job(1.0), job(2.0), job(1.0)],

@@ -37,7 +37,9 @@ against the ``stream`` run's sending and receiving threads, round by round. In a
 run, also how long the core of tierswap's own work was busy per step (whatever ran on it,
 kernel included, from ``/proc/stat``), tiers 0+1's against the stream's round by round:
 tier 1 must be done with a step within the next step's forward and backward, so once that
-core has more to do per step than that, the step waits for it.
+core has more to do per step than that, the step waits for it. And in every run, the time
+the hypervisor took from the machine's CPUs per step (steal): on a VM whose host is busy
+a job runs slower with nothing of its own changed, and this says when.
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ def _cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
-def cores_busy() -> dict[int, float]:
-    """Per CPU of this machine, the seconds it has spent busy so far (``/proc/stat``: all
-    but idle and I/O wait), or nothing where that cannot be read."""
-    out: dict[int, float] = {}
+def cpu_times() -> dict[int, tuple[float, float]]:
+    """Per CPU of this machine, the seconds it has spent busy so far and the seconds the
+    hypervisor has taken from it (``/proc/stat``: busy is all but idle, I/O wait and
+    steal; steal is time a virtual CPU had work and was not run), or nothing where that
+    cannot be read."""
+    out: dict[int, tuple[float, float]] = {}
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
@@ -82,7 +86,8 @@ def cores_busy() -> dict[int, float]:
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit():
             ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4]) / CLK
+            busy = sum(ticks) - ticks[3] - ticks[4] - ticks[7]
+            out[int(name[3:])] = (busy / CLK, ticks[7] / CLK)
     return out
 
 
@@ -94,6 +99,8 @@ class Sampler:
         self.run_dir = run_dir
         self.samples: dict[int, list[tuple[float, float]]] = {}
         self.cores: list[tuple[float, dict[int, float]]] = []
+        self.stolen: list[tuple[float, float]] = []
+        """The hypervisor's steal, all CPUs together, at each sample."""
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -118,7 +125,9 @@ class Sampler:
     def _run(self) -> None:
         while not self.stop.wait(0.1):
             now = time.monotonic()
-            self.cores.append((now, cores_busy()))
+            times = cpu_times()
+            self.cores.append((now, {cpu: busy for cpu, (busy, _) in times.items()}))
+            self.stolen.append((now, sum(steal for _, steal in times.values())))
             for pid in self._pids():
                 if (cpu := _cpu(pid)) is not None:
                     self.samples.setdefault(pid, []).append((now, cpu))
@@ -140,6 +149,12 @@ class Sampler:
         without samples on both sides."""
         series = [(t, sum(c.get(cpu, 0.0) for cpu in cpus)) for t, c in self.cores]
         a, b = _at(series, t0), _at(series, t1)
+        return None if a is None or b is None else b - a
+
+    def steal(self, t0: float, t1: float) -> float | None:
+        """Seconds the hypervisor took from this machine's CPUs (all together) from ``t0``
+        to ``t1``, read as :meth:`busy` is, or None without samples on both sides."""
+        a, b = _at(self.stolen, t0), _at(self.stolen, t1)
         return None if a is None or b is None else b - a
 
 
@@ -207,6 +222,10 @@ def job_costs(
     }
     if net_cpu:
         out["net_cpu_s_per_gib"] = statistics.median(net_cpu) / (state / 2**30)
+    stolen = sampler.steal(ends[FIRST - 1], ends[steps - 2])
+    if stolen is None:
+        raise ValueError("the machine's CPUs were not sampled over the job's steps")
+    out["steal_s"] = stolen / (steps - 1 - FIRST)  # a slow job on a busy host says so
     if pinned:
         busy = sampler.busy(pinned, ends[FIRST - 1], ends[steps - 2])
         if busy is None:
@@ -243,6 +262,7 @@ def summarize(
         entry["overhead"] = stats([r["step_s"] / b["step_s"] - 1 for r, b in pairs])
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
         entry["gate_of_step"] = entry["gate_s"]["median"] / entry["step_s"]["median"]
+        entry["steal_of_step"] = entry["steal_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
         if tcp_cpu and key.startswith("tier01"):
@@ -314,7 +334,8 @@ def report(res: dict[str, Any]) -> None:
     for col in ("run", "step", "overhead (min–max)", "target", "stall / step",
                 "tier-1 wait / step", "copy CPU-s/GiB", "vs bare memcpy's", "agents CPU-s/GiB",
                 "vs memcpy (agents)", "vs TCP (agents)", "vs bare stream (agents)",
-                "step / the stream's", "agents' core busy / step"):  # fmt: skip
+                "step / the stream's", "agents' core busy / step",
+                "stolen / step"):  # fmt: skip
         table.add_column(col)
     for key in (m + pin for pin in ("", "_pinned") for m in MODES):
         if key not in res:
@@ -344,6 +365,7 @@ def report(res: dict[str, Any]) -> None:
             _ratio(e.get("agents_vs_bare_stream")),
             _ratio(e.get("step_vs_stream")),
             f"{e['agent_core_s']['median'] * 1e3:.0f} ms" if "agent_core_s" in e else "",
+            f"{e['steal_of_step'] * 100:.1f} %",
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")
