@@ -223,9 +223,8 @@ def job_costs(
     if net_cpu:
         out["net_cpu_s_per_gib"] = statistics.median(net_cpu) / (state / 2**30)
     stolen = sampler.steal(ends[FIRST - 1], ends[steps - 2])
-    if stolen is None:
-        raise ValueError("the machine's CPUs were not sampled over the job's steps")
-    out["steal_s"] = stolen / (steps - 1 - FIRST)  # a slow job on a busy host says so
+    if stolen is not None:  # (a job too short for two samples has none)
+        out["steal_s"] = stolen / (steps - 1 - FIRST)  # a slow job on a busy host says so
     if pinned:
         busy = sampler.busy(pinned, ends[FIRST - 1], ends[steps - 2])
         if busy is None:
@@ -258,11 +257,13 @@ def summarize(
         if not pairs:  # every round failed, or its baseline did
             out[key] = {"failed": len(rs) - len(ok), "unpaired": len(ok)}
             continue
-        entry: dict[str, Any] = {k: stats([r[k] for r in ok]) for k in ok[0]}
+        names = dict.fromkeys(k for r in ok for k in r)  # (steal: only where sampled)
+        entry: dict[str, Any] = {k: stats([r[k] for r in ok if k in r]) for k in names}
         entry["overhead"] = stats([r["step_s"] / b["step_s"] - 1 for r, b in pairs])
         entry["stall_of_step"] = entry["stall_s"]["median"] / entry["step_s"]["median"]
         entry["gate_of_step"] = entry["gate_s"]["median"] / entry["step_s"]["median"]
-        entry["steal_of_step"] = entry["steal_s"]["median"] / entry["step_s"]["median"]
+        if "steal_s" in entry:
+            entry["steal_of_step"] = entry["steal_s"]["median"] / entry["step_s"]["median"]
         entry["agents_vs_memcpy"] = entry["agents_cpu_s_per_gib"]["median"] / memcpy_cpu
         entry["copy_vs_memcpy"] = entry["copy_cpu_s_per_gib"]["median"] / memcpy_cpu
         if tcp_cpu and key.startswith("tier01"):
@@ -365,7 +366,7 @@ def report(res: dict[str, Any]) -> None:
             _ratio(e.get("agents_vs_bare_stream")),
             _ratio(e.get("step_vs_stream")),
             f"{e['agent_core_s']['median'] * 1e3:.0f} ms" if "agent_core_s" in e else "",
-            f"{e['steal_of_step'] * 100:.1f} %",
+            f"{e['steal_of_step'] * 100:.1f} %" if "steal_of_step" in e else "",
         )
     Console(width=180).print(table)
     print(f"a plain memcpy here: {res['memcpy_cpu_s_per_gib']:.3f} CPU-s/GiB", end="")
