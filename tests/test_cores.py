@@ -69,14 +69,15 @@ def test_a_job_whose_slots_are_fewer_than_its_max_redo_needs_is_told_at_the_star
 
 def test_a_leader_that_takes_over_runs_the_job_with_the_options_it_was_started_with() -> None:
     """A host launched with other options (``--max-redo 2`` here) that wins the election
-    leads with the job's recorded ones, keeps only where it listens, its terminal and its
-    directory, and says which of its own it does not use."""
-    c = Coordinator(max_redo=1, persist_every=5)
+    leads with the job's recorded ones, keeps only where it listens, its terminal, its
+    directory and its CPU lists, and says which of its own it does not use."""
+    c = Coordinator(max_redo=1, persist_every=5, agent_cpus="3")
     rec = c.core.record()
     own = Config(nodes=2, max_redo=2, persist_every=5, bind="10.0.0.2", console=False,
-                 run_dir="/r")  # fmt: skip
+                 run_dir="/r", worker_cpus="0-1")  # fmt: skip
     job, ignored = job_config(own, rec)
-    assert job == dataclasses.replace(c.core.cfg, bind="10.0.0.2", run_dir="/r")
+    assert job == dataclasses.replace(c.core.cfg, bind="10.0.0.2", run_dir="/r",
+                                      agent_cpus=None, worker_cpus="0-1")  # fmt: skip
     assert ignored == ["max_redo"] and job.tier0_slots == c.core.cfg.tier0_slots
     assert job_config(own, None) == (own, []), "a first leader: its own launch's"
     unset = dataclasses.replace(own, run_dir=None, init_from="ckpt")

@@ -18,7 +18,9 @@ import pytest
 from e2e import assert_hot_swapped, assert_same_bits, events, final_state, leaked_segments
 from tierswap.bench.netns import Host, Network, Unavailable
 from tierswap.cluster import multihost as mh
+from tierswap.cluster.agent import own_cpus
 from tierswap.cluster.workers import STARTS_ALONE
+from tierswap.config import Config
 from tierswap.control import protocol as p
 from tierswap.control.hosts import Hosts, refusal
 from tierswap.errors import UsageError
@@ -43,7 +45,8 @@ def train(job):
     seen = {n: os.environ.get(n) for n in NAMES}
     seen.update(device=str(job.device), local_rank=job.local_rank, node=job.node,
                 local_world_size=job.local_world_size, secret="TIERSWAP_SECRET" in os.environ,
-                comm=Path("/proc/self/comm").read_text().strip())
+                comm=Path("/proc/self/comm").read_text().strip(),
+                cpus=sorted(os.sched_getaffinity(0)))
     out = Path(os.environ["PROBE_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}-gen{job.generation}.json").write_text(json.dumps(seen))
@@ -142,6 +145,55 @@ def test_workers_get_torchruns_variables() -> None:
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "4567",
     }
+
+
+def test_each_host_pins_by_its_own_cpu_lists_not_the_leaders() -> None:
+    """CPU numbers are a machine's own: a host of a multi-host launch pins by its launch's
+    lists (none given: not pinned), whatever the leader's were; a host that joins by its
+    own if it gave any; a simulated host by the job's."""
+    job = Config(nodes=2, agent_cpus="3", worker_cpus="0-2")
+    launch = mh.HostLaunch(nnodes=2, nproc_per_node=1, agent_cpus="1")
+    back = mh.HostLaunch.from_env({mh.LAUNCH_ENV: launch.to_env()})
+    assert back == launch
+    mine = own_cpus(job, back, {})
+    assert (mine.agent_cpus, mine.worker_cpus) == ("1", None)
+    assert mine.max_redo == job.max_redo and mine.nodes == job.nodes
+    bare = own_cpus(job, mh.HostLaunch(nnodes=2, nproc_per_node=1), {})
+    assert (bare.agent_cpus, bare.worker_cpus) == (None, None)
+    assert own_cpus(job, None, {}) == job
+    joined = {mh.JOIN_CPUS_ENV: json.dumps({"agent_cpus": None, "worker_cpus": "5"})}
+    theirs = own_cpus(job, None, joined)
+    assert (theirs.agent_cpus, theirs.worker_cpus) == (None, "5")
+    older = {"nnodes": 2, "nproc_per_node": 1, "node_rank": None, "spare": False, "job": None}
+    was = mh.HostLaunch.from_env({mh.LAUNCH_ENV: json.dumps(older)})
+    assert was is not None and was.agent_cpus is None
+
+
+def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierswap import cli
+
+    class Exec(Exception):
+        pass
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        raise Exec(env)
+
+    monkeypatch.setenv("TIERSWAP_SECRET", SECRET)
+    monkeypatch.delenv("TIERSWAP_WORKER_CPUS", raising=False)
+    monkeypatch.setenv("TIERSWAP_AGENT_CPUS", "1")  # its environment's, as for every option
+    monkeypatch.setattr(os, "execve", execve)
+    with pytest.raises(Exec) as started:
+        cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", "0"])
+    (env,) = started.value.args
+    assert json.loads(env[mh.JOIN_CPUS_ENV]) == {"agent_cpus": "1", "worker_cpus": "0"}
+    monkeypatch.delenv("TIERSWAP_AGENT_CPUS")
+    with pytest.raises(Exec) as started:
+        cli.main(["run", "--join", "127.0.0.1:1"])
+    assert mh.JOIN_CPUS_ENV not in started.value.args[0], "none given: the job's"
+    with pytest.raises(SystemExit, match="--join --worker-cpus: CPU list '0-x'"):
+        cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", "0-x"])
 
 
 @pytest.mark.parametrize(
@@ -300,13 +352,17 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
     """Two launchers with the same line on one machine (the endpoint is loopback: the
     first to listen on it runs the coordinator); 2 workers each. A third host started with
     another --nnodes and a fourth with another secret are refused, saying why, and the job
-    is not disturbed. Each host's workers count their local ranks from 0."""
+    is not disturbed. Each host's workers count their local ranks from 0, and run on the
+    CPUs of their own host's --worker-cpus, not on the coordinator's host's."""
     port = _free_port()
     job = Launches(tmp_path, "hosts", f"127.0.0.1:{port}", probe)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two CPUs are needed to tell the hosts' --worker-cpus apart")
     try:
-        job.start(0, nproc=2, steps=6)
+        job.start(0, "--worker-cpus", str(cpus[0]), nproc=2, steps=6)
         _wait_for(job.run_dir(0), "job_started", 60)
-        job.start(1, nproc=2, steps=6)
+        job.start(1, "--worker-cpus", str(cpus[1]), nproc=2, steps=6)
         wrong = job.start(2, "--nnodes", "3", nproc=2)  # overrides the --nnodes 2 before it
         env = dict(os.environ, TIERSWAP_SECRET=SECRET + "-not")
         stranger = job.start(3, nproc=2, env=env)
@@ -343,6 +399,10 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
         assert env_of["comm"] == "tierswap-worker", (rank, env_of["comm"])
     assert STARTS_ALONE not in out, out
     assert store["nodes"] == 2
+    pinned = {n: {tuple(seen[r, 0]["cpus"]) for r in (2 * n, 2 * n + 1)} for n in (0, 1)}
+    # each node's two workers on one CPU, the two hosts' on the two their lines named
+    assert sorted(pinned[0] | pinned[1]) == [(cpus[0],), (cpus[1],)], pinned
+    assert len(pinned[0]) == len(pinned[1]) == 1, pinned
 
 
 def _network(count: int) -> Network:

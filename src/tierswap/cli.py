@@ -20,7 +20,7 @@ from tierswap.faults import FORMS, Injection
 
 def _join(args: argparse.Namespace) -> int:
     """Join a running job as a spare node: this process becomes the node's agent."""
-    from tierswap.cluster.multihost import KEY_ENV, inherited, job_key, read_secret
+    from tierswap.cluster.multihost import JOIN_CPUS_ENV, KEY_ENV, inherited, job_key, read_secret
 
     run_dir = args.run_dir or os.environ.get("TIERSWAP_RUN_DIR")
     ticket = Path(run_dir) / "join.json" if run_dir else None
@@ -45,6 +45,21 @@ def _join(args: argparse.Namespace) -> int:
         from tierswap.cluster.address import check_advertised
 
         env["TIERSWAP_HOST_ADDRESS"] = check_advertised(args.bind, "tierswap run --join --bind")
+    # this host's own CPU lists (its line's, else its TIERSWAP_* ones), instead of the job's
+    own = {
+        name: getattr(args, name) or os.environ.get(f"TIERSWAP_{name.upper()}") or None
+        for name in ("agent_cpus", "worker_cpus")
+    }
+    if any(own.values()):
+        from tierswap.affinity import parse_cpus
+
+        for name, text in own.items():
+            try:
+                if text:
+                    parse_cpus(text)
+            except ValueError as e:
+                raise SystemExit(f"tierswap run --join --{name.replace('_', '-')}: {e}") from None
+        env[JOIN_CPUS_ENV] = json.dumps(own)
     if run_dir:
         from tierswap.cluster.launch import check_socket_folder
 
@@ -83,6 +98,8 @@ def _run_hosts(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         spare=args.spare,
         job=args.rdzv_id,
+        agent_cpus=cfg.agent_cpus,
+        worker_cpus=cfg.worker_cpus,
     )
     launch.check()
     _refuse_simulation_options(cfg)

@@ -117,7 +117,8 @@ class Config:
     agent_cpus: str | None = None
     """CPUs (a list such as ``0-3,8``) that tierswap's own work runs on, by affinity:
     each host's agent, the launcher, and the workers' snapshot copy and restore fetch
-    threads, so that the trainers keep their cores, as on a GPU host. None: no pinning."""
+    threads, so that the trainers keep their cores, as on a GPU host. None: no pinning.
+    Each host of a multi-host launch pins by its own line's."""
     worker_cpus: str | None = None
     """CPUs the workers' training threads run on; None: every CPU but ``agent_cpus``
     when those are given, else no pinning."""

@@ -8,7 +8,9 @@ and carries out the commands it returns, so the node's state has a single writer
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 import queue
 import shutil
@@ -26,7 +28,7 @@ from tierswap.affinity import parse_cpus, pin_process, worker_cpus
 from tierswap.checksum import checksum_chunks
 from tierswap.cluster.address import leaving_address, worker_env
 from tierswap.cluster.election import POLL_S, wait_for_leader
-from tierswap.cluster.multihost import ETCD_ENV, KEY_ENV, HostLaunch
+from tierswap.cluster.multihost import ETCD_ENV, JOIN_CPUS_ENV, KEY_ENV, HostLaunch
 from tierswap.cluster.reach import (
     Refused,
     connect,
@@ -457,6 +459,21 @@ def main() -> None:
     os._exit(code)
 
 
+def own_cpus(job: Config, launch: HostLaunch | None, env: Mapping[str, str]) -> Config:
+    """The job's config as this host serves it. CPU numbers are a machine's own: a host of
+    a multi-host launch pins its agent and workers by its own launch's ``--agent-cpus``
+    and ``--worker-cpus`` (:class:`HostLaunch`; none given, none pinned), and a host that
+    joined (``--join``) by those it was given, if any. A host this machine simulates, or
+    one that joined without them, takes the job's."""
+    if launch is not None:
+        own = {"agent_cpus": launch.agent_cpus, "worker_cpus": launch.worker_cpus}
+    elif JOIN_CPUS_ENV in env:
+        own = json.loads(env[JOIN_CPUS_ENV])
+    else:
+        return job
+    return dataclasses.replace(job, agent_cpus=own["agent_cpus"], worker_cpus=own["worker_cpus"])
+
+
 def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
     """Join the job, serve it as this host's agent until it ends; the exit code."""
     launch = HostLaunch.from_env(env)
@@ -488,7 +505,7 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
         w = greet(coord, hello)
     except Refused as e:
         raise SystemExit(f"tierswap run: {e}") from None
-    cfg = Config.from_env(w.config)
+    cfg = own_cpus(Config.from_env(w.config), launch, env)
     if cfg.agent_cpus:  # before the agent's threads start: they inherit it
         try:  # the workers' CPUs are this machine's others, found before any pinning
             cfg.worker_cpus = worker_cpus(cfg.agent_cpus, cfg.worker_cpus)

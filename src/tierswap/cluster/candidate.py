@@ -36,9 +36,10 @@ def address_towards(endpoint: tuple[str, int]) -> str:
         return str(s.getsockname()[0])
 
 
-OWN_OPTIONS = ("bind", "console", "run_dir")
+OWN_OPTIONS = ("bind", "console", "run_dir", "agent_cpus", "worker_cpus")
 """Options that are the launching host's own, kept by a leader that takes a job over:
-where it listens, its terminal, its directory."""
+where it listens, its terminal, its directory, its CPU lists (every host pins by its own:
+``cluster.agent.own_cpus``)."""
 
 
 def job_config(own: Config, record: Mapping[str, Any] | None) -> tuple[Config, list[str]]:

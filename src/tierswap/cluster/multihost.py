@@ -32,6 +32,9 @@ MIN_SECRET = 16
 """Characters a job secret needs at least."""
 LAUNCH_ENV = "TIERSWAP_LAUNCH"
 """How a launcher tells its agent what it was asked (``HostLaunch``, as JSON)."""
+JOIN_CPUS_ENV = "TIERSWAP_JOIN_CPUS"
+"""A host that joins (``--join``) with CPU lists of its own: ``--agent-cpus`` and
+``--worker-cpus`` as JSON, which its agent pins by instead of the job's."""
 KEY_ENV = "TIERSWAP_KEY"
 """The job's key (hex) as the launcher hands it to its agent and the agent to workers."""
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_hex(32))' > job.secret"
@@ -107,6 +110,11 @@ class HostLaunch:
     spare: bool = False
     job: str | None = None
     """``--rdzv-id``: hosts of another job are refused."""
+    agent_cpus: str | None = None
+    worker_cpus: str | None = None
+    """This host's own ``--agent-cpus`` and ``--worker-cpus``. CPU numbers are a machine's
+    own, like ``--nproc-per-node`` in torchrun: a host pins its agent and workers by its
+    own launch's lists (none: not pinned), not by the leader's."""
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -154,6 +162,7 @@ HOST_ENV = (
     "TIERSWAP_SPARE",
     "TIERSWAP_AGENT_TAG",
     LAUNCH_ENV,
+    JOIN_CPUS_ENV,
     ETCD_ENV,
     TEMPLATE_ENV,  # this machine's worker template: its starter's to say
     TEMPLATE_PID_ENV,
