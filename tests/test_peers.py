@@ -368,9 +368,10 @@ def test_a_failed_jobs_text_keeps_the_childs_traceback_above_the_launchers_summa
     child = "Traceback (most recent call last):\n  File x\nRuntimeError: attempt 1: no flash\n"
     summary = "launcher noise\n" * 200 + "ChildFailedError: rank 1 exitcode 1 (no traceback)\n"
     text = peeroutput.failure_text("starting\n" + child + "\n" + summary)
-    assert "RuntimeError: attempt 1: no flash" in text and text.endswith(summary[-200:])
-    short = "Traceback (most recent call last):\nValueError: bad\n"
-    assert peeroutput.failure_text(short) == short, "all of it already at the end"
+    assert text.startswith("RuntimeError: attempt 1: no flash\n"), "the error first"
+    assert child in text and text.endswith(summary[-200:])
+    short = "Traceback (most recent call last):\n[rank1]: ValueError: bad\n"
+    assert peeroutput.failure_text(short) == "ValueError: bad\n" + short, "the rest at the end"
     assert peeroutput.failure_text("no traceback at all") == "no traceback at all"
 
 

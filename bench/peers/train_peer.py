@@ -258,6 +258,24 @@ def _cloned(value: Any) -> Any:
     return value
 
 
+def _dlrover_why(ckpt: Any) -> str:
+    """Why DLRover's memory held nothing to load, as its own record of its one shared-memory
+    buffer says: a buffer still flagged as being written (``writing_shm``) is one the kill
+    interrupted, which ``load_state_dict`` refuses. Read through DLRover's internals, so
+    ``""`` where they are not as in the version the harness was written against."""
+    try:
+        from dlrover.python.elastic_agent.torch.ckpt_saver import CheckpointConfig
+
+        conf = ckpt._engine._shm_handler.get_checkpoint_config(CheckpointConfig())
+    except Exception as e:  # another DLRover: say so, and nothing more
+        return f" (its buffer's state could not be read: {e!r})"
+    if conf.writing_shm:
+        return (f": its one shared-memory buffer is flagged as being written, at step "
+                f"{conf.step}; the kill came during that save, and with saves to memory "
+                "only a real job would start over")  # fmt: skip
+    return f" (its buffer records step {conf.step}, not being written)"
+
+
 def dlrover(args: argparse.Namespace) -> None:
     """Flash checkpoint to memory every step; on a restart, load it from memory.
 
@@ -279,7 +297,8 @@ def dlrover(args: argparse.Namespace) -> None:
     start = 0
     loaded = ckpt.load_checkpoint()
     if restoring and not loaded:
-        raise RuntimeError(f"attempt {_attempt()}: no flash checkpoint to load in {args.ckpt}")
+        raise RuntimeError(f"attempt {_attempt()}: no flash checkpoint to load in {args.ckpt}"
+                           f"{_dlrover_why(ckpt)}")  # fmt: skip
     if loaded:
         loaded = _cloned(loaded)
         model.load_state_dict(loaded["model"])

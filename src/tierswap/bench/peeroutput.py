@@ -10,6 +10,7 @@ entries built by hand.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -101,13 +102,28 @@ def checkpoint_costs(notes: Sequence[dict[str, Any]], steps: int = STEPS) -> dic
 
 
 def failure_text(log: str, chars: int = 1500) -> str:
-    """What a failed job's output says of why: its first Python traceback where the end
-    of the output does not hold it (a launcher's summary of a failed child, after the
-    child's own traceback), then the end of the output."""
+    """What a failed job's output says of why: the error its first Python traceback ends
+    with, first, so that a shortened report keeps it; then that traceback where the end of
+    the output does not hold it (a launcher's summary of a failed child, after the child's
+    own traceback), then the end of the output."""
     tail = log[-chars:]
     first = log.find("Traceback (most recent call last)")
-    if first < 0 or first >= len(log) - chars:
+    if first < 0:
         return tail
     end = log.find("\n\n", first)
     block = log[first : end if end > 0 else first + chars][:chars]
-    return f"first traceback:\n{block}\n[...]\nend of its output:\n{tail}"
+    why = _raised(block)
+    head = f"{why}\n" if why else ""
+    if first >= len(log) - chars:
+        return head + tail
+    return f"{head}first traceback:\n{block}\n[...]\nend of its output:\n{tail}"
+
+
+def _raised(block: str) -> str | None:
+    """The ``SomeError: message`` line a traceback ends with (a rank's ``[rank0]:``
+    prefix, as torchrun writes them, taken off); None where there is none."""
+    for line in reversed(block.splitlines()):
+        text = re.sub(r"^\[rank\d+\]:\s*", "", line)
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", text):
+            return text
+    return None
