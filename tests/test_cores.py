@@ -265,6 +265,9 @@ def test_training_that_keeps_waiting_for_tier_1_is_told_why_once_while_it_lasts(
     assert len(said()) == 1, "said once while it lasts, and 4 % is not below half of 5 %"
     steps(42, [0.0] * 12 + [0.2] * 12)
     assert len(said()) == 2 and len(c.logged("tier1_behind")) == 2, "it came back"
+    c.core.multihost = True  # each host pins by its own line: no one list to name
+    steps(66, [0.0] * 12 + [0.2] * 12)
+    assert "more CPUs on each host (its --agent-cpus)" in said()[-1], said()[-1]
 
 
 def test_tier_1_lag_weighs_each_generation_s_steps_apart() -> None:

@@ -164,6 +164,8 @@ def test_each_host_pins_by_its_own_cpu_lists_not_the_leaders() -> None:
     joined = {mh.JOIN_CPUS_ENV: json.dumps({"agent_cpus": None, "worker_cpus": "5"})}
     theirs = own_cpus(job, None, joined)
     assert (theirs.agent_cpus, theirs.worker_cpus) == (None, "5")
+    none = {mh.JOIN_CPUS_ENV: json.dumps({"agent_cpus": None, "worker_cpus": None})}
+    assert own_cpus(job, None, none).agent_cpus is None, "a host that joins without: unpinned"
     older = {"nnodes": 2, "nproc_per_node": 1, "node_rank": None, "spare": False, "job": None}
     was = mh.HostLaunch.from_env({mh.LAUNCH_ENV: json.dumps(older)})
     assert was is not None and was.agent_cpus is None
@@ -191,9 +193,12 @@ def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
     monkeypatch.delenv("TIERSWAP_AGENT_CPUS")
     with pytest.raises(Exec) as started:
         cli.main(["run", "--join", "127.0.0.1:1"])
-    assert mh.JOIN_CPUS_ENV not in started.value.args[0], "none given: the job's"
+    none = json.loads(started.value.args[0][mh.JOIN_CPUS_ENV])
+    assert none == {"agent_cpus": None, "worker_cpus": None}, "none given: not the job's"
     with pytest.raises(SystemExit, match="--join --worker-cpus: CPU list '0-x'"):
         cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", "0-x"])
+    with pytest.raises(SystemExit, match="--join --agent-cpus 4096: this machine lets"):
+        cli.main(["run", "--join", "127.0.0.1:1", "--agent-cpus", "4096"])
 
 
 @pytest.mark.parametrize(
@@ -210,6 +215,10 @@ def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
          "--spares with --rdzv-endpoint: a spare is a host of its own here"),
         (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--bind", "127.0.0.1", "x.py"],
          "--rdzv-endpoint and --bind"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--agent-cpus", "4096", "x.py"],
+         "--agent-cpus 4096: this machine lets the job use CPUs"),
+        (["--nodes", "2", "--worker-cpus", "0,4096", "x.py"],
+         "--worker-cpus 0,4096: this machine lets the job use CPUs"),
     ],
 )  # fmt: skip
 def test_bad_launch_lines_are_refused_saying_why(
@@ -360,9 +369,9 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
     if len(cpus) < 2:
         pytest.skip("two CPUs are needed to tell the hosts' --worker-cpus apart")
     try:
-        job.start(0, "--worker-cpus", str(cpus[0]), nproc=2, steps=6)
+        job.start(0, "--worker-cpus", str(cpus[0]), "--node-rank", "0", nproc=2, steps=6)
         _wait_for(job.run_dir(0), "job_started", 60)
-        job.start(1, "--worker-cpus", str(cpus[1]), nproc=2, steps=6)
+        job.start(1, "--worker-cpus", str(cpus[1]), "--node-rank", "1", nproc=2, steps=6)
         wrong = job.start(2, "--nnodes", "3", nproc=2)  # overrides the --nnodes 2 before it
         env = dict(os.environ, TIERSWAP_SECRET=SECRET + "-not")
         stranger = job.start(3, nproc=2, env=env)
@@ -400,9 +409,8 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
     assert STARTS_ALONE not in out, out
     assert store["nodes"] == 2
     pinned = {n: {tuple(seen[r, 0]["cpus"]) for r in (2 * n, 2 * n + 1)} for n in (0, 1)}
-    # each node's two workers on one CPU, the two hosts' on the two their lines named
-    assert sorted(pinned[0] | pinned[1]) == [(cpus[0],), (cpus[1],)], pinned
-    assert len(pinned[0]) == len(pinned[1]) == 1, pinned
+    # each host's two workers (node I is host I: --node-rank) on the CPU its line named
+    assert pinned == {0: {(cpus[0],)}, 1: {(cpus[1],)}}, pinned
 
 
 def _network(count: int) -> Network:

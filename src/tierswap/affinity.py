@@ -89,6 +89,27 @@ def worker_cpus(agent_cpus: str | None, worker_cpus: str | None) -> str | None:
     return _text(rest)
 
 
+def check_cpus_here(agents: str | None, workers: str | None, what: str) -> None:
+    """ValueError naming the option and the fix where a CPU list names CPUs this machine
+    does not let the job use, or ``agents`` leaves the workers none: said by the
+    launcher on its own host, before it joins a job, not by its agent or workers after."""
+    have = machine_cpus()
+    for option, text in (("--agent-cpus", agents), ("--worker-cpus", workers)):
+        try:
+            cpus = parse_cpus(text) if text else frozenset()
+        except ValueError as e:
+            raise ValueError(f"{what} {option}: {e}") from None
+        if missing := cpus - have:
+            raise ValueError(
+                f"{what} {option} {text}: this machine lets the job use CPUs {_text(have)}, "
+                f"not {_text(missing)}; pick CPUs among those (each host gives its own)"
+            )
+    try:
+        worker_cpus(agents, workers)
+    except ValueError as e:
+        raise ValueError(f"{what} {e}") from None
+
+
 def helper_cpus() -> frozenset[int] | None:
     """Where a worker's snapshot copy and restore fetch threads run: ``--agent-cpus``."""
     text = os.environ.get(AGENT_ENV)

@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from tierswap.affinity import check_cpus_here
 from tierswap.cluster.multihost import DEFAULT_PORT
 from tierswap.config import Config, field_docs
 from tierswap.errors import TierswapError, UsageError
@@ -45,21 +46,16 @@ def _join(args: argparse.Namespace) -> int:
         from tierswap.cluster.address import check_advertised
 
         env["TIERSWAP_HOST_ADDRESS"] = check_advertised(args.bind, "tierswap run --join --bind")
-    # this host's own CPU lists (its line's, else its TIERSWAP_* ones), instead of the job's
+    # this host's own CPU lists (its line's, else its TIERSWAP_* ones; none: not pinned)
     own = {
         name: getattr(args, name) or os.environ.get(f"TIERSWAP_{name.upper()}") or None
         for name in ("agent_cpus", "worker_cpus")
     }
-    if any(own.values()):
-        from tierswap.affinity import parse_cpus
-
-        for name, text in own.items():
-            try:
-                if text:
-                    parse_cpus(text)
-            except ValueError as e:
-                raise SystemExit(f"tierswap run --join --{name.replace('_', '-')}: {e}") from None
-        env[JOIN_CPUS_ENV] = json.dumps(own)
+    try:
+        check_cpus_here(own["agent_cpus"], own["worker_cpus"], "tierswap run --join")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    env[JOIN_CPUS_ENV] = json.dumps(own)
     if run_dir:
         from tierswap.cluster.launch import check_socket_folder
 
@@ -103,6 +99,10 @@ def _run_hosts(args: argparse.Namespace) -> int:
     )
     launch.check()
     _refuse_simulation_options(cfg)
+    try:  # this host's own lists: its agent pins by them (cluster.agent.own_cpus)
+        check_cpus_here(cfg.agent_cpus, cfg.worker_cpus, what)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     key = mh.job_key(mh.read_secret(args.secret_file, os.environ, what))
     endpoint = args.rdzv_endpoint
     if args.rdzv_backend == "etcd" and ":" not in endpoint:
@@ -127,6 +127,7 @@ def _run_hosts(args: argparse.Namespace) -> int:
         if cfg.persist is not None:
             check_shared(cfg.persist)
         _stop_on_signals()
+        _pin_launcher(cfg)  # it may lead: the coordinator then runs beside the agents
         return candidate.run(cfg, launch, key, script, run_dir, (ip, port))
     listener = mh.listen_here(ip, port, key)
     if listener is None:  # another host holds the endpoint: this one is a host of the job
@@ -139,9 +140,22 @@ def _run_hosts(args: argparse.Namespace) -> int:
     if cfg.persist is not None:
         check_shared(cfg.persist)
     _stop_on_signals()
+    _pin_launcher(cfg)
     from tierswap.cluster.coordinator import Coordinator
 
     return Coordinator(cfg, script, run_dir, hosts=launch, key=key, listener=listener).run()
+
+
+def _pin_launcher(cfg: Config) -> None:
+    """A launcher that runs the coordinator (or may, as a candidate) onto ``--agent-cpus``,
+    off the trainers' cores; the agents it starts take the workers' CPUs from what it could
+    use before (a host that joins from elsewhere takes its own machine's)."""
+    if not cfg.agent_cpus:
+        return
+    from tierswap.affinity import MACHINE_ENV, machine_cpus, parse_cpus, pin_process
+
+    os.environ[MACHINE_ENV] = ",".join(map(str, sorted(machine_cpus())))
+    pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
 
 
 def _refuse_simulation_options(cfg: Config) -> None:
@@ -190,6 +204,10 @@ def _run(args: argparse.Namespace) -> int:
     if not args.script:
         raise SystemExit("tierswap run: a SCRIPT to run is needed (or --join HOST:PORT)")
     cfg = Config.from_env(**_config_args(args))
+    try:
+        check_cpus_here(cfg.agent_cpus, cfg.worker_cpus, "tierswap run")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     import dataclasses
 
     from tierswap.cluster.address import check_advertised
@@ -209,13 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         from tierswap.cluster.multihost import job_key, read_secret
 
         key = job_key(read_secret(None, os.environ, "tierswap run"))
-    if cfg.agent_cpus:  # the coordinator runs beside the agents, off the trainers' cores
-        from tierswap.affinity import MACHINE_ENV, machine_cpus, parse_cpus, pin_process
-
-        # before pinning: the agents this launcher starts take the workers' CPUs from it
-        # (a host that joins from elsewhere takes its own machine's)
-        os.environ[MACHINE_ENV] = ",".join(map(str, sorted(machine_cpus())))
-        pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
+    _pin_launcher(cfg)
     return Coordinator(cfg, script, run_dir, key=key).run()
 
 

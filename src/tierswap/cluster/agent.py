@@ -462,9 +462,9 @@ def main() -> None:
 def own_cpus(job: Config, launch: HostLaunch | None, env: Mapping[str, str]) -> Config:
     """The job's config as this host serves it. CPU numbers are a machine's own: a host of
     a multi-host launch pins its agent and workers by its own launch's ``--agent-cpus``
-    and ``--worker-cpus`` (:class:`HostLaunch`; none given, none pinned), and a host that
-    joined (``--join``) by those it was given, if any. A host this machine simulates, or
-    one that joined without them, takes the job's."""
+    and ``--worker-cpus`` (:class:`HostLaunch`), and a host that joined (``--join``) by
+    its own (``JOIN_CPUS_ENV``); none given, none pinned. A host this machine simulates
+    takes the job's."""
     if launch is not None:
         own = {"agent_cpus": launch.agent_cpus, "worker_cpus": launch.worker_cpus}
     elif JOIN_CPUS_ENV in env:

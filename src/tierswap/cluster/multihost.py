@@ -33,8 +33,8 @@ MIN_SECRET = 16
 LAUNCH_ENV = "TIERSWAP_LAUNCH"
 """How a launcher tells its agent what it was asked (``HostLaunch``, as JSON)."""
 JOIN_CPUS_ENV = "TIERSWAP_JOIN_CPUS"
-"""A host that joins (``--join``) with CPU lists of its own: ``--agent-cpus`` and
-``--worker-cpus`` as JSON, which its agent pins by instead of the job's."""
+"""A host that joins (``--join``): its own ``--agent-cpus`` and ``--worker-cpus`` (JSON,
+null where not given), which its agent pins by instead of the job's."""
 KEY_ENV = "TIERSWAP_KEY"
 """The job's key (hex) as the launcher hands it to its agent and the agent to workers."""
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_hex(32))' > job.secret"

@@ -78,7 +78,12 @@ def progress(core: CoordinatorCore, msg: p.Progress, now: float, at: float) -> N
             cfg = core.cfg
             redo, cpus = cfg.max_redo, cfg.agent_cpus
             core.out.log("tier1_behind", step=msg.step, share=round(share, 3), steps=LAG_STEPS)
-            more = f"more CPUs (--agent-cpus, now {cpus})" if cpus else "CPUs of their own"
+            if core.multihost:  # each host pins by its own line's lists
+                more = "more CPUs on each host (its --agent-cpus)"
+            elif cpus:
+                more = f"more CPUs (--agent-cpus, now {cpus})"
+            else:
+                more = "CPUs of their own (--agent-cpus)"
             # trailing further needs a slot more in each ring, or steps are skipped instead
             trail = (f"--max-redo {redo + 1} --slots {cfg.tier0_slots + 1} --peer-slots "
                      f"{cfg.peer_slots + 1}")  # fmt: skip
@@ -86,8 +91,8 @@ def progress(core: CoordinatorCore, msg: p.Progress, now: float, at: float) -> N
                 f"tier 1 is behind: most of the last {LAG_STEPS} steps waited for it "
                 f"{share:.0%} of a step or more (--max-redo {redo}: a step's replicas must be "
                 f"in before the optimizer step {redo} step(s) later). The network or the "
-                f"agents' CPUs cannot carry this state every step: give the agents {more}"
-                f"{'' if cpus else ' (--agent-cpus)'}, or let tier 1 trail further ({trail}: "
+                f"agents' CPUs cannot carry this state every step: give the agents {more}, "
+                f"or let tier 1 trail further ({trail}: "
                 f"a node failure then redoes up to {redo + 1} steps, and each ring holds a "
                 "snapshot more)"
             )
