@@ -151,9 +151,9 @@ def test_the_coordinators_host_killed_another_leads_and_the_job_ends_bit_exact(
     A is killed: within etcd's lease another launcher leads, reads the state back, B and
     C reconnect to it, C takes node 0, and the job ends bit for bit as an uninterrupted
     one, with every host's launcher exiting 0. B and C were launched with another
-    ``--max-redo``: whichever leads next runs the job with A's, as its hosts do. They
-    were also launched with CPU lists of their own, which A's lacked: those stay theirs,
-    the launcher that leads next pinned by them, and are not said to be ignored."""
+    ``--max-redo``: whichever leads next runs the job with A's, as its hosts do. B was
+    also launched with a CPU list of its own, which A's lacked: it stays B's (its
+    launcher, a candidate, is pinned by it) and is not said to be ignored."""
     base = baseline(nodes=2, mode="ddp")
     try:
         net = Network(4)
@@ -167,12 +167,14 @@ def test_the_coordinators_host_killed_another_leads_and_the_job_ends_bit_exact(
             procs.append(_launch(a, 0, tmp_path, server.endpoint, "--node-rank", "0"))
             _wait(tmp_path, 60, lambda e: e["event"] == "job_started")
             # B and C were launched with another --max-redo: the job keeps A's
-            other: tuple[str, ...] = ("--max-redo", "2")
-            if len(cpus := os.sched_getaffinity(0)) > 1:  # and with CPU lists of their own
-                other += ("--agent-cpus", str(max(cpus)))
-            procs.append(_launch(b, 1, tmp_path, server.endpoint, "--node-rank", "1", *other))
+            other = ("--max-redo", "2")
+            cpus = os.sched_getaffinity(0)
+            own = ("--agent-cpus", str(max(cpus))) if len(cpus) > 1 else ()  # B's own list
+            procs.append(_launch(b, 1, tmp_path, server.endpoint, "--node-rank", "1", *other, *own))
             procs.append(_launch(c, 2, tmp_path, server.endpoint, "--spare", *other))
             _wait(tmp_path, 120, lambda e: e["event"] == "snapshot_committed" and e["step"] >= 4)
+            if own:
+                assert os.sched_getaffinity(procs[1].pid) == {max(cpus)}, "B's own list"
             killed = a.kill_all()
             killed_at = time.time()
             assert killed

@@ -729,6 +729,22 @@ def test_cpu_lists_read_as_linux_writes_them_and_bad_ones_are_named() -> None:
         Config(agent_cpus="1-x")
 
 
+def test_a_launcher_checks_its_cpu_lists_against_its_machine_before_it_starts() -> None:
+    import os
+
+    from tierswap.affinity import check_cpus_here
+
+    mine = sorted(os.sched_getaffinity(0))
+    every = ",".join(map(str, mine))
+    with pytest.raises(ValueError, match=f"^--agent-cpus {every}: that is every CPU"):
+        check_cpus_here(every, None)
+    with pytest.raises(ValueError, match="run on CPUs 5000-5003; pick CPUs among"):
+        check_cpus_here(None, f"{mine[0]},5000-5003", "tierswap run --join")
+    check_cpus_here(every, str(mine[0]))  # the workers' own list: fine
+    if len(mine) > 1:
+        check_cpus_here(str(mine[-1]), None)  # the others are the workers'
+
+
 def test_a_thread_pinned_to_the_agents_cpus_runs_only_there() -> None:
     import os
 

@@ -182,14 +182,19 @@ def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
     def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
         raise Exec(env)
 
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two CPUs are needed for an agent's and a worker's list")
     monkeypatch.setenv("TIERSWAP_SECRET", SECRET)
     monkeypatch.delenv("TIERSWAP_WORKER_CPUS", raising=False)
-    monkeypatch.setenv("TIERSWAP_AGENT_CPUS", "1")  # its environment's, as for every option
+    # its environment's, as for every option
+    monkeypatch.setenv("TIERSWAP_AGENT_CPUS", str(cpus[1]))
     monkeypatch.setattr(os, "execve", execve)
     with pytest.raises(Exec) as started:
-        cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", "0"])
+        cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", str(cpus[0])])
     (env,) = started.value.args
-    assert json.loads(env[mh.JOIN_CPUS_ENV]) == {"agent_cpus": "1", "worker_cpus": "0"}
+    mine = {"agent_cpus": str(cpus[1]), "worker_cpus": str(cpus[0])}
+    assert json.loads(env[mh.JOIN_CPUS_ENV]) == mine
     monkeypatch.delenv("TIERSWAP_AGENT_CPUS")
     with pytest.raises(Exec) as started:
         cli.main(["run", "--join", "127.0.0.1:1"])
@@ -197,7 +202,7 @@ def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
     assert none == {"agent_cpus": None, "worker_cpus": None}, "none given: not the job's"
     with pytest.raises(SystemExit, match="--join --worker-cpus: CPU list '0-x'"):
         cli.main(["run", "--join", "127.0.0.1:1", "--worker-cpus", "0-x"])
-    with pytest.raises(SystemExit, match="--join --agent-cpus 4096: this machine lets"):
+    with pytest.raises(SystemExit, match="--join --agent-cpus 4096: this machine does not"):
         cli.main(["run", "--join", "127.0.0.1:1", "--agent-cpus", "4096"])
 
 
@@ -216,9 +221,9 @@ def test_a_host_that_joins_passes_its_own_cpu_lists_to_its_agent(
         (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--bind", "127.0.0.1", "x.py"],
          "--rdzv-endpoint and --bind"),
         (["--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--agent-cpus", "4096", "x.py"],
-         "--agent-cpus 4096: this machine lets the job use CPUs"),
+         "--agent-cpus 4096: this machine does not let the job run on CPUs 4096"),
         (["--nodes", "2", "--worker-cpus", "0,4096", "x.py"],
-         "--worker-cpus 0,4096: this machine lets the job use CPUs"),
+         "--worker-cpus 0,4096: this machine does not let the job run on CPUs 4096"),
     ],
 )  # fmt: skip
 def test_bad_launch_lines_are_refused_saying_why(
@@ -369,8 +374,11 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
     if len(cpus) < 2:
         pytest.skip("two CPUs are needed to tell the hosts' --worker-cpus apart")
     try:
-        job.start(0, "--worker-cpus", str(cpus[0]), "--node-rank", "0", nproc=2, steps=6)
+        # the coordinator's host pins its launcher and agent too; the other does not
+        job.start(0, "--worker-cpus", str(cpus[0]), "--agent-cpus", str(cpus[1]),
+                  "--node-rank", "0", nproc=2, steps=6)  # fmt: skip
         _wait_for(job.run_dir(0), "job_started", 60)
+        launcher = os.sched_getaffinity(job.procs[0].pid)
         job.start(1, "--worker-cpus", str(cpus[1]), "--node-rank", "1", nproc=2, steps=6)
         wrong = job.start(2, "--nnodes", "3", nproc=2)  # overrides the --nnodes 2 before it
         env = dict(os.environ, TIERSWAP_SECRET=SECRET + "-not")
@@ -411,6 +419,7 @@ def test_hosts_on_one_machine_run_a_job_with_torchruns_names(tmp_path: Path, pro
     pinned = {n: {tuple(seen[r, 0]["cpus"]) for r in (2 * n, 2 * n + 1)} for n in (0, 1)}
     # each host's two workers (node I is host I: --node-rank) on the CPU its line named
     assert pinned == {0: {(cpus[0],)}, 1: {(cpus[1],)}}, pinned
+    assert launcher == {cpus[1]}, "the coordinator runs on its host's --agent-cpus"
 
 
 def _network(count: int) -> Network:

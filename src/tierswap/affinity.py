@@ -45,7 +45,14 @@ def _set(tid: int, cpus: frozenset[int], option: str) -> None:
 
 
 def _text(cpus: frozenset[int]) -> str:
-    return ",".join(map(str, sorted(cpus)))
+    """``cpus`` as Linux writes a CPU list: runs as ranges (``0-3,8``)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def pin_process(cpus: frozenset[int], option: str) -> None:
@@ -89,25 +96,46 @@ def worker_cpus(agent_cpus: str | None, worker_cpus: str | None) -> str | None:
     return _text(rest)
 
 
-def check_cpus_here(agents: str | None, workers: str | None, what: str) -> None:
+def check_cpus_here(agents: str | None, workers: str | None, what: str = "") -> None:
     """ValueError naming the option and the fix where a CPU list names CPUs this machine
     does not let the job use, or ``agents`` leaves the workers none: said by the
-    launcher on its own host, before it joins a job, not by its agent or workers after."""
-    have = machine_cpus()
+    launcher on its own host, before it joins a job, not by its agent or workers after.
+    Whether a CPU may be used is asked of the kernel (a thread pinned to it, for a moment):
+    a launcher started on fewer CPUs than its cgroup allows (``taskset``, ``srun
+    --cpu-bind``) may still pin its agents and workers to the others, as they will."""
     for option, text in (("--agent-cpus", agents), ("--worker-cpus", workers)):
         try:
             cpus = parse_cpus(text) if text else frozenset()
         except ValueError as e:
-            raise ValueError(f"{what} {option}: {e}") from None
-        if missing := cpus - have:
+            raise ValueError(f"{what} {option}: {e}".lstrip()) from None
+        if missing := _unusable(cpus):
             raise ValueError(
-                f"{what} {option} {text}: this machine lets the job use CPUs {_text(have)}, "
-                f"not {_text(missing)}; pick CPUs among those (each host gives its own)"
+                f"{what} {option} {text}: this machine does not let the job run on CPUs "
+                f"{_text(missing)}; pick CPUs among {_text(machine_cpus())}".lstrip()
             )
     try:
         worker_cpus(agents, workers)
     except ValueError as e:
-        raise ValueError(f"{what} {e}") from None
+        raise ValueError(f"{what} {e}".lstrip()) from None
+
+
+def _unusable(cpus: frozenset[int]) -> frozenset[int]:
+    """The CPUs of ``cpus`` that a thread may not be pinned to, each tried alone (the
+    kernel takes a mask with some CPU it allows, ignoring the others) by a thread made for
+    the question, then gone."""
+    bad: set[int] = set()
+
+    def probe() -> None:
+        for cpu in sorted(cpus):
+            try:
+                os.sched_setaffinity(0, {cpu})  # this thread's own (Linux: per thread)
+            except (OSError, OverflowError, ValueError):
+                bad.add(cpu)
+
+    t = threading.Thread(target=probe, name="tierswap-cpu-probe")
+    t.start()
+    t.join()
+    return frozenset(bad)
 
 
 def helper_cpus() -> frozenset[int] | None:

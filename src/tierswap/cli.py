@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tierswap.affinity import check_cpus_here
+from tierswap.affinity import MACHINE_ENV, check_cpus_here
 from tierswap.cluster.multihost import DEFAULT_PORT
 from tierswap.config import Config, field_docs
 from tierswap.errors import TierswapError, UsageError
@@ -152,7 +152,7 @@ def _pin_launcher(cfg: Config) -> None:
     use before (a host that joins from elsewhere takes its own machine's)."""
     if not cfg.agent_cpus:
         return
-    from tierswap.affinity import MACHINE_ENV, machine_cpus, parse_cpus, pin_process
+    from tierswap.affinity import machine_cpus, parse_cpus, pin_process
 
     os.environ[MACHINE_ENV] = ",".join(map(str, sorted(machine_cpus())))
     pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
@@ -188,6 +188,9 @@ def _run(args: argparse.Namespace) -> int:
     from tierswap.cluster.coordinator import Coordinator
     from tierswap.cluster.launch import check_shared, check_socket_folder, default_run_dir
 
+    # a launcher measures its machine's CPUs itself: a value inherited from another job's
+    # launcher (tierswap run started from its workers) is not this one's
+    os.environ.pop(MACHINE_ENV, None)
     if args.rdzv_endpoint:
         return _run_hosts(args)
     for flag in ("nnodes", "node_rank", "secret_file", "rdzv_id"):
@@ -205,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("tierswap run: a SCRIPT to run is needed (or --join HOST:PORT)")
     cfg = Config.from_env(**_config_args(args))
     try:
-        check_cpus_here(cfg.agent_cpus, cfg.worker_cpus, "tierswap run")
+        check_cpus_here(cfg.agent_cpus, cfg.worker_cpus)
     except ValueError as e:
         raise UsageError(str(e)) from None
     import dataclasses

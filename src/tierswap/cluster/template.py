@@ -356,6 +356,7 @@ def preload() -> None:
 def main() -> None:
     import setproctitle
 
+    from tierswap.affinity import machine_cpus
     from tierswap.cluster.multihost import KEY_ENV
 
     # setproctitle finds the room for a fork's command line (_title) through the
@@ -367,6 +368,10 @@ def main() -> None:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     secret = bytes.fromhex(os.environ.pop(KEY_ENV))
+    # a launcher pinned to --agent-cpus started this template: it takes the machine's CPUs
+    # back before its imports size their thread pools (each fork is moved to its workers')
+    with contextlib.suppress(OSError, ValueError):
+        os.sched_setaffinity(0, machine_cpus())
     preload()
     gc.collect()
     gc.freeze()  # shared with every fork, and never written by its collector
