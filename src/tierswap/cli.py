@@ -12,7 +12,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tierswap.affinity import MACHINE_ENV, check_cpus_here
+from tierswap.affinity import (
+    AGENT_ENV,
+    MACHINE_ENV,
+    WORKER_ENV,
+    check_cpus_here,
+    machine_cpus,
+    parse_cpus,
+    pin_process,
+)
 from tierswap.cluster.multihost import DEFAULT_PORT
 from tierswap.config import Config, field_docs
 from tierswap.errors import TierswapError, UsageError
@@ -48,8 +56,8 @@ def _join(args: argparse.Namespace) -> int:
         env["TIERSWAP_HOST_ADDRESS"] = check_advertised(args.bind, "tierswap run --join --bind")
     # this host's own CPU lists (its line's, else its TIERSWAP_* ones; none: not pinned)
     own = {
-        name: getattr(args, name) or os.environ.get(f"TIERSWAP_{name.upper()}") or None
-        for name in ("agent_cpus", "worker_cpus")
+        name: getattr(args, name) or os.environ.get(variable) or None
+        for name, variable in (("agent_cpus", AGENT_ENV), ("worker_cpus", WORKER_ENV))
     }
     try:
         check_cpus_here(own["agent_cpus"], own["worker_cpus"], "tierswap run --join")
@@ -152,8 +160,6 @@ def _pin_launcher(cfg: Config) -> None:
     use before (a host that joins from elsewhere takes its own machine's)."""
     if not cfg.agent_cpus:
         return
-    from tierswap.affinity import machine_cpus, parse_cpus, pin_process
-
     os.environ[MACHINE_ENV] = ",".join(map(str, sorted(machine_cpus())))
     pin_process(parse_cpus(cfg.agent_cpus), "--agent-cpus")
 
