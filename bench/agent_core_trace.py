@@ -4,7 +4,7 @@ step's end, how busy that core was (``/proc/stat``, sampled every 10 ms), and ho
 rank 0's next optimizer step waited for tier 1; beside it, how busy the trainers' core
 (the other CPUs) was over each step (``trainers_busy``). Written for the 12-06 finding that the
 pinned tiers 0+1 job waits for tier 1 because that core has more to do per step than the
-trainers' forward and backward leave it (README, "The agents' core per step, pinned").
+trainers' forward and backward leave it (docs/measurements.md, "The agents' core per step, pinned").
 
     .venv/bin/python bench/agent_core_trace.py tier01-pinned [--steps 30] > trace.json
 

@@ -169,8 +169,8 @@ class Config:
     base per rank plus each step as a delta against it, encoded in the agent). Tier 0 is
     always full: a local rollback runs at memcpy speed. "full" is the default because on
     pretraining a delta is most of a snapshot and the codec is slower than the network
-    (README, ``tierswap bench delta``); "delta" pays where few bytes change per step
-    (fine-tuning, sparse embeddings, bf16), in peer memory and traffic."""
+    (docs/measurements.md, ``tierswap bench delta``); "delta" pays where few bytes change
+    per step (fine-tuning, sparse embeddings, bf16), in peer memory and traffic."""
     base_every: int = 50
     """``--memory-tiers delta``: a new base every this many steps at most."""
     persist_deltas: bool = False

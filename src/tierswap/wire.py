@@ -329,7 +329,8 @@ class Channel:
         One ``sendall`` of a whole replica cost more CPU here and went slower. With a busy
         thread in the process every way slows, as each return from the kernel waits for
         the GIL: 16 MiB pieces kept pace with one ``sendall``, where 1 MiB pieces or
-        non-blocking sends after ``poll`` fell far behind (``bench/tcp_send.py``, README)."""
+        non-blocking sends after ``poll`` fell far behind (``bench/tcp_send.py``,
+        docs/measurements.md)."""
         with self._send_lock:
             send_pieces(self.sock, data)
 
