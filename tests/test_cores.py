@@ -912,6 +912,17 @@ def test_an_agent_or_launcher_process_imports_no_torch(module: str) -> None:
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
+def test_the_dcp_bridge_is_reached_from_a_plain_import_of_the_package() -> None:
+    """README's ``tierswap.dcp.StorageReader`` after ``import tierswap``, in a fresh process
+    (an earlier test's ``import tierswap.dcp`` would set the attribute)."""
+    import subprocess
+    import sys
+
+    code = "import tierswap; print(tierswap.dcp.StorageReader.__name__, 'dcp' in tierswap.__all__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["StorageReader", "True"], done.stdout + done.stderr
+
+
 CORE_PARTS = ["coordinator", "failures", "membership", "progress", "resize", "takeover",
               "generation"]  # fmt: skip
 

@@ -114,7 +114,9 @@ def _all_subclasses(cls: type[Any]) -> set[type[Any]]:
 
 def test_calls_are_requests_a_worker_waits_for() -> None:
     calls = sorted(p.tag_of(c) for c in ALL if c.call and not _store(c))
-    assert calls == ["alloc", "corrupt", "fatal", "finished", "inject_fired", "plan", "slot"]
+    assert calls == [
+        "alloc", "corrupt", "fatal", "finished", "inject_fired", "plan", "raised", "slot"
+    ]  # fmt: skip
     assert all(c in get_args(p.WorkerToAgent) for c in ALL if c.call and not _store(c))
     assert all(c.call for c in get_args(p.WorkerToStore)), "every store operation is a call"
 

@@ -1,7 +1,8 @@
 """tierswap: every-step tiered checkpoints and in-place recovery for PyTorch training.
 
 The names below are loaded when first used: ``import tierswap.cluster.agent`` (an agent,
-a replica server) then never imports torch, which takes seconds and hundreds of MB.
+a replica server) then never imports torch, which takes seconds and hundreds of MB. So is
+the ``dcp`` module (``tierswap.dcp.StorageReader`` after a plain ``import tierswap``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tierswap.errors import (
 )
 
 if TYPE_CHECKING:
+    from tierswap import dcp
     from tierswap.ddp import make_exact, ordered_allreduce_hook
     from tierswap.job import Job
     from tierswap.worker import launch
@@ -33,7 +35,13 @@ _LAZY = {
 }
 
 
+_MODULES = frozenset({"dcp"})
+"""Modules of the public API reached as attributes of the package."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"tierswap.{name}")  # (which sets the attribute)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tierswap' has no attribute {name!r}")
@@ -52,6 +60,7 @@ __all__ = [
     "StateMismatchError",
     "TierswapError",
     "UsageError",
+    "dcp",
     "launch",
     "make_exact",
     "ordered_allreduce_hook",

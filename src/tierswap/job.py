@@ -99,6 +99,8 @@ class Job:
         self.plan_step: int | None = None
         self.plan_tier: int | None = None
         self.last_step = -1
+        self.step = -1
+        """The step ``steps()`` last gave the loop (-1: none yet)."""
         self.joined_at: float | None = None
         """When this worker joined the generation's process group (``time.monotonic``)."""
         self.timeline: dict[str, float] = {}
@@ -143,6 +145,7 @@ class Job:
             self._check()
             t = time.monotonic()
             self.interruptible = self._interrupt_steps
+            self.step = step
             try:
                 yield step
             finally:

@@ -10,6 +10,7 @@ the worker destroys its process group and parks again; the next assignment enter
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import queue
@@ -135,9 +136,11 @@ class Control:
                         else:
                             self.reserve.want(nbytes, slots)
                     case p.Abort():
+                        # the communicator first, then the news: the loop, woken, leaves
+                        # the generation, and must not destroy a group while it is aborted
+                        _abort_communicator()
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
-                        _abort_communicator()  # first: the loop then leaves its step
                         if self.interrupt:  # now (job.interrupt), the group already aborted
                             signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
                     case p.Exit():
@@ -364,13 +367,28 @@ def _train_once(
     except BaseException as e:
         ended = control.event(job.generation)
         if not (job.ended or isinstance(e, GenerationEnded) or _peer_failed(e, ended, grace)):
-            traceback.print_exc()
-            return 1
+            return _raised(chan, job, e)
         reason, why = "collective", f"{type(e).__name__}: {str(e)[:200]}"
     _leave(job)
     control.live_held = job.kept is not None  # (before the agent hears of the park)
     control.chan.send(p.Parked(generation=job.generation, rank=rank, reason=reason, why=why))
     return None
+
+
+def _raised(chan: Channel, job: Job, e: BaseException) -> int:
+    """``train(job)`` raised ``e``, not because of a failure elsewhere: print it, tell the
+    agent what it was and in which step (the same error in the same step twice stops the
+    job), and exit with a ``SystemExit``'s own code, 1 for any other exception."""
+    code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code else 1
+    if not isinstance(e, SystemExit):
+        traceback.print_exc()
+    elif e.code is not None and not isinstance(e.code, int):
+        print(e.code, file=sys.stderr)  # what the interpreter prints of sys.exit("...")
+    lines = str(e).strip().splitlines()
+    error = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    with contextlib.suppress(Exception):  # (an agent gone: the exit says enough)
+        chan.call(p.Raised(rank=job.rank, step=job.step, error=error), p.Ack, timeout=10)
+    return code
 
 
 def _enter(train: Callable[[Job], Any], job: Job) -> None:
@@ -415,7 +433,10 @@ def _leave(job: Job) -> None:
     except BaseException as e:  # a copy that failed with its generation: nothing to keep
         print(f"[tierswap] rank {job.rank}: snapshot copy ended with {e}", file=sys.stderr)
     try:
-        dist.destroy_process_group()
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            _abort_communicator()  # a graceful NCCL shutdown may wait on a dead peer
+        elif dist.is_initialized():  # (not once aborted: nothing is left to destroy)
+            dist.destroy_process_group()
     except Exception as e:
         print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
     # the ended generation's model and optimizer (DDP and FSDP hold them in reference

@@ -91,7 +91,7 @@ def _request(core: AgentCore, conn: int, w: Worker, msg: p.Message, now: float) 
             core._tell(msg)
             _reply(core, conn, p.Ack())
             core._maybe_stopped()  # a stop that came first counted on it to leave
-        case p.Fatal() | p.Corrupt() | p.InjectFired():
+        case p.Fatal() | p.Raised() | p.Corrupt() | p.InjectFired():
             core._tell(msg)
             _reply(core, conn, p.Ack())
         case p.Stepped(rank=rank):

@@ -116,6 +116,8 @@ class CoordinatorCore:
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
         self.generation = -1
         self.restarts = 0
+        self.raised: dict[int, tuple[int, str]] = {}
+        """rank -> the step after which its ``train(job)`` last raised, and the error."""
         self.nodes = cfg.nodes
         """Nodes of the job now: ``cfg.nodes``, fewer while shrunk (``--on-no-spare
         shrink``)."""
@@ -361,6 +363,8 @@ class CoordinatorCore:
                 self._corrupt(msg)
             case p.Fatal(rank=rank, message=message):
                 raise JobStopped(f"rank {rank}: {message}")
+            case p.Raised(rank=rank, step=step, error=error):
+                failures.raised(self, node, rank, step, error)
             case p.InjectFired(spec=spec):
                 self.clock.fault(now)
                 self.faults.fired(spec)

@@ -196,6 +196,24 @@ def failure(
     stop_nodes(core, ranks if what == "node" else None if what == "coordinator" else [])
 
 
+def raised(core: CoordinatorCore, node: int | None, rank: int, step: int, error: str) -> None:
+    """``rank``'s ``train(job)`` raised ``error`` in ``step``; its worker exits next, and
+    that exit is the failure. A restore gives the rank back its state bit for bit, so the
+    same error in the same step a second time is the script's, not the machine's: a
+    restart would raise it again, up to ``--max-restarts`` times. The job stops then."""
+    where = f"in step {step}" if step >= 0 else "before its first step"
+    core.out.log("worker_raised", node=node, rank=rank, step=step, error=error)
+    core.out.say(f"rank {rank}: train(job) raised {error} {where}")
+    if core.raised.get(rank) == (step, error):
+        raise JobStopped(
+            f"rank {rank}: train(job) raised {error} {where} again, with the same state "
+            "(a restore gives it back bit for bit): the script's error, not a failure of "
+            "the machine (a restart would raise it again). Fix the script and start the "
+            "job again; with the same --persist it resumes from the newest step saved there"
+        )
+    core.raised[rank] = (step, error)
+
+
 def stopped(core: CoordinatorCore, node: int, msg: p.Stopped, now: float) -> None:
     if node not in core.stopping or not p.covers(msg.verified, core.verify):
         return  # once per stop; one that read less answered an earlier stop

@@ -82,6 +82,7 @@ from tierswap.control.worker_protocol import Lagging as Lagging
 from tierswap.control.worker_protocol import Parked as Parked
 from tierswap.control.worker_protocol import PlanReply as PlanReply
 from tierswap.control.worker_protocol import PlanRequest as PlanRequest
+from tierswap.control.worker_protocol import Raised as Raised
 from tierswap.control.worker_protocol import RankPlan as RankPlan
 from tierswap.control.worker_protocol import Report as Report
 from tierswap.control.worker_protocol import Reserve as Reserve
@@ -490,6 +491,7 @@ WorkerToAgent = (
     | Joined
     | Stepped
     | Fatal
+    | Raised
     | Corrupt
     | InjectFired
     | Lagging
@@ -533,6 +535,7 @@ AgentToCoordinator = (
     | Joined
     | Stepped
     | Fatal
+    | Raised
     | Corrupt
     | InjectFired
     | Lagging

@@ -204,6 +204,17 @@ class Fatal(Message, frozen=True, kw_only=True, tag="fatal"):
     message: str
 
 
+class Raised(Message, frozen=True, kw_only=True, tag="raised"):
+    """``train(job)`` raised ``error`` (its type and first line) in ``step`` (-1: before
+    ``job.steps`` gave it one): the worker exits, a failure like any other, unless the same
+    error comes again in the same step (:func:`tierswap.control.failures.raised`)."""
+
+    call = True
+    rank: int
+    step: int
+    error: str
+
+
 class Corrupt(Message, frozen=True, kw_only=True, tag="corrupt"):
     """A rank's restore source failed its check; the part is marked bad."""
 
