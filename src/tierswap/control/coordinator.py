@@ -179,6 +179,8 @@ class CoordinatorCore:
         self.tier1_lag = progress.Tier1Lag()
         """Whether training keeps waiting for tier 1, said once while it does."""
         self.total: int | None = None
+        self.totals: dict[tuple[int, int], dict[int, int]] = {}
+        """(generation, step before the first) -> rank -> its ``job.steps`` total."""
         self.deadline = now + cfg.startup_timeout
         self.last_tick = now
         """When time was last looked at: a long gap is a pause of this process."""

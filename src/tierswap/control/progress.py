@@ -18,7 +18,14 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from tierswap.control import protocol as p
-from tierswap.control.commands import End, FreezeHost, KillHost, KillProcess, ShowProgress
+from tierswap.control.commands import (
+    End,
+    FreezeHost,
+    JobStopped,
+    KillHost,
+    KillProcess,
+    ShowProgress,
+)
 from tierswap.control.states import Phase
 from tierswap.faults import Injection
 
@@ -161,15 +168,37 @@ def inject_nodes(core: CoordinatorCore, due: list[Injection], now: float) -> Non
 
 def report(core: CoordinatorCore, msg: p.Report) -> None:
     if msg.total is not None:
+        same_total(core, msg.rank, msg.step, msg.total)
         core.total = msg.total
     if msg.rank == 0 and msg.metrics:
         core.last_loss = msg.metrics.get("loss", core.last_loss)
         core.out.log("report", step=msg.step, **msg.metrics)
 
 
+def same_total(core: CoordinatorCore, rank: int, start: int, total: int) -> None:
+    """Every rank's ``job.steps`` from the same step must run to the same ``total``: a
+    rank that stops short leaves the others in their next collective, a failure that a
+    restart brings back each time (``start`` is the step before its first)."""
+    key = (core.generation, start)
+    totals = core.totals.setdefault(key, {})
+    totals[rank] = total
+    for old in [k for k in core.totals if k[0] < core.generation]:
+        del core.totals[old]
+    if len(set(totals.values())) > 1:
+        said = ", ".join(f"rank {r}: {t}" for r, t in sorted(totals.items()))
+        raise JobStopped(
+            f"the ranks call job.steps(total=...) with different totals ({said}): every "
+            "rank must run the same steps, or those that stop first leave the others "
+            "waiting in their next collective. Give every rank the same total (the same "
+            "arguments and environment on every host)"
+        )
+
+
 def finished(core: CoordinatorCore, rank: int, step: int, now: float) -> None:
     if core.phase != Phase.RUNNING:  # a generation being torn down: the next reruns it
         return
+    if core.total is not None and 0 <= step < core.total - 1:  # (-1: restored at its end)
+        core.out.say(f"rank {rank} returned from train(job) after step {step} of {core.total}")
     core.finished.add(rank)
     core.last_step = max(core.last_step, step)
     if len(core.finished) == core.world_size:
