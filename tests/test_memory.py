@@ -572,3 +572,56 @@ def test_faulted_in_memory_and_segments_are_whole_and_writable() -> None:
     finally:
         seg.unlink()
     buf.release()
+
+
+OWNED = """
+import sys
+from tierswap.shm import Owner, Segment, segment_name
+owner = Owner(sys.argv[1])
+seg = Segment.create(segment_name(sys.argv[1], 0, 0, 1), 4096)
+print(owner.path.name, seg.path.name, flush=True)
+sys.stdin.read()  # until the test closes it, or kills this process
+"""
+
+
+def test_segments_of_a_killed_agent_are_swept_and_a_live_ones_kept() -> None:
+    """An agent killed with its launcher (an OOM kill, a scheduler's SIGKILL) leaves its
+    segments; the next agent on the machine unlinks them, and only them: not those of a
+    live agent, not files without an owner, not another user's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tierswap.shm import sweep_dead
+
+    job = f"sweep{uuid.uuid4().hex[:8]}"
+    cmd = [sys.executable, "-c", OWNED, job]
+    live, dead = (
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    )
+    stray = SHM_DIR / f"{PREFIX}{job}-p1-r00000-s0-a1"  # no owner file: never touched
+    foreign = SHM_DIR / f"{PREFIX}{job}-p2-owner"  # another user's claim: not ours to act on
+    try:
+        names = {proc.pid: proc.stdout.readline().split() for proc in (live, dead)}  # type: ignore[union-attr]
+        stray.write_bytes(b"x")
+        if os.getuid() == 0:
+            foreign.write_bytes(b"")
+            os.chown(foreign, 4242, -1)
+        sweep_dead()
+        before = _segments(job)
+        assert all(n in before for ns in names.values() for n in ns), "both agents live"
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait()
+        sweep_dead()
+        after = _segments(job)
+        assert set(before) - set(after) == set(names[dead.pid]), "the killed agent's, all"
+        assert stray.name in after
+        assert os.getuid() != 0 or foreign.name in after
+    finally:
+        live.stdin.close()  # type: ignore[union-attr]
+        live.wait(timeout=30)
+        for path in SHM_DIR.glob(f"{PREFIX}{job}-*"):
+            path.unlink()
+    assert _segments(job) == []

@@ -3,12 +3,16 @@
 The agent creates and owns them, so a snapshot outlives a worker crash; a node's death
 takes them away (the launcher unlinks what a killed agent left). Pages are populated at
 creation and at attach, so the first snapshot does not pay page faults on the hot path.
+Where the launcher died too (a host's processes killed, the machine not: an OOM kill, a
+scheduler's SIGKILL), the next agent on the machine unlinks them (:class:`Owner`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -403,6 +407,71 @@ class SegmentPool:
 def segment_name(job_id: str, rank: int, slot: int, alloc: int) -> str:
     """Unique per agent process, so a node started in a dead one's place never collides."""
     return f"{PREFIX}{job_id}-p{os.getpid()}-r{rank:05d}-s{slot}-a{alloc}"
+
+
+OWNER = "owner"
+
+
+class Owner:
+    """This agent's claim on the segments named with its pid (:func:`segment_name`): a file
+    of their prefix, ending in :data:`OWNER`, that it holds an ``flock`` on for its life.
+    The kernel lets the lock go when the process dies, however it dies, so a later agent
+    knows the segments for leftovers (:func:`sweep_dead`), even one in another PID
+    namespace that shares this /dev/shm (where a pid could not be checked). No claim is
+    made where the file cannot be (another user's file of that name): the segments are
+    then only the launcher's to unlink, as before."""
+
+    def __init__(self, job_id: str) -> None:
+        self.path = SHM_DIR / f"{PREFIX}{job_id}-p{os.getpid()}-{OWNER}"
+        self._fd: int | None = None
+        new = self.path.with_name(self.path.name + ".new")
+        with contextlib.suppress(OSError):
+            fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # locked before any sweep can see the name
+            try:
+                os.rename(new, self.path)
+            except OSError:
+                os.close(fd)
+                new.unlink(missing_ok=True)
+                return
+            self._fd = fd
+
+    def close(self) -> None:
+        """Let the claim go (after this agent unlinked its segments)."""
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
+
+
+def sweep_dead() -> int:
+    """Unlink what tierswap agents that died on this machine left in /dev/shm: for each
+    :class:`Owner` file of this user's that no process holds locked, every file of its
+    prefix. Segments without an owner file are never touched. Returns how many went."""
+    n = 0
+    for owner in SHM_DIR.glob(f"{PREFIX}*-{OWNER}"):
+        try:
+            fd = os.open(owner, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its agent lives
+            for seg in SHM_DIR.glob(owner.name[: -len(OWNER)] + "*"):
+                if seg.name != owner.name:
+                    seg.unlink(missing_ok=True)
+                    n += 1
+            with contextlib.suppress(OSError):
+                if os.stat(owner).st_ino == st.st_ino:  # (not a new claim of that name)
+                    owner.unlink()
+        finally:
+            os.close(fd)
+    return n
 
 
 def remove_job_segments(job_id: str, pid: int | None = None) -> int:

@@ -69,7 +69,7 @@ from tierswap.control.agent_events import (
 from tierswap.control.workers import Kill, Spawn, Tell
 from tierswap.handshake import AuthenticationError
 from tierswap.serving import reader, serve
-from tierswap.shm import SegmentPool
+from tierswap.shm import Owner, SegmentPool, sweep_dead
 from tierswap.tiers.delta_sender import BaseKeeper
 from tierswap.tiers.deltas import MEMORY_BASES
 from tierswap.tiers.memory import NodeRings
@@ -513,6 +513,10 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
         except ValueError as e:
             raise SystemExit(f"tierswap run: {e}") from None
     fence_on_silence(coord, cfg.lease)
+    if swept := sweep_dead():
+        print(f"tierswap: unlinked {swept} shared-memory segment(s) of tierswap agents "
+              "killed on this machine before", file=sys.stderr)  # fmt: skip
+    owner = Owner(w.job_id)  # (before any segment of this agent's is made)
     agent = Agent(
         host=w.host,
         coord=coord,
@@ -533,6 +537,8 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
         agent.core.exit_code = 130
     except SystemExit as e:
         agent.core.exit_code = int(e.code or 0)
+    finally:
+        owner.close()  # (its segments are unlinked by now: the run's shutdown)
     if agent.core.coordinator_gone and launch is not None:
         print("tierswap run: the coordinator is gone; this host stops", file=sys.stderr)
     return agent.core.exit_code
