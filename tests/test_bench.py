@@ -183,14 +183,20 @@ def test_gpu_check_fails_on_any_section_that_did_not_pass() -> None:
     from tierswap.bench import gpu
 
     good = {
-        "env": {}, "cuda_tests": {"code": 0, "counts": {"passed": 4}},
+        "env": {}, "cuda_tests": {"code": 0, "collected": 4, "counts": {"passed": 4}},
         "snapshot": {"skipped": 0}, "jobs": {"a": {"bit_exact": True}, "section_s": 1.0},
     }  # fmt: skip
     assert gpu.failures(good) == []
     for broken in (
-        {"cuda_tests": {"error": "TimeoutExpired: pytest"}},
+        {"cuda_tests": {"error": "pytest ran past its 150 s deadline"}},
         {"cuda_tests": {"skipped": "tests/test_cuda.py is not here"}},
-        {"cuda_tests": {"code": 1, "counts": {"failed": 1}}},
+        {"cuda_tests": {"code": 1, "collected": 4, "counts": {"failed": 1, "passed": 3}}},
+        # pytest's exit code is 0 where every test was skipped (no CUDA seen by them)
+        {"cuda_tests": {"code": 0, "collected": 4, "counts": {"skipped": 4}}},
+        {"cuda_tests": {"code": 0, "collected": 4, "counts": {"passed": 3, "skipped": 1}}},
+        {"cuda_tests": {"code": 0, "collected": 4, "counts": {"passed": 3}}},
+        {"cuda_tests": {"code": 5, "collected": 0, "counts": {}}},
+        {"cuda_tests": {"code": 0, "collected": None, "counts": {"passed": 4}}},
         {"snapshot": {"error": "OSError: no room"}},
         {"snapshot": {"skipped": 3}},
         {"snapshot": {"skipped": 0, "copy_skipped": 1}},
@@ -199,6 +205,45 @@ def test_gpu_check_fails_on_any_section_that_did_not_pass() -> None:
         {"jobs": {"a": {"error": "exited with code 1"}}},
     ):
         assert gpu.failures({**good, **broken}), broken
+
+
+def test_gpu_check_keeps_what_a_hung_pytest_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its deadline the CUDA tests' pytest is killed; which test hung is kept."""
+    from tierswap.bench import gpu
+
+    hung = tmp_path / "test_hangs.py"
+    hung.write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
+    monkeypatch.setattr(gpu, "TESTS", hung)
+    res = gpu.cuda_tests(deadline_s=8)
+    assert res["error"] == "pytest ran past its 8 s deadline", res
+    assert res["collected"] == 1 and "test_hangs.py" in res["tail"], res
+    assert gpu.failures({"cuda_tests": res})
+
+
+def test_gpu_check_section_keeps_its_figures_past_an_error_or_its_deadline() -> None:
+    from tierswap.bench import gpu
+
+    def fails_late(out: dict[str, object]) -> None:
+        out["ab"] = {"overhead": 0.01}
+        raise OSError("no room")
+
+    res = gpu._within(5, fails_late)
+    assert res["ab"] == {"overhead": 0.01} and res["error"] == "OSError: no room"
+    assert "fails_late" in res["trace"]
+    release = threading.Event()
+
+    def hangs(out: dict[str, object]) -> None:
+        out["ab"] = {"overhead": 0.01}
+        release.wait(60)
+
+    try:
+        res = gpu._within(0.5, hangs)
+    finally:
+        release.set()
+    assert res["ab"] == {"overhead": 0.01}
+    assert res["error"] == "still running at its 0.5 s deadline" and "release.wait" in res["trace"]
 
 
 # ---------------------------------------------------------------- bench memory

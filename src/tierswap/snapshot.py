@@ -357,11 +357,52 @@ class Snapshotter:
         self._alloc = _Allocation(reply.alloc, layout, list(reply.segments))
         return self._alloc
 
+    @staticmethod
+    def _pin(alloc: _Allocation, slot: int) -> None:
+        """Page-lock the slot once, so that copies into it are asynchronous DMA. A failure
+        is raised, not worked around: an unpinned slot would make every copy synchronous."""
+        if slot in alloc.pinned:
+            return
+        buf = alloc.segment(slot).buf
+        ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        # portable (1): page-locked for every device's context, not only the current one
+        err = cudart.cudaHostRegister(ptr, len(buf), 1)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of tier-0 slot {slot} ({len(buf)} bytes) failed: CUDA error "
+                f"{int(err)}, {cudart.cudaGetErrorString(err)}. Page-locking needs a "
+                "locked-memory limit above the slots' size (raise it with `ulimit -l "
+                "unlimited`, or a container's memlock ulimit) and a runtime that allows it "
+                "(some sandboxes, gVisor for one, do not)"
+            )
+        alloc.pinned[slot] = ptr
+
+    def _side_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    @staticmethod
+    def _queue_copies(stream: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """The copies on ``stream``, after its device's current stream's work so far; the
+        event that marks their end."""
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):  # (also makes the stream's device the current one)
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            # blocking: the copy thread's wait for it sleeps instead of spinning a core
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return event
+
     def _launch_cuda_copies(self, alloc: _Allocation, slot: int, flat: Flat) -> list[Any]:
         """Issue the deferred copies of GPU tensors, on a side stream of each tensor's own
         device (a rank's tensors need not be on the current device: gloo ranks on one
-        node set none), each stream waiting for that device's current stream first; one
-        event per device, recorded after its copies."""
+        node set none); one event per device, recorded after its copies. Should a launch
+        fail midway, the copies already queued are waited for before the error goes up:
+        the slot may be unpinned and unmapped next, and never under a running DMA."""
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         views = alloc.slot_views(slot)
         for e, src, dst in zip(alloc.layout.entries, flat.tensors, views, strict=True):
@@ -369,26 +410,18 @@ class Snapshotter:
                 by_device.setdefault(src.device, []).append((src, dst))
         if not by_device:
             return []
-        if slot not in alloc.pinned:  # page-lock the slot once so copies are async DMA
-            buf = alloc.segment(slot).buf
-            ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-            # portable (1): page-locked for every device's context, not only the current one
-            err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 1)  # type: ignore[no-untyped-call]
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of tier-0 slot {slot} failed: error {err}")
-            alloc.pinned[slot] = ptr
-        events = []
-        for device, pairs in by_device.items():
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # (also makes ``device`` the current one)
-                for src, dst in pairs:
-                    dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-            events.append(event)
+        self._pin(alloc, slot)
+        events: list[Any] = []
+        used: list[Any] = []  # the side streams copies were queued on
+        try:
+            with torch.no_grad():
+                for device, pairs in by_device.items():
+                    used.append(self._side_stream(device))
+                    events.append(self._queue_copies(used[-1], pairs))
+        except BaseException:
+            for stream in used:
+                stream.synchronize()
+            raise
         return events
 
     # ---------------------------------------------------------------- copy thread
