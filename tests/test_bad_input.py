@@ -258,3 +258,86 @@ def test_a_durable_root_the_job_cannot_use_is_refused_naming_the_fix(
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run").exists(), "nothing was started"
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``tierswap ARGS`` in this process: its exit code, stdout and stderr."""
+    from tierswap import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(args)
+    out, err = capsys.readouterr()
+    return int(done.value.code or 0), out, err
+
+
+def _step(root: Path, step: int) -> None:
+    """A committed step of one rank: a module, its optimizer and a plain value."""
+    import torch
+
+    from tierswap.state import flatten
+    from tierswap.tiers import durable
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    flat = flatten({"model": model, "optim": opt, "epoch": 1})
+    durable.write_commit(str(root), step, 1, {0: durable.write_flat(str(root), step, 0, 1, flat)})
+
+
+def test_export_errors_are_one_line_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    for step in (3, 5):
+        _step(root, step)
+    code, _, err = _cli(["export", str(root), "--step", "999", str(tmp_path / "x")], capsys)
+    assert code == 2 and "no committed step 999" in err and "newest first: 5, 3" in err, err
+    code, _, err = _cli(["export", str(root), "--format", "hf", "--model", "optim",
+                         str(tmp_path / "hf")], capsys)  # fmt: skip
+    assert code == 2 and "--model optim" in err and "an optimizer's state" in err, err
+    assert "model (module)" in err and not (tmp_path / "hf").exists(), err
+    code, _, err = _cli(["ls", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "nothing does not exist" in err, err
+    # a corrupt step: each format says so in one line, as the merged export always did
+    part = root / "step-000000005" / "rank-00000.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-5] ^= 0xFF
+    part.write_bytes(bytes(data))
+    for fmt in ("merged", "dcp", "hf"):
+        out = tmp_path / f"out-{fmt}"
+        code, _, err = _cli(["export", str(root), "--format", fmt, str(out)], capsys)
+        assert code == 2, err
+        assert err.count("\n") == 1 and f"{part}: data checksum mismatch" in err, err
+        assert not out.exists()
+    # an OUT that exists is refused before the step is read (its corruption never seen)
+    (tmp_path / "taken").mkdir()
+    code, _, err = _cli(["export", str(root), "--format", "dcp", str(tmp_path / "taken")], capsys)
+    assert code == 2 and "taken exists" in err and "checksum" not in err, err
+    assert part.read_bytes() == bytes(data), "nothing saved was changed"
+
+
+BAD_RUN_DIRS = [
+    ("file/run", "Not a directory"),  # under a regular file
+    ("file", "a file of that name is there"),
+    *([("/proc/tierswap-nope", "No such file or directory")] if Path("/proc/self").is_dir()
+      else []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("run_dir", "says"), BAD_RUN_DIRS)
+def test_a_run_dir_that_cannot_be_made_is_refused_before_anything_starts(
+    tmp_path: Path, run_dir: str, says: str
+) -> None:
+    from tierswap.examples import EXAMPLE
+
+    (tmp_path / "file").write_text("a file, not a folder")
+    done = subprocess.run(
+        [sys.executable, "-m", "tierswap.cli", "run", "--nodes", "1", "--run-dir", run_dir,
+         str(EXAMPLE), "--steps", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"tierswap run: --run-dir {run_dir!r}: "), done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"], "nothing was started"

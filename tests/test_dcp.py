@@ -210,6 +210,33 @@ def test_init_from_loads_names_what_it_lacks_and_needs_a_step(tmp_path: Path) ->
         init_from(state, str(tmp_path / "nothing"), step=1)
 
 
+def test_a_dcp_export_carries_its_step_to_init_from(tmp_path: Path, capsys: Any) -> None:
+    """``export --format dcp`` then ``run --init-from`` of it: the job goes on after the
+    exported step with no --init-step; a state's own ``step`` value is kept as it was."""
+    model, opt = _trained(2)
+    root = str(tmp_path / "root")
+    _write_step(root, 7, {"model": model, "optim": opt})
+    summary = export_dcp(root, 7, str(tmp_path / "dcp"))
+    assert summary["step"] == 7
+    m2, o2, _ = _fresh()
+    got = init_from({"model": m2, "optim": o2}, str(tmp_path / "dcp"))
+    assert got.step == 7 and got.missing == []
+    _same(_flat_full(m2, o2), _flat_full(model, opt))
+    _write_step(root, 8, {"model": model, "step": 8})  # the state's own, the same step
+    export_dcp(root, 8, str(tmp_path / "own"))
+    assert init_from({"model": m2}, str(tmp_path / "own")).step == 8
+    # through the command line, without torch's warning that it runs in one process
+    from tierswap import cli
+
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as done:
+        warnings.simplefilter("always")
+        cli.main(["export", root, "--step", "7", "--format", "dcp", str(tmp_path / "cli")])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0 and json.loads(out)["step"] == 7 and err == "", err
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    assert init_from({"model": m2, "optim": o2}, str(tmp_path / "cli")).step == 7
+
+
 def test_init_from_weights_only_leaves_the_optimizer_as_built(tmp_path: Path) -> None:
     model, _ = _trained(2)
     dcp_save({"model": get_state_dict(model, [])[0], "step": 9},
@@ -450,6 +477,8 @@ def test_ddp_step_out_to_dcp_and_hf_loads_the_same_bits(jobs: dict[str, Any]) ->
     dcp_load(sd, checkpoint_id=str(tmp / "ddp-dcp"), no_dist=True)  # DCP's default reader
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _same(_flat_full(model, opt), want)
+    got = init_from({"model": model, "optim": opt}, str(tmp / "ddp-dcp"))
+    assert got.step == 15, "--init-from of it goes on at step 16, no --init-step"
     _torchrun(2, GATHER, ["--dcp", str(tmp / "ddp-dcp"), str(tmp / "ddp-2.safetensors")], tmp)
     _same(load_file(tmp / "ddp-2.safetensors"), want)
     cli = [sys.executable, "-m", "tierswap.cli", "export", root, "--format", "hf",

@@ -23,7 +23,7 @@ from tierswap.affinity import (
 )
 from tierswap.cluster.multihost import DEFAULT_PORT
 from tierswap.config import Config, field_docs
-from tierswap.errors import TierswapError, UsageError
+from tierswap.errors import TierswapError, UsageError, listed
 from tierswap.faults import FORMS, Injection
 
 
@@ -65,9 +65,11 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     env[JOIN_CPUS_ENV] = json.dumps(own)
     if run_dir:
+        from tierswap.cluster.coordinator import make_run_dir
         from tierswap.cluster.launch import check_socket_folder
 
         check_socket_folder(Path(run_dir), "tierswap run --join --run-dir")
+        make_run_dir(Path(run_dir))  # the agent's socket goes there
         env["TIERSWAP_RUN_DIR"] = run_dir
     script = [args.script, *args.args] if args.script else []
     os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)
@@ -127,7 +129,10 @@ def _run_hosts(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     check_socket_folder(run_dir, "tierswap run --run-dir")
     if not Path(args.script).is_file():
-        raise UsageError(f"tierswap run: script {args.script!r} not found")
+        raise UsageError(f"script {args.script!r} not found")
+    from tierswap.cluster.coordinator import make_run_dir
+
+    make_run_dir(run_dir)  # its agent's sockets and the job's log go there
     script = [args.script, *args.args]
     if args.rdzv_backend == "etcd":  # the endpoint is etcd's: every host is a candidate
         from tierswap.cluster import candidate
@@ -139,7 +144,6 @@ def _run_hosts(args: argparse.Namespace) -> int:
         return candidate.run(cfg, launch, key, script, run_dir, (ip, port))
     listener = mh.listen_here(ip, port, key)
     if listener is None:  # another host holds the endpoint: this one is a host of the job
-        run_dir.mkdir(parents=True, exist_ok=True)
         env = mh.agent_env(os.environ, (ip, port), key, launch, run_dir)
         env["TIERSWAP_STARTUP_TIMEOUT"] = str(cfg.startup_timeout)
         agent = [sys.executable, "-m", "tierswap.cluster.agent", *script]
@@ -203,11 +207,11 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             name = "--" + flag.replace("_", "-")
             raise UsageError(
-                f"tierswap run {name}: belongs to a multi-host launch; give --rdzv-endpoint "
+                f"{name}: belongs to a multi-host launch; give --rdzv-endpoint "
                 "HOST:PORT too (on one machine, --nodes N simulates N nodes)"
             )
     if args.spare:
-        raise UsageError("tierswap run --spare: needs --rdzv-endpoint (or use --join HOST:PORT)")
+        raise UsageError("--spare: needs --rdzv-endpoint (or use --join HOST:PORT)")
     if args.join:
         return _join(args)
     if not args.script:
@@ -248,6 +252,7 @@ def _ls(args: argparse.Namespace) -> int:
 
     steps = catalog.list_steps(args.url)
     if not steps:
+        _check_root(args.url)
         print(f"{args.url}: no steps")
         return 0
     table = Table("step", "state", "world size", "parts", "bytes")
@@ -269,6 +274,37 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_root(url: str) -> None:
+    """Refuse a durable root that is not there (a typo would read as an empty one)."""
+    from tierswap.tiers.files import url_fs
+
+    fs, base = url_fs(url)
+    if not fs.exists(base):
+        raise UsageError(f"{url} does not exist: give a durable root a job wrote (its --persist)")
+
+
+def _committed_step(url: str, step: int | None) -> int:
+    """``step``, or the newest restorable step where None; a ``UsageError`` listing the
+    root's steps where it holds no such step."""
+    from tierswap.tiers import catalog
+
+    if step is None:
+        steps = catalog.restorable_steps(url)
+        if not steps:
+            _check_root(url)
+            raise UsageError(f"{url} holds no committed step to export (tierswap ls {url})")
+        return steps[-1]
+    steps = catalog.committed_steps(url)
+    if step not in steps:
+        _check_root(url)
+        newest = listed([str(s) for s in reversed(steps)]) if steps else "none"
+        raise UsageError(
+            f"--step {step}: {url} holds no committed step {step}; its committed steps, "
+            f"newest first: {newest} (tierswap ls {url})"
+        )
+    return step
+
+
 def _verify(args: argparse.Namespace) -> int:
     from tierswap.tiers import catalog
 
@@ -282,15 +318,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tierswap.tiers import catalog
-    from tierswap.tiers.export import export, export_hf, parse_size
+    from tierswap.tiers.export import check_new, export, export_hf, parse_size
 
-    step = args.step
-    if step is None:
-        steps = catalog.restorable_steps(args.url)
-        if not steps:
-            raise UsageError(f"{args.url} holds no committed step to export (tierswap ls)")
-        step = steps[-1]
+    if args.format != "merged":  # a folder, never overwritten: refused before any reading
+        check_new(args.out)
+    step = _committed_step(args.url, args.step)
     if args.format == "merged":
         summary = export(args.url, step, args.out)
     elif args.format == "hf":
@@ -546,12 +578,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _said_by(command: str, message: str) -> str:
+    """``message`` headed by the command it stops, once: a message that names the command
+    itself (``tierswap run --rdzv-endpoint: ...``) is not headed again."""
+    if message == command or message.startswith((f"{command} ", f"{command}:")):
+        return message
+    return f"{command}: {message}"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         code = int(args.func(args))
     except (TierswapError, ValueError) as e:
-        print(f"tierswap {args.command}: {e}", file=sys.stderr)
+        print(_said_by(f"tierswap {args.command}", str(e)), file=sys.stderr)
         code = 2
     sys.exit(code)
 

@@ -27,16 +27,19 @@ own reader opens (``--init-from``). Tier 2 itself is never unpickled: the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -52,7 +55,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 from torch.futures import Future
 
-from tierswap.errors import StateMismatchError
+from tierswap.errors import StateMismatchError, TierswapError
 from tierswap.state import (
     FQNS,
     KIND,
@@ -406,29 +409,71 @@ class StorageReader(_StorageReader):
             return False
 
 
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Around a ``dcp.load`` or ``dcp.save`` with ``no_dist``: in one process on purpose,
+    so torch's warning that it assumes so ("torch.distributed is disabled, ...") is left
+    out, and only it. A failure of ours on the way (a corrupt part, a mismatch), which DCP
+    wraps in a ``CheckpointException`` of every rank's traceback, is raised as itself: the
+    command line then reports it in one line, as it does the ``merged`` export's."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            yield
+    except CheckpointException as e:
+        ours = [err for err, _ in e.failures.values() if isinstance(err, TierswapError)]
+        if not ours:
+            raise
+        raise ours[0] from e
+
+
 def load_full(root: str, step: int | None, keys: list[str] | None = None) -> tuple[View, Any]:
     """The step's values as full tensors (nested, DCP's names), through ``dcp.load``."""
     reader = StorageReader(root, step)
     reader.read_metadata()
     assert reader.view is not None
     sd = reader.view.empty(keys)
-    dcp_load(sd, storage_reader=reader, no_dist=True)
+    with _one_process():
+        dcp_load(sd, storage_reader=reader, no_dist=True)
     return reader.view, sd
 
 
-def export_dcp(root: str, step: int, out: str) -> dict[str, Any]:
-    """Write committed ``step`` as a DCP checkpoint in the new folder ``out``."""
-    from tierswap.tiers.export import new_folder
+STEP_KEY = "step"
+"""The top-level value of a DCP checkpoint that ``--init-from`` takes as the step it holds
+(``tierswap.dcp_init``): an export writes the step there, unless the state has a value of
+that name itself."""
 
+
+def _is_step(value: Any, step: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.item() == step
+    return isinstance(value, int) and value == step
+
+
+def export_dcp(root: str, step: int, out: str) -> dict[str, Any]:
+    """Write committed ``step`` as a DCP checkpoint in the new folder ``out``, with the step
+    number under ``step`` (``tierswap run --init-from OUT`` goes on at the next step)."""
+    from tierswap.tiers.export import check_new, new_folder
+
+    check_new(out)  # before the step is read, which may take long
     view, sd = load_full(root, step)
-    with new_folder(out) as tmp:
+    added = STEP_KEY not in sd
+    if added:
+        sd[STEP_KEY] = step
+    elif not _is_step(sd[STEP_KEY], step):  # the state's own value, kept
+        log.warning(
+            "%s step %d holds a value %r under %r, which `tierswap run --init-from` takes as "
+            "the step the export holds: give --init-step %d there to go on after step %d",
+            root, step, sd[STEP_KEY], STEP_KEY, step, step,
+        )  # fmt: skip
+    with new_folder(out) as tmp, _one_process():
         dcp_save(sd, storage_writer=FileSystemWriter(tmp), no_dist=True)
     return {
         "step": step,
         "world_size": view.world_size,
         "format": "dcp",
         "tensors": len(view.tensors),
-        "values": len(view.values),
+        "values": len(view.values) + added,
         "bytes": sum(t.nbytes for t in view.tensors.values()),
         "path": out,
     }

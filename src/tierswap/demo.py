@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tierswap.examples import differing, job_command, load_final
@@ -24,7 +26,8 @@ def _run(console: Console, work: Path, name: str, steps: int, extra: list[str]) 
         ["--nodes", "2", *extra],
         ["--steps", str(steps), "--out", str(work / f"{name}-final")],
     )
-    console.print(f"[bold]$ tierswap run --nodes 2 {' '.join(extra)} train_gpt.py[/bold]")
+    # the command as run, whole and on one line: pasted into a shell, it runs again
+    console.print(f"[bold]$ {escape(shlex.join(cmd))}[/bold]", soft_wrap=True)
     code = subprocess.call(cmd, cwd=work)
     if code != 0:
         raise SystemExit(f"tierswap demo: the {name} run failed with exit code {code}")

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from tierswap.control.commands import (
 )
 from tierswap.control.coordinator import CoordinatorCore
 from tierswap.control.ports import DurableRoot, FencedRoot
-from tierswap.errors import Deposed
+from tierswap.errors import Deposed, UsageError
 from tierswap.events import EventLog, Progress
 from tierswap.keystore import StoreServer
 from tierswap.serving import reader, serve
@@ -60,6 +61,27 @@ from tierswap.wire import Channel, Listener
 
 if TYPE_CHECKING:
     from tierswap.cluster.election import Rendezvous
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Make the job's folder (``--run-dir``) and check that this user can write in it; a
+    ``UsageError`` naming the folder and the OS's reason where not, before anything runs."""
+    doing = "made"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        doing = "written"
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if isinstance(e, FileExistsError):
+            why = "a file of that name is there, not a folder"
+        raise UsageError(
+            f"--run-dir {str(run_dir)!r}: the job's folder cannot be {doing} there ({why}): "
+            "give a folder this user can write, or leave --run-dir out (the job then makes "
+            "runs/<time>-<pid> in the current folder)"
+        ) from None
 
 
 class Coordinator:
@@ -85,7 +107,7 @@ class Coordinator:
         (``own_agent``)."""
         self.cfg = cfg
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_run_dir(run_dir)
         self.fence = leader
         self.takeover = takeover
         self._recorded: dict[str, Any] | None = None

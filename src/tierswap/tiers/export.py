@@ -175,13 +175,19 @@ def _file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+def check_new(out: str | os.PathLike[str]) -> None:
+    """Refuse an ``out`` that exists: an export never overwrites one. Checked before the
+    step is read (and again as the folder is made)."""
+    if os.path.lexists(out):
+        raise UsageError(f"{out} exists: remove it or export to a new folder")
+
+
 @contextlib.contextmanager
 def new_folder(out: str | os.PathLike[str]) -> Iterator[str]:
     """A temporary folder next to ``out``, renamed to ``out`` when the block succeeds
     (removed when it fails); its files then all get the same permissions."""
     dest = Path(out)
-    if dest.exists():
-        raise UsageError(f"{dest} exists: remove it or export to a new folder")
+    check_new(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -221,6 +227,27 @@ HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
 
+def _not_a_model(
+    root: str, step: int, model: str, kinds: Mapping[str, str], modules: list[str]
+) -> UsageError:
+    """``--model`` names no weights of the step (names -> tensors): what it names, and what
+    it may name."""
+    kind = kinds.get(model)
+    what = {"optimizer": "an optimizer's state", "value": "a plain value"}.get(
+        str(kind), "an object's state_dict()"
+    )
+    held = (
+        f"holds no state key {model!r}"
+        if kind is None
+        else f"holds {what} under {model!r}, not a model's weights (names -> tensors)"
+    )
+    keys = ", ".join(f"{k} ({v})" for k, v in kinds.items()) or "none"
+    return UsageError(
+        f"--model {model}: {root} step {step} {held}; --model names the state key of the "
+        f"model (its modules: {', '.join(modules) or 'none recorded'}; its state keys: {keys})"
+    )
+
+
 def export_hf(
     root: str, step: int, out: str, max_shard_size: int = 5 * 10**9, model: str | None = None
 ) -> dict[str, Any]:
@@ -229,6 +256,7 @@ def export_hf(
     bytes (a tensor larger than that gets a shard of its own) plus the index."""
     from tierswap.dcp import View, load_full
 
+    check_new(out)  # before the step is read, which may take long
     view = View(root, step)
     modules = view.modules
     if model is None:
@@ -239,12 +267,16 @@ def export_hf(
                 "none): name the model's state key with --model KEY"
             )
         model = modules[0]
-    prefix = f"{model}."
-    keys = [k for k in view.tensors if k.startswith(prefix)]
+    if view.kinds.get(model) in (None, "optimizer"):
+        raise _not_a_model(root, step, model, view.kinds, modules)
+    keys = [k for k in view.tensors if k.startswith(f"{model}.")]
     if not keys:
         raise UsageError(f"{root} step {step} holds no tensors under state key {model!r}")
     _, sd = load_full(root, step, keys)
-    weights: dict[str, torch.Tensor] = {k: v for k, v in sd[model].items()}
+    held = sd[model]
+    if not (isinstance(held, dict) and all(isinstance(v, torch.Tensor) for v in held.values())):
+        raise _not_a_model(root, step, model, view.kinds, modules)  # not a flat name -> tensor
+    weights: dict[str, torch.Tensor] = dict(held)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in weights.items():
