@@ -1171,3 +1171,26 @@ def test_held_back_replacements_start_when_a_generation_needs_them() -> None:
     a.coordinator(p.Stop(), 0)
     out = a.start(1)  # two ranks, one parked worker: both held back start now
     assert sorted(c.local for c in out if isinstance(c, Spawn)) == [0, 1]
+
+
+def test_a_wait_that_times_out_names_the_option_that_bounds_it() -> None:
+    """`timed out waiting for nodes [1] to join` alone does not say what to raise."""
+    cfg = Config(nodes=2, console=False, startup_timeout=30.0)
+    core = CoordinatorCore(cfg, job_id="t", script=["x.py"], address=("h", 1), store="h:2",
+                           tier2=None, now=0.0)  # fmt: skip
+    core.handle(cc.Begin(), 0.0)
+    core.handle(cc.AgentMessage(1, p.Envelope(-1, p.Hello(host=0, pid=100)), 0.1), 0.1)
+    out: list[Any] = []
+    for i in range(1, 64):  # a tick each half second, as the loop makes them
+        out += core.handle(cc.Tick(), 0.1 + 0.5 * i)
+    (failed,) = [c.fields for c in out if isinstance(c, cc.Log) and c.event == "job_failed"]
+    assert "timed out waiting for nodes [1] to join" in failed["reason"]
+    assert failed["reason"].endswith("(--startup-timeout 30 s)"), failed
+
+
+def test_the_end_of_a_job_says_what_each_tier_committed_and_a_durable_root_never_written() -> None:
+    c = Coordinator(persist="/nowhere")
+    c.core.tiers[0].committed, c.core.tiers[1].committed = 9, 8
+    assert c.core._committed_said() == "memory 9, peer 8, durable none"
+    c.core.persister.committed = 9
+    assert c.core._committed_said() == "memory 9, peer 8, durable 9"

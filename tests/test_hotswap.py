@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -268,10 +269,15 @@ def _job_joined_after_a_loss(
         try:
             _wait_for(run_dir, "waiting_for_node", 120)
             address = json.loads((run_dir / "join.json").read_text())["address"]
+            hint = _join_hint(log)  # the command the job printed, run as printed
+            assert f"tierswap run --join {address}" in hint
+            if secret is not None:
+                prefix = "TIERSWAP_SECRET=<the job's secret> "
+                assert hint.startswith(prefix), hint
+                hint = hint.removeprefix(prefix)
             proc = subprocess.Popen(
-                [*joiner, sys.executable, "-m", "tierswap.cli", "run", "--join", address],
-                # where join.json is, unless the joiner knows the secret
-                env=env if secret is not None else dict(env, TIERSWAP_RUN_DIR=str(run_dir)),
+                [*joiner, sys.executable, "-m", "tierswap.cli", *shlex.split(hint)[1:]],
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -294,6 +300,17 @@ def _job_joined_after_a_loss(
                 except ProcessLookupError:
                     pass
     return code, run_dir, log.read_text()
+
+
+def _join_hint(log: Path) -> str:
+    """The ``tierswap run --join`` command a waiting job printed."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        said = [line for line in log.read_text().splitlines() if "run --join" in line]
+        if said:
+            return said[-1].split("a host to join: ", 1)[1].strip()
+        time.sleep(0.1)
+    raise AssertionError("the job did not say how to join it")
 
 
 def _forked_workers(agent: int) -> int:

@@ -373,8 +373,10 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
         if default is None and str(f.type).startswith("int"):
             return int(raw)
     except ValueError:
-        kind = "int" if default is None else type(default).__name__
-        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a {kind}") from None
+        kind = {"int": "an integer", "float": "a number"}.get(
+            "int" if default is None else type(default).__name__, "a value of its kind"
+        )
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not {kind}") from None
     return raw
 
 

@@ -111,32 +111,41 @@ def as_server(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
     return frame_keys(secret, ns, nc)[0]
 
 
+def _where(address: object) -> str:
+    """``host:port`` of a socket address (``[host]:port`` for IPv6), anything else as is."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = str(address[0])
+        return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
+    return str(address)
+
+
 def as_client(sock: socket.socket, secret: bytes, address: object) -> tuple[bytes, bytes]:
     """Prove each other; the (send, receive) keys of the client's end. ``address`` is the
     server's, named in errors: one that closes mid-way is a ``HandshakeCut``, one that
     cannot prove itself an ``AuthenticationError``."""
+    where = _where(address)
     nc = secrets.token_bytes(NONCE)
     try:
         sock.sendall(MAGIC + nc)
         hello = recv_exact(sock, len(MAGIC) + NONCE)
     except (EOFError, ConnectionResetError, BrokenPipeError):
         raise HandshakeCut(
-            f"{address} closed the connection in the handshake: it died, it is not a tierswap "
+            f"{where} closed the connection in the handshake: it died, it is not a tierswap "
             "endpoint of this version, or it runs with another --tls"
         ) from None
     if not hello.startswith(MAGIC):
         raise AuthenticationError(
-            f"{address} is not a tierswap endpoint of this version (it said {bytes(hello)[:24]!r})"
+            f"{where} is not a tierswap endpoint of this version (it said {bytes(hello)[:24]!r})"
         )
     ns = bytes(hello[len(MAGIC) :])
     try:
         sock.sendall(_proof(secret, b"client", ns, nc))
         proof = bytes(recv_exact(sock, 32))
     except (EOFError, ConnectionResetError, BrokenPipeError):
-        raise HandshakeCut(f"{address} closed the connection before proving itself") from None
+        raise HandshakeCut(f"{where} closed the connection before proving itself") from None
     if not hmac.compare_digest(proof, _proof(secret, b"server", ns, nc)):
         raise AuthenticationError(
-            f"{address} refused this process, or does not know the job's secret: both ends "
+            f"{where} refused this process, or does not know the job's secret: both ends "
             "must be given the same secret (TIERSWAP_SECRET or --secret-file)"
         )
     return frame_keys(secret, ns, nc)[1]
@@ -146,16 +155,17 @@ def start_tls(sock: socket.socket, secret: bytes, address: object) -> ssl.SSLSoc
     """``sock`` wrapped in TLS as the job's client of the server at ``address``: a server
     without the job's certificate is an ``AuthenticationError``, a TLS that fails (the
     other end runs with another ``--tls``) a ``HandshakeCut``."""
+    where = _where(address)
     try:
         return _tls.client_context(secret).wrap_socket(sock)
     except ssl.SSLCertVerificationError as e:
         raise AuthenticationError(
-            f"{address} presented a TLS certificate that is not this job's: it does not "
+            f"{where} presented a TLS certificate that is not this job's: it does not "
             f"know the job's secret ({e.verify_message})"
         ) from None
     except (ssl.SSLError, ConnectionResetError) as e:
         why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
         raise HandshakeCut(
-            f"TLS with {address} failed ({why or e}): both ends must run with the same "
+            f"TLS with {where} failed ({why or e}): both ends must run with the same "
             "--tls, and the server must be a tierswap endpoint"
         ) from None

@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -82,6 +83,16 @@ def make_run_dir(run_dir: Path) -> None:
             "give a folder this user can write, or leave --run-dir out (the job then makes "
             "runs/<time>-<pid> in the current folder)"
         ) from None
+
+
+def join_hint(address: tuple[str, int], run_dir: Path, multihost: bool) -> str:
+    """The command that adds a host to this job, whole: with the job's key, which a host
+    finds in ``TIERSWAP_SECRET`` where the job was started with a secret (on every host of a
+    multi-host launch), else in the job's ``--run-dir`` on this machine (``join.json``)."""
+    join = f"tierswap run --join {address[0]}:{address[1]}"
+    if multihost or os.environ.get("TIERSWAP_SECRET"):
+        return f"TIERSWAP_SECRET=<the job's secret> {join}"
+    return f"{join} --run-dir {shlex.quote(str(run_dir.resolve()))}"
 
 
 class Coordinator:
@@ -160,6 +171,7 @@ class Coordinator:
             multihost=hosts is not None,
             rdzv_id=None if hosts is None else hosts.job,
         )
+        self.core.join_hint = join_hint(self.address, run_dir, hosts is not None)
         self.code: int | None = None
 
     @property

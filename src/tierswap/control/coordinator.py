@@ -84,7 +84,10 @@ class CoordinatorCore:
         self.job_id = job_id
         self.script = script
         self.address = address
-        """Where agents reach this coordinator (for the console's --join hint)."""
+        """Where agents reach this coordinator."""
+        self.join_hint = f"tierswap run --join {address[0]}:{address[1]}"
+        """The command that adds a host to the job, as the console says it (the launcher
+        adds how the host finds the job's key: :func:`tierswap.cluster.coordinator.join_hint`)."""
         self.store = store
         """host:port of the store workers rendezvous on (``store.py``)."""
         self.out = Out()
@@ -402,7 +405,7 @@ class CoordinatorCore:
         settling.given_up(self, now, gap)
         progress.chaos(self, min(gap, 1.0), now)
         if now > self.deadline and not self.done:
-            raise JobStopped(f"timed out {progress.waiting_for(self)}")
+            raise JobStopped(f"timed out {progress.waiting_for(self)} ({self._timeout_option()})")
 
     # ---------------------------------------------------------------- sending
 
@@ -528,6 +531,22 @@ class CoordinatorCore:
             "durable": self.persister.committed,
         }
         return {k: v for k, v in named.items() if v >= 0}
+
+    def _committed_said(self) -> str:
+        """The newest committed step of each tier, in words; a durable root given and
+        never written says so."""
+        said = [f"{tier} {step}" for tier, step in self._committed().items()]
+        if self.cfg.persist is not None and self.persister.committed < 0:
+            said.append("durable none")
+        return ", ".join(said) or "none"
+
+    def _timeout_option(self) -> str:
+        """The option whose time ran out."""
+        if self.waiting_since is not None:
+            return f"--join-timeout {self.cfg.join_timeout:g} s"
+        if self.phase.state == Phase.FINISHING:
+            return f"at least 600 s, or --startup-timeout {self.cfg.startup_timeout:g} s"
+        return f"--startup-timeout {self.cfg.startup_timeout:g} s"
 
     def _commits_open(self) -> bool:
         return self.phase.state in (Phase.RUNNING, Phase.FINISHING)

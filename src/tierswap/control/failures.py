@@ -121,7 +121,7 @@ def node_lost(core: CoordinatorCore, node: int, host: int, why: str, now: float)
     if phase == Phase.FINISHING:
         core.persister.cancel()
         core.persister.ok = False  # finish with what is committed; say what is not
-        core.out.say(f"finishing with the steps already committed: {core._committed()}")
+        core.out.say(f"finishing with the steps already committed: {core._committed_said()}")
         core.last_step = min(core.last_step, core.tiers[0].committed)
         progress.maybe_done(core)
         return
@@ -262,7 +262,7 @@ def no_spare(core: CoordinatorCore, now: float) -> None:
         )
         raise JobStopped(
             f"nodes {nodes} failed and no spare is left (--on-no-spare fail); "
-            f"committed: {core._committed()}.{hint}"
+            f"committed: {core._committed_said()}.{hint}"
         )
     revive(core, len(nodes))
     if core.cfg.on_no_spare == "shrink":
@@ -276,7 +276,8 @@ def no_spare(core: CoordinatorCore, now: float) -> None:
         core.waiting_since = now
         core.deadline = now + core.cfg.join_timeout
         core.out.log("waiting_for_node", nodes=nodes, timeout=core.cfg.join_timeout)
+        booting = f"{len(core.booting)} host(s) started again here, or " if core.booting else ""
         core.out.say(
-            f"no spare for nodes {nodes}: waiting up to {core.cfg.join_timeout:g} s for a "
-            f"node to join (tierswap run --join {core.address[0]}:{core.address[1]})"
+            f"no spare for nodes {nodes}: waiting up to {core.cfg.join_timeout:g} s "
+            f"(--join-timeout) for {booting}a host to join: {core.join_hint}"
         )

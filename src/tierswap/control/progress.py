@@ -232,7 +232,7 @@ def maybe_done(core: CoordinatorCore) -> None:
     )
     core.out.say(
         f"finished step {core.last_step + 1} "
-        f"after {core.restarts} recoveries; committed {core._committed()}"
+        f"after {core.restarts} recoveries; newest step committed: {core._committed_said()}"
     )
     core.out.add(End(0))
 
@@ -255,5 +255,5 @@ def waiting_for(core: CoordinatorCore) -> str:
         return f"waiting for step {step} to be written to {core.cfg.persist}"
     return (
         f"in phase {core.phase.state.value!r} waiting for step {core.last_step} to be "
-        f"committed in memory (committed: {core._committed()})"
+        f"committed in memory (committed: {core._committed_said()})"
     )
