@@ -283,6 +283,18 @@ def test_tier_1_lag_weighs_each_generation_s_steps_apart() -> None:
     assert lag.add(1, 2.0 * LAG_STEPS, 0.5) == pytest.approx(0.5)
 
 
+def test_tier_1_waits_of_a_commit_s_round_trip_are_not_said_whatever_their_share() -> None:
+    """Steps of a millisecond wait a commit's round trip for tier 1, a large share of
+    them: no CPUs or bandwidth would shorten it, so it is no advice to give."""
+    from tierswap.control.progress import LAG_MIN_S, LAG_STEPS, Tier1Lag
+
+    small, large = Tier1Lag(), Tier1Lag()
+    for i in range(LAG_STEPS + 1):
+        assert small.add(0, 0.002 * i, LAG_MIN_S / 2) is None  # half of each 2 ms step
+        said = large.add(0, 0.2 * i, 2 * LAG_MIN_S)  # 5 % of each 200 ms step
+    assert said == pytest.approx(0.05)
+
+
 def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -> None:
     """790919f: a "never" of an abandoned timeline released the next generation's waits."""
     c = Coordinator(spares=1)

@@ -38,6 +38,11 @@ LAG_STEPS = 10
 LAG_SHARE = 0.05
 """The share of a step spent waiting for tier 1 that is said, where most steps wait that
 long: more than a failure's redone step costs a job that fails less than every 20 steps."""
+LAG_MIN_S = 0.005
+"""Waits for tier 1 shorter than this are not said, whatever their share of a step: a few
+milliseconds are the commit's own round trip (an agent's hold to the coordinator and its
+commit back), which neither CPUs nor bandwidth shorten; only steps of toy size see them
+as a share worth saying."""
 
 
 class Tier1Lag:
@@ -65,7 +70,7 @@ class Tier1Lag:
         if len(self._seen) <= LAG_STEPS:
             return None
         pairs = itertools.pairwise(self._seen)
-        shares = [g / (t - t0) if t > t0 else 0.0 for (t0, _), (t, g) in pairs]
+        shares = [g / (t - t0) if t > t0 and g >= LAG_MIN_S else 0.0 for (t0, _), (t, g) in pairs]
         share = statistics.median_low(shares)  # most steps waited at least that long
         if self.behind:
             self.behind = share >= LAG_SHARE / 2
