@@ -1206,3 +1206,19 @@ def test_the_end_of_a_job_says_what_each_tier_committed_and_a_durable_root_never
     assert c.core._committed_said() == "memory 9, peer 8, durable none"
     c.core.persister.committed = 9
     assert c.core._committed_said() == "memory 9, peer 8, durable 9"
+
+
+def test_an_injection_that_never_fired_is_said_at_the_end() -> None:
+    from tierswap.control import progress
+    from tierswap.control.states import Phase
+    from tierswap.faults import Injection
+
+    c = Coordinator(inject=[Injection.parse("kill:node=1:step=999")])
+    assert c.core.phase.state == Phase.RUNNING
+    c.core.phase.move(Phase.FINISHING)
+    c.core.last_step = c.core.tiers[0].committed = 5
+    progress.maybe_done(c.core)
+    c.out += c.core.out.take()
+    (unfired,) = c.logged("faults_unfired")
+    assert unfired["specs"] == ["kill:node=1:step=999"]
+    assert c.core.phase.state == Phase.DONE

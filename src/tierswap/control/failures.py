@@ -85,8 +85,13 @@ def start_failed(core: CoordinatorCore, host: int, code: int, now: float) -> Non
     lost (a spare or a host booting later takes its place, a few times)."""
     why = f"a worker of host {host} exited with code {code} before it was ready"
     if core.generation < 0:
-        where = "that host's console" if core.multihost else "the output above"
-        raise JobStopped(f"{why}; the script's output on {where} says why")
+        where = "on that host's console" if core.multihost else "above"
+        hint = (
+            " (a script that exits 0 before it is ready never called tierswap.launch(train))"
+            if code == 0
+            else ""
+        )
+        raise JobStopped(f"{why}; the script's output {where} says why{hint}")
     core.boot_failures += 1
     if core.boot_failures > BOOT_RETRIES:
         raise JobStopped(f"{why}, {core.boot_failures} times; its output above says why")
