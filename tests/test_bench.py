@@ -244,6 +244,44 @@ def test_gpu_check_section_keeps_its_figures_past_an_error_or_its_deadline() -> 
         release.set()
     assert res["ab"] == {"overhead": 0.01}
     assert res["error"] == "still running at its 0.5 s deadline" and "release.wait" in res["trace"]
+    assert res["hung"]
+
+
+def test_a_hung_gpu_snapshot_section_leaves_no_agent_or_slot_to_the_jobs_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from tierswap.bench import gpu
+
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rig = SimpleNamespace(proc=agent, job_id=f"gpuhang{os.getpid()}")
+    slot = SHM_DIR / f"{PREFIX}{rig.job_id}-p1-r00000-s0-a1"
+    slot.write_bytes(b"x")
+    release = threading.Event()
+
+    def hangs(out: dict[str, object], *args: object) -> None:
+        rigs = args[-1]
+        assert isinstance(rigs, list)
+        rigs.append(rig)
+        release.wait(60)
+
+    monkeypatch.setattr(gpu, "_snapshot", hangs)
+    try:
+        res = gpu.snapshot(1 << 30, 1, device="cpu", deadline_s=0.5)
+        left = slot.exists()
+        code = agent.poll()
+    finally:
+        release.set()
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        slot.unlink(missing_ok=True)
+    assert res["hung"] and code == -9, "the section killed its agent"
+    assert not left, "and unlinked its slots"
 
 
 # ---------------------------------------------------------------- bench memory

@@ -291,8 +291,8 @@ def test_tier_1_waits_of_a_commit_s_round_trip_are_not_said_whatever_their_share
     small, large = Tier1Lag(), Tier1Lag()
     for i in range(LAG_STEPS + 1):
         assert small.add(0, 0.002 * i, LAG_MIN_S / 2) is None  # half of each 2 ms step
-        said = large.add(0, 0.2 * i, 2 * LAG_MIN_S)  # 5 % of each 200 ms step
-    assert said == pytest.approx(0.05)
+        said = large.add(0, 0.2 * i, 3 * LAG_MIN_S)  # 7.5 % of each 200 ms step
+    assert said == pytest.approx(0.075)
 
 
 def test_a_message_of_an_ended_generation_is_dropped_at_the_door_and_counted() -> None:

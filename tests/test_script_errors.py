@@ -23,7 +23,9 @@ def train(job):
     state = {"model": torch.nn.Linear(4, 4)}
     total = 4 if MODE == "short" and job.rank == 1 else 6
     for step in job.steps(state, total=total):
-        if job.rank == 1 and step == 3 and not (MODE == "once" and ONCE.exists()):
+        if MODE in ("always", "once") and job.rank == 1 and step == 3 and not (
+            MODE == "once" and ONCE.exists()
+        ):
             ONCE.touch()
             raise ValueError(f"boom in step {step}\\nsecond line")
 
@@ -78,6 +80,11 @@ def test_an_error_that_does_not_come_back_is_recovered_from(tmp_path: Path) -> N
     assert events(run_dir, "job_finished")
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("a broken __str__")
+
+
 class _Chan:
     def __init__(self) -> None:
         self.told: list[object] = []
@@ -95,6 +102,9 @@ class _Chan:
         (SystemExit("why"), 1, "SystemExit: why"),
         (SystemExit(0), 1, "SystemExit: 0"),  # inside train(job): its steps are not done
         (KeyError(), 1, "KeyError"),
+        (SystemExit(256), 1, "SystemExit: 256"),  # an exit status is a byte
+        (SystemExit(300), 44, "SystemExit: 300"),
+        (_Unprintable(), 1, "_Unprintable"),
     ],
 )
 def test_a_raise_is_told_with_its_step_and_exits_with_a_system_exits_code(

@@ -429,17 +429,20 @@ class Owner:
             fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)  # locked before any sweep can see the name
             try:
-                os.rename(new, self.path)
+                os.link(new, self.path)  # (never over a claim of that name: EEXIST)
             except OSError:
                 os.close(fd)
-                new.unlink(missing_ok=True)
                 return
+            finally:
+                new.unlink(missing_ok=True)
             self._fd = fd
 
     def close(self) -> None:
-        """Let the claim go (after this agent unlinked its segments)."""
+        """Let the claim go, with whatever of its segments is still there (the agent is
+        done with them all: one whose shutdown failed midway left some)."""
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)
+            for path in SHM_DIR.glob(self.path.name[: -len(OWNER)] + "*"):
+                path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 
@@ -464,8 +467,9 @@ def sweep_dead() -> int:
                 continue  # held: its agent lives
             for seg in SHM_DIR.glob(owner.name[: -len(OWNER)] + "*"):
                 if seg.name != owner.name:
-                    seg.unlink(missing_ok=True)
-                    n += 1
+                    with contextlib.suppress(OSError):  # (not ours to unlink after all)
+                        seg.unlink()
+                        n += 1
             with contextlib.suppress(OSError):
                 if os.stat(owner).st_ino == st.st_ino:  # (not a new claim of that name)
                     owner.unlink()

@@ -136,11 +136,9 @@ class Control:
                         else:
                             self.reserve.want(nbytes, slots)
                     case p.Abort():
-                        # the communicator first, then the news: the loop, woken, leaves
-                        # the generation, and must not destroy a group while it is aborted
-                        _abort_communicator()
                         self.event(env.gen).set()
                         self.watermark(env.gen).close()
+                        _abort_communicator()  # first: the loop then leaves its step
                         if self.interrupt:  # now (job.interrupt), the group already aborted
                             signal.pthread_kill(threading.main_thread().ident or 0, SIGNAL)
                     case p.Exit():
@@ -158,9 +156,20 @@ class Control:
                 return
 
 
+GROUP = threading.Lock()
+"""Held to abort, destroy or take the default process group: the control thread aborts
+it when the generation ends while the loop's thread, woken by that abort, leaves it."""
+
+
 def _abort_communicator() -> None:
     """Release collectives blocked on a dead peer at once. NCCL has an abort; gloo's
     collectives fail by themselves when the peer's sockets close, or at their timeout."""
+    with GROUP:
+        _abort_nccl()
+
+
+def _abort_nccl() -> None:
+    """Abort the default group if it is NCCL's (with :data:`GROUP` held)."""
     try:
         if dist.is_initialized() and dist.get_backend() == "nccl":
             from torch.distributed.distributed_c10d import _abort_process_group
@@ -379,12 +388,16 @@ def _raised(chan: Channel, job: Job, e: BaseException) -> int:
     """``train(job)`` raised ``e``, not because of a failure elsewhere: print it, tell the
     agent what it was and in which step (the same error in the same step twice stops the
     job), and exit with a ``SystemExit``'s own code, 1 for any other exception."""
-    code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code else 1
+    code = e.code & 0xFF if isinstance(e, SystemExit) and isinstance(e.code, int) else 0
+    code = code or 1  # (0 would say the rank finished: it did not)
     if not isinstance(e, SystemExit):
         traceback.print_exc()
     elif e.code is not None and not isinstance(e.code, int):
         print(e.code, file=sys.stderr)  # what the interpreter prints of sys.exit("...")
-    lines = str(e).strip().splitlines()
+    try:
+        lines = str(e).strip().splitlines()
+    except Exception:  # (a user's exception whose __str__ fails)
+        lines = []
     error = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
     with contextlib.suppress(Exception):  # (an agent gone: the exit says enough)
         chan.call(p.Raised(rank=job.rank, step=job.step, error=error), p.Ack, timeout=10)
@@ -427,18 +440,19 @@ def _inside_train(frame: FrameType | None) -> bool:
 def _leave(job: Job) -> None:
     """Let go of a generation: finish the snapshot copy in flight, unmap the slots and
     destroy the process group (its peers may be dead, so nothing here waits on them)."""
-    pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     try:
         job.close()  # the copy in flight may hold the step the next generation restores
     except BaseException as e:  # a copy that failed with its generation: nothing to keep
         print(f"[tierswap] rank {job.rank}: snapshot copy ended with {e}", file=sys.stderr)
-    try:
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            _abort_communicator()  # a graceful NCCL shutdown may wait on a dead peer
-        elif dist.is_initialized():  # (not once aborted: nothing is left to destroy)
-            dist.destroy_process_group()
-    except Exception as e:
-        print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
+    with GROUP:  # (not while the control thread aborts it)
+        pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        try:
+            if pg is not None and dist.get_backend() == "nccl":
+                _abort_nccl()  # a graceful NCCL shutdown may wait on a dead peer
+            elif pg is not None:  # (none once aborted: nothing is left to destroy)
+                dist.destroy_process_group()
+        except Exception as e:
+            print(f"[tierswap] rank {job.rank}: destroying the process group: {e}", file=sys.stderr)
     # the ended generation's model and optimizer (DDP and FSDP hold them in reference
     # cycles) must be gone before train(job) builds new ones: on a GPU they hold memory
     # (quick: what the worker loaded before its first rank is frozen, out of the scan)

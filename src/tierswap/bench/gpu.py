@@ -267,7 +267,7 @@ def _within(deadline_s: float, fill: Callable[[dict[str, Any]], None]) -> dict[s
     if thread.is_alive():
         frame = sys._current_frames().get(thread.ident or 0)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        out.update(error=f"still running at its {deadline_s:g} s deadline", trace=stack)
+        out.update(error=f"still running at its {deadline_s:g} s deadline", trace=stack, hung=True)
     return dict(out)  # (a copy: a thread left behind may still write into its own)
 
 
@@ -280,16 +280,39 @@ def snapshot(
     batch: int = 8,
     deadline_s: float = SECTION_S["snapshot"],
 ) -> dict[str, Any]:
-    """Section 3: what it measured by its end, its error, or ``deadline_s``."""
+    """Section 3: what it measured by its end, its error, or ``deadline_s``. Past that, its
+    bench agent is killed and its slots unlinked here: the jobs after it need /dev/shm
+    (the GPU memory the hung thread holds stays taken)."""
+    rigs: list[Any] = []
 
     def fill(out: dict[str, Any]) -> None:
-        _snapshot(out, shm_free, pairs, device, want_params, batch)
+        _snapshot(out, shm_free, pairs, device, want_params, batch, rigs)
 
-    return _within(deadline_s, fill)
+    res = _within(deadline_s, fill)
+    if res.get("hung"):
+        for rig in rigs:
+            _abandon(rig)
+    return res
+
+
+def _abandon(rig: Any) -> None:
+    """A rig whose thread hangs: its agent killed by its pid, its segments unlinked."""
+    from tierswap.shm import remove_job_segments
+
+    if rig.proc is not None and rig.proc.poll() is None:
+        rig.proc.kill()
+        rig.proc.wait(timeout=10)
+    remove_job_segments(rig.job_id)
 
 
 def _snapshot(
-    out: dict[str, Any], shm_free: int, pairs: int, device: str, want_params: int, batch: int
+    out: dict[str, Any],
+    shm_free: int,
+    pairs: int,
+    device: str,
+    want_params: int,
+    batch: int,
+    rigs: list[Any],
 ) -> None:
     from tierswap.bench.rig import NSLOTS, Rig
 
@@ -299,6 +322,7 @@ def _snapshot(
                pairs=pairs)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tierswap-gpu-") as tmp:
         rig = Rig(f"gpu-{os.getpid()}")
+        rigs.append(rig)  # (for snapshot() to clean up after, should this thread hang)
         try:
             rig.start(Path(tmp))
             _snapshot_figures(out, loop, rig)

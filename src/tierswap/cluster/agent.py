@@ -459,6 +459,15 @@ def main() -> None:
     os._exit(code)
 
 
+def _sweep() -> int:
+    """:func:`~tierswap.shm.sweep_dead`, which never keeps an agent from serving."""
+    try:
+        return sweep_dead()
+    except OSError as e:
+        print(f"tierswap: /dev/shm not swept of dead agents' segments: {e}", file=sys.stderr)
+        return 0
+
+
 def own_cpus(job: Config, launch: HostLaunch | None, env: Mapping[str, str]) -> Config:
     """The job's config as this host serves it. CPU numbers are a machine's own: a host of
     a multi-host launch pins its agent and workers by its own launch's ``--agent-cpus``
@@ -513,7 +522,7 @@ def _serve(env: Mapping[str, str], secret: bytes, run_dir: Path) -> int:
         except ValueError as e:
             raise SystemExit(f"tierswap run: {e}") from None
     fence_on_silence(coord, cfg.lease)
-    if swept := sweep_dead():
+    if swept := _sweep():
         print(f"tierswap: unlinked {swept} shared-memory segment(s) of tierswap agents "
               "killed on this machine before", file=sys.stderr)  # fmt: skip
     owner = Owner(w.job_id)  # (before any segment of this agent's is made)

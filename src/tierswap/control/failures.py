@@ -205,11 +205,12 @@ def raised(core: CoordinatorCore, node: int | None, rank: int, step: int, error:
     """``rank``'s ``train(job)`` raised ``error`` in ``step``; its worker exits next, and
     that exit is the failure. A restore gives the rank back its state bit for bit, so the
     same error in the same step a second time is the script's, not the machine's: a
-    restart would raise it again, up to ``--max-restarts`` times. The job stops then."""
+    restart would raise it again, up to ``--max-restarts`` times. The job stops then. Not
+    for an error before the first step (-1): that says nothing of the state restored."""
     where = f"in step {step}" if step >= 0 else "before its first step"
     core.out.log("worker_raised", node=node, rank=rank, step=step, error=error)
     core.out.say(f"rank {rank}: train(job) raised {error} {where}")
-    if core.raised.get(rank) == (step, error):
+    if step >= 0 and core.raised.get(rank) == (step, error):
         raise JobStopped(
             f"rank {rank}: train(job) raised {error} {where} again, with the same state "
             "(a restore gives it back bit for bit): the script's error, not a failure of "
