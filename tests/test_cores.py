@@ -1213,7 +1213,9 @@ def test_an_injection_that_never_fired_is_said_at_the_end() -> None:
     from tierswap.control.states import Phase
     from tierswap.faults import Injection
 
-    c = Coordinator(inject=[Injection.parse("kill:node=1:step=999")])
+    c = Coordinator(
+        inject=[Injection.parse(s) for s in ("kill:node=1:step=999", "slow:rank=1:seconds=0.5")]
+    )
     assert c.core.phase.state == Phase.RUNNING
     c.core.phase.move(Phase.FINISHING)
     c.core.last_step = c.core.tiers[0].committed = 5

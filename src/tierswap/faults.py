@@ -160,6 +160,11 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
+    def unfired(self) -> list[str]:
+        """The kills and stops still in the plan: each leaves it when it fires (a node's
+        here, a rank's as its worker says so); the other kinds stay in it for good."""
+        return [str(f) for f in self.faults if f.action in ("kill", "stop")]
+
     def fired(self, spec: str) -> None:
         """A fault carried out elsewhere (a worker's): it does not fire again."""
         self.faults = [f for f in self.faults if str(f) != spec]

@@ -239,7 +239,7 @@ def maybe_done(core: CoordinatorCore) -> None:
         f"finished step {core.last_step + 1} "
         f"after {core.restarts} recoveries; newest step committed: {core._committed_said()}"
     )
-    if unfired := core.faults.specs():  # (a step past the job's end, a node it never had)
+    if unfired := core.faults.unfired():  # (a step past the job's end, a node it never had)
         core.out.log("faults_unfired", specs=unfired)
         core.out.say(f"--inject that never fired before the job ended: {', '.join(unfired)}")
     core.out.add(End(0))
