@@ -544,9 +544,10 @@ class CoordinatorCore:
         """The option whose time ran out."""
         if self.waiting_since is not None:
             return f"--join-timeout {self.cfg.join_timeout:g} s"
-        if self.phase.state == Phase.FINISHING:
-            return f"at least 600 s, or --startup-timeout {self.cfg.startup_timeout:g} s"
-        return f"--startup-timeout {self.cfg.startup_timeout:g} s"
+        startup = self.cfg.startup_timeout
+        if self.phase.state == Phase.FINISHING or self.salvage is not None:  # a write to tier 2
+            return f"the larger of 600 s and --startup-timeout {startup:g} s"
+        return f"--startup-timeout {startup:g} s"
 
     def _commits_open(self) -> bool:
         return self.phase.state in (Phase.RUNNING, Phase.FINISHING)
