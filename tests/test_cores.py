@@ -1224,3 +1224,19 @@ def test_an_injection_that_never_fired_is_said_at_the_end() -> None:
     (unfired,) = c.logged("faults_unfired")
     assert unfired["specs"] == ["kill:node=1:step=999"]
     assert c.core.phase.state == Phase.DONE
+
+
+def test_every_line_the_console_writes_to_a_log_starts_with_its_prefix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A batch log (no terminal) is grepped for ``[tierswap]``: rich must not take it
+    for markup, and a message of several lines keeps it on each."""
+    from tierswap.events import Progress
+
+    out = Progress(enabled=True, total=40)
+    assert not out.live
+    out.update(13, 0.5, 0.001, {"memory": 13, "peer": 12})
+    out.message("tier-1 placement, 1 replica(s):\nnode 0: rank 0 -> node 1")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(line.startswith("[tierswap] ") for line in lines), lines
+    assert "step 14/40 loss 0.5000" in lines[0]

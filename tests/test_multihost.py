@@ -642,3 +642,24 @@ def test_a_ready_said_again_during_a_takeover_starts_nothing_early() -> None:
     out = _hello(core, 5, 1.3, host=0, pid=50, tag="t0", rejoin=True)
     starts = [c for c in out if isinstance(c, cc.Send) and isinstance(c.msg, p.Start)]
     assert core.generation == 0 and sorted(c.conn for c in starts) == [5, 6]
+
+
+def test_a_host_started_before_etcd_waits_for_it_up_to_the_startup_timeout() -> None:
+    """Pods may start before etcd: a host waits for it, then says which option ran out."""
+    import socket
+    import threading
+
+    from tierswap.cluster.candidate import address_towards
+    from tierswap.errors import UsageError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UsageError, match=r"etcd does not answer .*--startup-timeout"):
+        address_towards(("127.0.0.1", port), wait=0.3)
+    late = socket.socket()
+    try:
+        threading.Timer(0.5, lambda: (late.bind(("127.0.0.1", port)), late.listen())).start()
+        assert address_towards(("127.0.0.1", port), wait=10) == "127.0.0.1"
+    finally:
+        late.close()

@@ -347,10 +347,16 @@ def test_a_durable_root_that_turns_read_only_and_back_loses_nothing(
     assert _verify(root).returncode == 0
 
 
-def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
     """Issue 14: Ctrl-C printed a KeyboardInterrupt traceback and no event naming the
-    newest durable step."""
+    newest durable step. A SIGHUP (the terminal or ssh session closed) stops the job the
+    same way: by its default it died leaving the root's lease behind."""
     import psutil
+
+    from tierswap.tiers.ownership import LOCK_FILE
 
     persist, run_dir = tmp_path / "ckpt", tmp_path / "int"
     job = _start(tmp_path, "int", ["--persist", str(persist), "--persist-every", "2"], 400)
@@ -360,18 +366,19 @@ def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(tmp_path: Path)
                    and e["tier"] == 2 and e["step"] >= 4]:  # fmt: skip
             assert time.monotonic() < deadline and job.poll() is None, "no tier-2 commit"
             time.sleep(0.05)
-        os.kill(job.pid, signal.SIGINT)
-        code = job.wait(60)
+        os.kill(job.pid, sig)
+        exited = job.wait(60)
     finally:
         if job.poll() is None:
             kill_job(job.pid, run_dir)
             job.wait()
     out = (tmp_path / "int.log").read_text()
-    assert code == 130, out[-2000:]
+    assert exited == code, out[-2000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
     (stop,) = events(run_dir, "job_interrupted")
     newest = max(e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2)
-    assert stop["signal"] == "SIGINT" and stop["durable_step"] == newest
+    assert stop["signal"] == sig.name and stop["durable_step"] == newest
+    assert not (persist / LOCK_FILE).exists(), "the root's lease let go"
     assert f"newest durable step {newest} in {persist}" in out
     agents = [e["pid"] for e in events(run_dir, "node_joined")]
     time.sleep(0.5)

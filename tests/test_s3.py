@@ -215,3 +215,26 @@ def test_a_job_persists_to_s3_and_a_new_one_resumes_from_it(
     listed = catalog.list_steps(root)
     assert listed and all(s.committed for s in listed), listed
     assert not leaked_segments(tmp_path)
+
+
+def test_a_root_whose_server_does_not_answer_is_said_in_a_line(tmp_path: Path) -> None:
+    """A closed endpoint (a typo, the store down): one line naming the root, no traceback,
+    for the commands that read a root and for a job that persists to one."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{port}",
+               AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_MAX_ATTEMPTS="1",
+               AWS_RETRY_MODE="standard")  # fmt: skip
+    from tierswap.examples import EXAMPLE
+
+    for args in (["ls", "s3://nowhere/root"],
+                 ["run", "--nodes", "1", "--persist", "s3://nowhere/root", "--run-dir",
+                  str(tmp_path / "run"), str(EXAMPLE), "--steps", "1"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "tierswap.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"tierswap {args[0]}: s3://nowhere/root cannot be reached" in done.stderr

@@ -190,7 +190,9 @@ def _stop_on_signals() -> None:
     # SIGTERM unwinds like an exception, so the coordinator stops its agents on the way out;
     # SIGINT is Ctrl-C even where the launcher was started with it ignored (a background
     # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
+    # (SIGHUP, a terminal or ssh session closing, the same: its default left the root's lock)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -586,13 +588,30 @@ def _said_by(command: str, message: str) -> str:
     return f"{command}: {message}"
 
 
+STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "aiohttp", "gcsfs", "adlfs")
+"""Packages whose errors are a remote durable root's (unreachable, refused, no such
+bucket), not tierswap's: said in a line, not as a traceback."""
+
+
+def _storage_error(e: BaseException) -> bool:
+    return type(e).__module__.split(".")[0] in STORAGE_CLIENTS
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    command = f"tierswap {args.command}"
     try:
         code = int(args.func(args))
     except (TierswapError, ValueError) as e:
-        print(_said_by(f"tierswap {args.command}", str(e)), file=sys.stderr)
+        print(_said_by(command, str(e)), file=sys.stderr)
         code = 2
+    except Exception as e:
+        if not _storage_error(e):
+            raise
+        root = getattr(args, "url", None) or getattr(args, "persist", None)
+        said = f"{root} cannot be reached or used: {type(e).__name__}: {e}"
+        print(_said_by(command, said), file=sys.stderr)
+        code = 1
     sys.exit(code)
 
 

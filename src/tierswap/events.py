@@ -49,7 +49,8 @@ class Progress:
         if self.enabled:
             if self.live:
                 self.console.print(" " * 100, end="\r")
-            self.console.print(f"[tierswap] {text}", markup=False, highlight=False)
+            said = "\n".join(f"[tierswap] {line}" for line in text.splitlines() or [""])
+            self.console.print(said, markup=False, highlight=False)  # (each line greppable)
 
     def update(
         self,
@@ -74,7 +75,7 @@ class Progress:
         if self.live:
             self.console.print(line[:120].ljust(100), end="\r")
         else:
-            self.console.print(f"[tierswap] {line}")
+            self.console.print(f"[tierswap] {line}", markup=False, highlight=False)
 
 
 def job_events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:

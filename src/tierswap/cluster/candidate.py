@@ -26,14 +26,30 @@ from tierswap.cluster.election import POLL_S, Rendezvous, wait_for_stale_keys
 from tierswap.cluster.multihost import HostLaunch, agent_env
 from tierswap.config import Config
 from tierswap.control.commands import TakeOver
-from tierswap.errors import Deposed
+from tierswap.errors import Deposed, UsageError
 from tierswap.wire import Listener
 
 
-def address_towards(endpoint: tuple[str, int]) -> str:
-    """The address of this host that its connections to ``endpoint`` leave from."""
-    with socket.create_connection(endpoint, timeout=10) as s:
-        return str(s.getsockname()[0])
+def address_towards(endpoint: tuple[str, int], wait: float = 0.0) -> str:
+    """The address of this host that its connections to etcd at ``endpoint`` leave from;
+    tried again for up to ``wait`` seconds, since hosts may start before etcd does."""
+    deadline, said = time.monotonic() + wait, False
+    where = "{}:{}".format(*endpoint)
+    while True:
+        try:
+            with socket.create_connection(endpoint, timeout=10) as s:
+                return str(s.getsockname()[0])
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"--rdzv-endpoint {where}: etcd does not answer there ({e.strerror or e}) "
+                    f"after {wait:g} s (--startup-timeout): start etcd first, or give its "
+                    "address"
+                ) from None
+        if not said:
+            print(f"tierswap run: waiting for etcd at {where} (--rdzv-endpoint)", flush=True)
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 OWN_OPTIONS = ("bind", "console", "run_dir", "agent_cpus", "worker_cpus")
@@ -91,7 +107,7 @@ def run(
     from tierswap.cluster.coordinator import Coordinator
 
     rdzv = Rendezvous(etcd, launch.job)
-    here = address_towards(etcd)
+    here = address_towards(etcd, wait=cfg.startup_timeout)
     wait_for_stale_keys(rdzv, lambda text: print(f"tierswap run: {text}", flush=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     env = agent_env(os.environ, etcd, key, launch, run_dir, etcd=True)

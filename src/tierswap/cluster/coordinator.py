@@ -64,6 +64,12 @@ if TYPE_CHECKING:
     from tierswap.cluster.election import Rendezvous
 
 
+SIGNAL_EXITS = {143: "SIGTERM", 129: "SIGHUP"}
+"""The exit codes cli.py turns those signals into, by name."""
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop the job: ignored while it stops, so a second one cuts nothing short."""
+
+
 def make_run_dir(run_dir: Path) -> None:
     """Make the job's folder (``--run-dir``) and check that this user can write in it; a
     ``UsageError`` naming the folder and the OS's reason where not, before anything runs."""
@@ -240,9 +246,9 @@ class Coordinator:
         except KeyboardInterrupt:  # Ctrl-C: no traceback, and what a resume would start from
             self._interrupted("SIGINT")
             return 130
-        except SystemExit as e:  # SIGTERM (cli.py turns it into SystemExit(143))
-            if e.code == 143:
-                self._interrupted("SIGTERM")
+        except SystemExit as e:  # SIGTERM, SIGHUP (cli.py: SystemExit(143), SystemExit(129))
+            if e.code in SIGNAL_EXITS:
+                self._interrupted(SIGNAL_EXITS[e.code])
             raise
         finally:
             self.shutdown()
@@ -426,9 +432,9 @@ class Coordinator:
         # agents run in process groups of their own and would be left running
         handlers: list[Any] = []
         with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
-            handlers = [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            handlers = [signal.getsignal(s) for s in STOPPING]
+            for s in STOPPING:
+                signal.signal(s, signal.SIG_IGN)
         if self.fence is not None and not self.deposed and not self.finished:
             try:  # Ctrl-C, SIGTERM, a stop of the shell's own: the job's end, for everyone
                 self.fence.finish(1 if self.code is None else self.code)
@@ -441,8 +447,8 @@ class Coordinator:
             self.store.close()
             self.log.close()
             if handlers:  # this launcher goes on as a candidate: Ctrl-C and SIGTERM work
-                signal.signal(signal.SIGINT, handlers[0])
-                signal.signal(signal.SIGTERM, handlers[1])
+                for s, handler in zip(STOPPING, handlers, strict=True):
+                    signal.signal(s, handler)
             return
         if self.fence is not None:
             self.fence.resign()

@@ -223,7 +223,9 @@ class Rendezvous:
                 break
             except Exception as e:  # etcd busy or unreachable (electing its own leader?)
                 if self.lost.is_set() or _clock() >= give_up:
-                    raise self._depose(f"etcd could not record a decision in time: {e}") from None
+                    raise self._depose(
+                        f"etcd could not record a decision in time: {type(e).__name__}: {e}"
+                    ) from None
                 time.sleep(0.1)  # the lease surely holds still: try again
         if not reply.get("succeeded"):
             raise self._depose("another coordinator leads now (the leader key is not this one's)")

@@ -189,7 +189,8 @@ def failure(
     core.restarts += 1
     if core.restarts > core.cfg.max_restarts:
         raise JobStopped(
-            f"{core.restarts} failures, more than --max-restarts {core.cfg.max_restarts}"
+            f"{core.restarts} failures, more than --max-restarts {core.cfg.max_restarts}; "
+            f"committed: {core._committed_said()}.{resume_hint(core)}"
         )
     core.phase.move(Phase.RECOVERING)
     core.persister.cancel()
@@ -199,6 +200,16 @@ def failure(
     # failed worker's rank comes back from its node's tier 0; a coordinator that took
     # over cannot tell what its predecessor lost, and has every replica read
     stop_nodes(core, ranks if what == "node" else None if what == "coordinator" else [])
+
+
+def resume_hint(core: CoordinatorCore) -> str:
+    """What a job started again would go on from, said after why this one stopped."""
+    if core.cfg.persist is None:
+        return " Without --persist, memory tiers end with the job: it starts over."
+    newest = max(core.durable_steps(), default=-1)
+    if newest < 0:
+        return f" {core.cfg.persist} holds no step to resume from yet: the job starts over."
+    return f" Started again with --persist {core.cfg.persist}, it resumes from step {newest}."
 
 
 def raised(core: CoordinatorCore, node: int | None, rank: int, step: int, error: str) -> None:
@@ -214,8 +225,7 @@ def raised(core: CoordinatorCore, node: int | None, rank: int, step: int, error:
         raise JobStopped(
             f"rank {rank}: train(job) raised {error} {where} again, with the same state "
             "(a restore gives it back bit for bit): the script's error, not a failure of "
-            "the machine (a restart would raise it again). Fix the script and start the "
-            "job again; with the same --persist it resumes from the newest step saved there"
+            f"the machine (a restart would raise it again). Fix the script.{resume_hint(core)}"
         )
     core.raised[rank] = (step, error)
 

@@ -131,7 +131,11 @@ def lost_message(plan: Plan, persist: str | None) -> str:
     """Why no step can be restored, and what to do about it."""
     why = "; ".join(f"step {s}: {w}" for s, w in plan.skipped[:3]) or "no snapshot at all"
     if persist:
-        hint = f" Tier 2 at {persist} is intact; start the job again to resume."
+        hint = (
+            f" Tier 2 at {persist} keeps every step it holds: `tierswap verify {persist}` "
+            "names the parts that fail their checks; a job started again resumes from the "
+            "newest step whose parts all pass."
+        )
     else:
         hint = (
             " Without --persist only memory tiers hold state, and a lost node takes its"
