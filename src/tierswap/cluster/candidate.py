@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.cluster.election import POLL_S, Rendezvous, wait_for_stale_keys
-from tierswap.cluster.multihost import HostLaunch, agent_env
+from tierswap.cluster.multihost import HostLaunch, agent_env, retried
 from tierswap.config import Config
 from tierswap.control.commands import TakeOver
 from tierswap.errors import Deposed, UsageError
@@ -33,23 +33,20 @@ from tierswap.wire import Listener
 def address_towards(endpoint: tuple[str, int], wait: float = 0.0) -> str:
     """The address of this host that its connections to etcd at ``endpoint`` leave from;
     tried again for up to ``wait`` seconds, since hosts may start before etcd does."""
-    deadline, said = time.monotonic() + wait, False
     where = "{}:{}".format(*endpoint)
-    while True:
-        try:
-            with socket.create_connection(endpoint, timeout=10) as s:
-                return str(s.getsockname()[0])
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise UsageError(
-                    f"--rdzv-endpoint {where}: etcd does not answer there ({e.strerror or e}) "
-                    f"after {wait:g} s (--startup-timeout): start etcd first, or give its "
-                    "address"
-                ) from None
-        if not said:
-            print(f"tierswap run: waiting for etcd at {where} (--rdzv-endpoint)", flush=True)
-            said = True
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def leaving() -> str:
+        with socket.create_connection(endpoint, timeout=10) as s:
+            return str(s.getsockname()[0])
+
+    def refused(e: Exception) -> Exception:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        return UsageError(
+            f"--rdzv-endpoint {where}: etcd does not answer there ({why}) after {wait:g} s "
+            "(--startup-timeout): start etcd first, or give its address"
+        )
+
+    return retried(leaving, wait, f"etcd at {where} (--rdzv-endpoint)", refused)
 
 
 OWN_OPTIONS = ("bind", "console", "run_dir", "agent_cpus", "worker_cpus")

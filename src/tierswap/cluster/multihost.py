@@ -17,9 +17,10 @@ import hashlib
 import json
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tierswap.cluster.address import interface_of
 from tierswap.cluster.template import TEMPLATE_ENV, TEMPLATE_PID_ENV
@@ -83,19 +84,39 @@ def parse_endpoint(text: str, what: str = "--rdzv-endpoint", wait: float = 0.0) 
         port = -1
     if not host or not 0 < port < 65536:
         raise UsageError(f"{what} {text!r}: expected HOST:PORT (a port of 1-65535)")
-    deadline = time.monotonic() + wait
-    said = False
+    unknown = UsageError(
+        f"{what} {text!r}: no IPv4 address is known for {host!r}; give the coordinator "
+        "host's address or a name every host resolves"
+    )
+    address = retried(
+        lambda: socket.gethostbyname(host), wait, f"{host!r} to resolve ({what})",
+        lambda _: unknown, (OSError, UnicodeError),
+    )  # fmt: skip
+    return address, port
+
+
+T = TypeVar("T")
+
+
+def retried(
+    attempt: Callable[[], T],
+    wait: float,
+    waiting_for: str,
+    refused: Callable[[Exception], Exception],
+    errors: tuple[type[Exception], ...] = (OSError,),
+) -> T:
+    """``attempt()`` until it gives an answer, tried again for up to ``wait`` seconds (said
+    once: a host may start before what it needs, as pods do); past that, the error
+    ``refused`` makes of the last failure."""
+    deadline, said = time.monotonic() + wait, False
     while True:
         try:
-            return socket.gethostbyname(host), port
-        except (OSError, UnicodeError):
+            return attempt()
+        except errors as e:
             if time.monotonic() >= deadline:
-                raise UsageError(
-                    f"{what} {text!r}: no IPv4 address is known for {host!r}; give the "
-                    "coordinator host's address or a name every host resolves"
-                ) from None
+                raise refused(e) from None
         if not said:
-            print(f"tierswap run: waiting for {host!r} to resolve ({what})", flush=True)
+            print(f"tierswap run: waiting for {waiting_for}", flush=True)
             said = True
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
