@@ -1240,3 +1240,61 @@ def test_every_line_the_console_writes_to_a_log_starts_with_its_prefix(
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and all(line.startswith("[tierswap] ") for line in lines), lines
     assert "step 14/40 loss 0.5000" in lines[0]
+
+
+# ---------------------------------------------------------------- a stop from outside
+
+
+def _drained(c: Coordinator, signal: str = "SIGTERM", code: int = 143) -> list[Any]:
+    out = c.core.handle(cc.Drain(signal, code), c.now)
+    c.out += out
+    return out
+
+
+def test_a_signal_writes_tier_0_s_newest_step_to_tier_2_then_ends_with_its_code() -> None:
+    c = Coordinator(persist="sim://t2", persist_every=100)
+    _persisted(c, 0, [0, 1])
+    for step in (1, 2, 3):
+        for host in (0, 1):
+            c.say(host, p.Held(tier=0, step=step))
+    out = _drained(c)
+    assert not [x for x in out if isinstance(x, cc.End)], "not before step 3 is written"
+    persist = c.sent(p.Persist, out)[-1]
+    assert persist.step == 3 and persist.replicas == {}
+    assert c.core.handle(cc.Drain("SIGTERM", 143), c.now) == [], "a second is the shell's"
+    c.say(0, p.Parts(token=persist.token, step=3, parts=[c.tier2.write_part(3, 0, b"x")],  # type: ignore[union-attr]
+                     errors={}))  # fmt: skip
+    assert not [x for x in c.out if isinstance(x, cc.End)]
+    end = c.say(1, p.Parts(token=persist.token, step=3, parts=[c.tier2.write_part(3, 1, b"y")],  # type: ignore[union-attr]
+                           errors={}))  # fmt: skip
+    assert [x.code for x in end if isinstance(x, cc.End)] == [143]
+    assert 3 in c.tier2.commits  # type: ignore[union-attr]
+    (drain,) = c.logged("draining")
+    assert drain == {"signal": "SIGTERM", "step": 3, "grace": 20.0}
+
+
+def test_a_signal_ends_at_once_with_nothing_to_write_or_nowhere_to() -> None:
+    bare = Coordinator()
+    assert [x.code for x in _drained(bare, "SIGINT", 130) if isinstance(x, cc.End)] == [130]
+    c = Coordinator(persist="sim://t2", persist_every=100)
+    _persisted(c, 0, [0, 1])
+    assert [x.code for x in _drained(c) if isinstance(x, cc.End)] == [143], "tier 2 has it"
+    assert not c.logged("draining")
+
+
+def test_a_write_past_the_stop_grace_or_a_failure_meanwhile_ends_the_wait() -> None:
+    for late in (True, False):
+        c = Coordinator(persist="sim://t2", persist_every=100, stop_grace=2.0)
+        _persisted(c, 0, [0, 1])
+        for host in (0, 1):
+            c.say(host, p.Held(tier=0, step=1))
+        _drained(c)
+        if late:
+            out = [x for i in range(1, 6) for x in c.core.handle(cc.Tick(), c.now + 0.5 * i)]
+        else:
+            out = c.core.handle(cc.AgentClosed(2), c.now + 0.1)  # host 1's connection
+        c.out += out
+        assert [x.code for x in out if isinstance(x, cc.End)] == [143]
+        (failed,) = c.logged("drain_failed")
+        assert ("--stop-grace 2 s" if late else "a failure came first") in failed["why"]
+        assert c.core.phase == Phase.RUNNING, "no recovery: the job is stopping"

@@ -348,23 +348,26 @@ def test_a_durable_root_that_turns_read_only_and_back_loses_nothing(
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
-def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(
-    tmp_path: Path, sig: signal.Signals, code: int
+def test_a_stop_by_signal_writes_the_newest_step_first_and_a_rerun_resumes_from_it(
+    tmp_path: Path, baseline, sig: signal.Signals, code: int
 ) -> None:
-    """Issue 14: Ctrl-C printed a KeyboardInterrupt traceback and no event naming the
-    newest durable step. A SIGHUP (the terminal or ssh session closed) stops the job the
-    same way: by its default it died leaving the root's lease behind."""
+    """A preemption's SIGTERM, Ctrl-C, a closed terminal's SIGHUP: the newest step in
+    memory goes to tier 2 before the job stops (tier 2's own last step is 40 steps older
+    here), the event and the message name it, nothing is left running, and the same
+    command resumes from it and ends bit for bit. (Issue 14: Ctrl-C printed a
+    traceback; SIGHUP, by its default, left the root's lease behind.)"""
     import psutil
 
     from tierswap.tiers.ownership import LOCK_FILE
 
     persist, run_dir = tmp_path / "ckpt", tmp_path / "int"
-    job = _start(tmp_path, "int", ["--persist", str(persist), "--persist-every", "2"], 400)
+    launcher = ["--persist", str(persist), "--persist-every", "40"]
+    job = _start(tmp_path, "int", launcher, 40, sleep=0.1)
     try:
         deadline = time.monotonic() + 120
         while not [e for e in _events_or_none(run_dir) if e["event"] == "snapshot_committed"
-                   and e["tier"] == 2 and e["step"] >= 4]:  # fmt: skip
-            assert time.monotonic() < deadline and job.poll() is None, "no tier-2 commit"
+                   and e["tier"] == 0 and e["step"] >= 6]:  # fmt: skip
+            assert time.monotonic() < deadline and job.poll() is None, "no tier-0 commit"
             time.sleep(0.05)
         os.kill(job.pid, sig)
         exited = job.wait(60)
@@ -375,16 +378,24 @@ def test_ctrl_c_names_the_newest_durable_step_and_leaves_nothing(
     out = (tmp_path / "int.log").read_text()
     assert exited == code, out[-2000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    (drain,) = events(run_dir, "draining")
+    assert drain["signal"] == sig.name and drain["step"] >= 6
     (stop,) = events(run_dir, "job_interrupted")
-    newest = max(e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2)
-    assert stop["signal"] == sig.name and stop["durable_step"] == newest
+    durable = [e["step"] for e in events(run_dir, "snapshot_committed") if e["tier"] == 2]
+    assert durable == [0, drain["step"]], "step 0 (the first due), then the drained step"
+    assert stop["signal"] == sig.name and stop["durable_step"] == drain["step"]
     assert not (persist / LOCK_FILE).exists(), "the root's lease let go"
-    assert f"newest durable step {newest} in {persist}" in out
+    assert f"newest durable step {drain['step']} in {persist}" in out
     agents = [e["pid"] for e in events(run_dir, "node_joined")]
     time.sleep(0.5)
     alive = [p for p in agents if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive, f"agents left running: {alive}"
     assert not leaked_segments(tmp_path)
+    again = _start(tmp_path, "again", launcher, 40, sleep=0.0)
+    assert _finish(again, tmp_path / "again", 180) == 0, (tmp_path / "again.log").read_text()
+    (resumed,) = events(tmp_path / "again", "restored")
+    assert resumed["step"] == drain["step"], "the rerun resumed from the drained step"
+    assert_same_bits(baseline(nodes=2, mode="ddp", steps=40), final_state(tmp_path, "again"))
 
 
 def _events_or_none(run_dir: Path) -> list[dict[str, object]]:

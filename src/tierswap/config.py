@@ -112,6 +112,11 @@ class Config:
     """Failures the job recovers from before it gives up."""
     startup_timeout: float = 120.0
     """Seconds to wait for agents and workers to start and join."""
+    stop_grace: float = 20.0
+    """Seconds a job stopped by a signal (SIGTERM, SIGINT, SIGHUP to the coordinator's
+    launcher: a scheduler's preemption, Ctrl-C) spends writing its newest step in memory
+    to tier 2 first, where tier 2 lacks it; 0 stops at once. Below the scheduler's own
+    grace before SIGKILL (Slurm's ``KillWait``, 30 s by default)."""
     threads: int = 0
     """torch threads per worker; 0 leaves torch's default."""
     agent_cpus: str | None = None
@@ -232,6 +237,8 @@ class Config:
         for name in ("startup_timeout", "join_timeout", "heartbeat", "collective_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.stop_grace >= 0:
+            raise ValueError(f"stop_grace must be >= 0, got {self.stop_grace}")
         if not self.lease >= 2 * self.heartbeat:
             raise ValueError(
                 f"lease ({self.lease} s) must be at least 2 heartbeats ({self.heartbeat} s) "

@@ -35,6 +35,7 @@ from tierswap.control.commands import (
     Begin,
     Broadcast,
     Close,
+    Drain,
     DurableLost,
     End,
     FreeSegments,
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 
 SIGNAL_EXITS = {143: "SIGTERM", 129: "SIGHUP"}
 """The exit codes cli.py turns those signals into, by name."""
+SIGNAL_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+"""A job a signal stopped exits with 128 + its number, as a shell reports it."""
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Signals that stop the job: ignored while it stops, so a second one cuts nothing short."""
 
@@ -205,6 +208,7 @@ class Coordinator:
                 dict(env, TIERSWAP_STARTUP_TIMEOUT=str(self.cfg.startup_timeout))
             )
         tick = min(0.5, self.cfg.heartbeat / 2)
+        restore = self._drain_on_signals()
         try:
             self._step(Begin(warning) if self.takeover is None else self.takeover, time.monotonic())
             next_tick = time.monotonic() + tick
@@ -234,6 +238,8 @@ class Coordinator:
                     if isinstance(event, Tick):
                         continue
                 self._step(event, now)
+            if self.core.draining is not None:  # stopped by a signal, tier 2 written first
+                self._interrupted(self.core.draining.signal)
             return self.code
         except Deposed as e:  # another coordinator leads: act no further, say so, go
             self.deposed = True
@@ -251,7 +257,39 @@ class Coordinator:
                 self._interrupted(SIGNAL_EXITS[e.code])
             raise
         finally:
+            restore()
             self.shutdown()
+
+    def _drain_on_signals(self) -> Callable[[], None]:
+        """The first SIGINT, SIGTERM or SIGHUP stops the job once its newest step in
+        memory is in tier 2 (the core's ``Drain``, ``--stop-grace``); a second stops it at
+        once, as the launcher's own handlers do. Returns what puts those back."""
+        first = True
+
+        def handler(signum: int, _frame: Any) -> None:
+            nonlocal first
+            sig = signal.Signals(signum)
+            name, code = sig.name, SIGNAL_CODES[sig]
+            if not first:
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(code)
+            first = False
+            self.events.put(Drain(name, code))  # (SimpleQueue.put: safe in a handler)
+
+        old: dict[int, Any] = {}
+        try:
+            for s in STOPPING:
+                old[s] = signal.signal(s, handler)
+        except ValueError:  # not the main thread: the signals stay as they are
+            pass
+
+        def restore() -> None:
+            for s, was in old.items():
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(s, was)
+
+        return restore
 
     def _step(self, event: Any, now: float) -> None:
         """Hand ``event`` to the core and carry out what it says; with ``--rdzv-backend

@@ -58,6 +58,15 @@ class HostExited:
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    """The job is stopped from outside (``signal``, whose exit ``code`` the job ends with):
+    its newest step in memory goes to tier 2 first (``--stop-grace``)."""
+
+    signal: str
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
 class DurableLost:
     """This job lost its claim on the durable root (another job took it over): it must
     write no more COMMIT there."""
@@ -78,7 +87,9 @@ class TakeOver:
     ignored: tuple[str, ...] = ()
 
 
-CoordinatorEvent = Begin | TakeOver | AgentMessage | AgentClosed | Tick | HostExited | DurableLost
+CoordinatorEvent = (
+    Begin | TakeOver | AgentMessage | AgentClosed | Tick | HostExited | DurableLost | Drain
+)
 
 
 # ==================================================================== commands

@@ -20,6 +20,7 @@ from typing import Any
 
 from tierswap.config import Config
 from tierswap.control import (
+    draining,
     failures,
     generation,
     membership,
@@ -35,6 +36,7 @@ from tierswap.control.commands import (
     Begin,
     Broadcast,
     CoordinatorEvent,
+    Drain,
     DurableLost,
     End,
     HostExited,
@@ -119,6 +121,11 @@ class CoordinatorCore:
         self.phase = Machine("coordinator", Phase.STARTING, PHASES)
         self.generation = -1
         self.restarts = 0
+        self.draining: Drain | None = None
+        """The signal that stops the job, once one came (``control/draining.py``)."""
+        self.drain_step = -1
+        self.drain_deadline = float("inf")
+        self.drained = False
         self.raised: dict[int, tuple[int, str]] = {}
         """rank -> the step after which its ``train(job)`` last raised, and the error."""
         self.nodes = cfg.nodes
@@ -239,6 +246,8 @@ class CoordinatorCore:
                         resize.salvaged(self, None, now)
                 case Begin():
                     membership.begin(self, event, now)
+                case Drain():
+                    draining.drain(self, event, now)
                 case TakeOver(record=record, old_host=old_host, ignored=ignored):
                     takeover.adopt(self, record, old_host, now, ignored)
         except JobStopped as e:
@@ -403,6 +412,7 @@ class CoordinatorCore:
                 self, quiet_host, f"no heartbeat for {quiet:.1f} s (lease expired)", now
             )
         settling.given_up(self, now, gap)
+        draining.overdue(self, now)
         progress.chaos(self, min(gap, 1.0), now)
         if now > self.deadline and not self.done:
             raise JobStopped(f"timed out {progress.waiting_for(self)} ({self._timeout_option()})")
@@ -560,4 +570,5 @@ class CoordinatorCore:
             resize.maybe_grow(self, self.now)
         if self.salvage is not None and self.persister.inflight is None:
             resize.salvaged(self, step, self.now)
+        draining.written(self, step)
         progress.maybe_done(self)

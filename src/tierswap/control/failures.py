@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierswap.control import generation, progress, resize
+from tierswap.control import draining, generation, progress, resize
 from tierswap.control import protocol as p
 from tierswap.control.commands import Close, FreeSegments, JobStopped, KillHost, StartHost
 from tierswap.control.states import Phase
@@ -172,6 +172,10 @@ def failure(
     now: float,
     host: int | None = None,
 ) -> None:
+    if core.draining is not None:  # the job is stopping: no recovery, the stop now
+        core.out.log("failure_detected", what=what, node=node, ranks=ranks, detail=detail)
+        draining.end(core, f"not written: a failure came first ({what}: {detail})")
+        return
     detect = core.clock.failed(core.last_step, now)
     if host is None and node is not None:
         host = core.hosts.members.get(node)
