@@ -1298,3 +1298,10 @@ def test_a_write_past_the_stop_grace_or_a_failure_meanwhile_ends_the_wait() -> N
         (failed,) = c.logged("drain_failed")
         assert ("--stop-grace 2 s" if late else "a failure came first") in failed["why"]
         assert c.core.phase == Phase.RUNNING, "no recovery: the job is stopping"
+
+
+def test_a_durable_root_with_no_step_of_the_job_is_said_at_the_start() -> None:
+    """A typo in a root's name trains from step 0 as a new root does: said, not silent."""
+    said = [x.text for x in Coordinator(persist="sim://t2").out if isinstance(x, cc.Say)]
+    assert "sim://t2 holds no step of this job: it starts from step 0" in said
+    assert not [x for x in Coordinator().out if isinstance(x, cc.Say) and "holds no" in x.text]

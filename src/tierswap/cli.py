@@ -72,6 +72,7 @@ def _join(args: argparse.Namespace) -> int:
         make_run_dir(Path(run_dir))  # the agent's socket goes there
         env["TIERSWAP_RUN_DIR"] = run_dir
     script = [args.script, *args.args] if args.script else []
+    print(f"tierswap run --join: joining the job at {args.join} as a spare host", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "tierswap.cluster.agent", *script], env)
 
 
@@ -315,7 +316,11 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"BAD {p}")
     if problems:
         return 1
-    print(f"{args.url}: every checksum matches")
+    listed = catalog.list_steps(args.url)
+    checked = 1 if args.step is not None else sum(s.committed for s in listed)
+    open_ = sum(not s.committed for s in listed) if args.step is None else 0
+    left = f"; {open_} uncommitted left out (tierswap ls)" if open_ else ""
+    print(f"{args.url}: every checksum matches ({checked} committed step(s) checked{left})")
     return 0
 
 

@@ -34,6 +34,10 @@ def begin(core: CoordinatorCore, event: Begin, now: float) -> None:
     )
     if event.durable_warning:
         core.persister.failing(f"cannot write {core.cfg.persist}: {event.durable_warning}")
+    elif core.cfg.persist is not None and core.reshard is None and not core.durable_steps():
+        # (a typo in a root's name trains from step 0 too: said, not silent)
+        fresh = "from --init-from" if core.cfg.init_from else "from step 0"
+        core.out.say(f"{core.cfg.persist} holds no step of this job: it starts {fresh}")
     if (advice := core.cfg.slot_advice()) is not None:
         core.out.log("slots_short", slots=core.cfg.tier0_slots, max_redo=core.cfg.max_redo)
         core.out.say(advice)
