@@ -1234,7 +1234,7 @@ def test_every_line_the_console_writes_to_a_log_starts_with_its_prefix(
     from tierswap.events import Progress
 
     out = Progress(enabled=True, total=40)
-    assert not out.live
+    out.live = False  # (pytest -s at a terminal: what a batch log gets)
     out.update(13, 0.5, 0.001, {"memory": 13, "peer": 12})
     out.message("tier-1 placement, 1 replica(s):\nnode 0: rank 0 -> node 1")
     lines = capsys.readouterr().err.splitlines()
@@ -1305,3 +1305,39 @@ def test_a_durable_root_with_no_step_of_the_job_is_said_at_the_start() -> None:
     said = [x.text for x in Coordinator(persist="sim://t2").out if isinstance(x, cc.Say)]
     assert "sim://t2 holds no step of this job: it starts from step 0" in said
     assert not [x for x in Coordinator().out if isinstance(x, cc.Say) and "holds no" in x.text]
+
+
+def test_a_signal_while_finishing_or_while_the_step_is_being_written_adds_no_write() -> None:
+    """A job already writing its last step finishes (one End: its own); one whose newest
+    step is being written waits for that write, not a second of the same step."""
+    c = Coordinator(persist="sim://t2", persist_every=1)
+    _persisted(c, 0, [0, 1])
+    for host in (0, 1):
+        c.say(host, p.Held(tier=0, step=1))
+    (writing,) = [x for x in c.sent(p.Persist) if x.step == 1]
+    before = len(c.sent(p.Persist))
+    _drained(c)
+    assert len(c.sent(p.Persist)) == before, "the step in flight is waited for"
+    for host in (0, 1):
+        part = c.tier2.write_part(1, host, b"x")  # type: ignore[union-attr]
+        c.say(host, p.Parts(token=writing.token, step=1, parts=[part], errors={}))
+    assert [x.code for x in c.out if isinstance(x, cc.End)] == [143]
+    from tierswap.control.states import Phase as Ph
+
+    f = Coordinator(persist="sim://t2", persist_every=100)
+    f.core.phase.move(Ph.FINISHING)
+    assert not [x for x in _drained(f) if isinstance(x, cc.End)]
+    assert f.core.draining is None, "finishing: the job ends by itself"
+
+
+def test_a_root_lost_while_its_step_is_written_ends_the_wait_at_once() -> None:
+    c = Coordinator(persist="sim://t2", persist_every=100)
+    _persisted(c, 0, [0, 1])
+    for host in (0, 1):
+        c.say(host, p.Held(tier=0, step=1))
+    _drained(c)
+    out = c.core.handle(cc.DurableLost("another job took the root over"), c.now)
+    c.out += out
+    assert [x.code for x in out if isinstance(x, cc.End)] == [143]
+    (failed,) = c.logged("drain_failed")
+    assert failed["why"] == "its write failed"

@@ -347,7 +347,9 @@ def test_a_durable_root_that_turns_read_only_and_back_loses_nothing(
     assert _verify(root).returncode == 0
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)]
+)
 def test_a_stop_by_signal_writes_the_newest_step_first_and_a_rerun_resumes_from_it(
     tmp_path: Path, baseline, sig: signal.Signals, code: int
 ) -> None:

@@ -235,6 +235,6 @@ def test_a_root_whose_server_does_not_answer_is_said_in_a_line(tmp_path: Path) -
                   str(tmp_path / "run"), str(EXAMPLE), "--steps", "1"]):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "tierswap.cli", *args], env=env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 1, done.stderr[-2000:]
+        assert done.returncode == 2, done.stderr[-2000:]
         assert "Traceback" not in done.stderr, done.stderr[-2000:]
         assert f"tierswap {args[0]}: s3://nowhere/root cannot be reached" in done.stderr

@@ -193,7 +193,8 @@ def _stop_on_signals() -> None:
     # job of a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
     # (SIGHUP, a terminal or ssh session closing, the same: its default left the root's lock)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # (nohup: it stays ignored)
+        signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -613,10 +614,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         if not _storage_error(e):
             raise
-        root = getattr(args, "url", None) or getattr(args, "persist", None)
+        root = (
+            getattr(args, "url", None)
+            or getattr(args, "persist", None)
+            or os.environ.get("TIERSWAP_PERSIST")
+            or "the durable root"
+        )
         said = f"{root} cannot be reached or used: {type(e).__name__}: {e}"
         print(_said_by(command, said), file=sys.stderr)
-        code = 1
+        code = 2
     sys.exit(code)
 
 

@@ -113,10 +113,12 @@ class Config:
     startup_timeout: float = 120.0
     """Seconds to wait for agents and workers to start and join."""
     stop_grace: float = 20.0
-    """Seconds a job stopped by a signal (SIGTERM, SIGINT, SIGHUP to the coordinator's
-    launcher: a scheduler's preemption, Ctrl-C) spends writing its newest step in memory
-    to tier 2 first, where tier 2 lacks it; 0 stops at once. Below the scheduler's own
-    grace before SIGKILL (Slurm's ``KillWait``, 30 s by default)."""
+    """Seconds a job stopped by a signal to the coordinator's launcher (SIGTERM, SIGINT,
+    SIGHUP: Ctrl-C at its terminal, ``kill`` of its pid, a container runtime's SIGTERM to
+    the container's main process) spends writing its newest step in memory to tier 2
+    first, where tier 2 lacks it; 0 stops at once. Keep it below the grace the sender
+    gives before SIGKILL. A scheduler that signals every process of the job (Slurm)
+    stops its agents too: that job resumes from its last periodic step."""
     threads: int = 0
     """torch threads per worker; 0 leaves torch's default."""
     agent_cpus: str | None = None
@@ -237,8 +239,8 @@ class Config:
         for name in ("startup_timeout", "join_timeout", "heartbeat", "collective_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.stop_grace >= 0:
-            raise ValueError(f"stop_grace must be >= 0, got {self.stop_grace}")
+        if not 0 <= self.stop_grace < float("inf"):
+            raise ValueError(f"stop_grace must be >= 0 and finite, got {self.stop_grace}")
         if not self.lease >= 2 * self.heartbeat:
             raise ValueError(
                 f"lease ({self.lease} s) must be at least 2 heartbeats ({self.heartbeat} s) "

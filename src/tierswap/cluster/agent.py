@@ -439,6 +439,8 @@ def main() -> None:
     # host) and Ctrl-C unwind: the loop's shutdown stops the workers and frees this host's
     # memory, and then the template and folder made here go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a --join host's closed terminal
+        signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     temp = own = None
     try:
         if not env.get("TIERSWAP_RUN_DIR"):
@@ -447,7 +449,8 @@ def main() -> None:
         own = own_template(run_dir, secret)
         code = _serve(env, secret, run_dir)
     finally:  # a refusal, an error, a SIGTERM: no template or folder of this agent's is left
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and a second SIGTERM stops no cleanup
+        for stop in (signal.SIGTERM, signal.SIGHUP):  # and a second one stops no cleanup
+            signal.signal(stop, signal.SIG_IGN)
         if own is not None:
             stop_template(*own)
         if temp is not None:

@@ -101,7 +101,7 @@ def run(
     run_dir: Path,
     etcd: tuple[str, int],
 ) -> int:
-    from tierswap.cluster.coordinator import Coordinator
+    from tierswap.cluster.coordinator import SIGNAL_CODES, Coordinator
 
     rdzv = Rendezvous(etcd, launch.job)
     here = address_towards(etcd, wait=cfg.startup_timeout)
@@ -162,7 +162,7 @@ def run(
                         code = coordinator.run()
                     finally:  # (a SIGTERM of a deposed leader stops this host's agent too)
                         led = not coordinator.deposed
-                    if led or code == 130:  # the job ended, or Ctrl-C stopped this host
+                    if led or code in SIGNAL_CODES.values():  # ended, or a signal stopped it
                         return code
                     continue  # another leads: this host's agent serves it, this waits
                 listener.close()

@@ -142,6 +142,10 @@ class Coordinator:
         # agents (including hosts that join later) and workers reach both on --bind
         self.listener = listener or Listener((cfg.bind, 0), self.secret)
         self._stop_accepting: Callable[[], None] = self.listener.close
+        self._closing = False
+        """Set once the job is closing: a signal then changes nothing."""
+        self._outer: dict[int, Any] = {}
+        """The launcher's handlers of the signals this coordinator drains on."""
         self.store = StoreServer(cfg.bind, self.secret)
         self.nodes = LocalNodes(cfg, script, run_dir, self.job_id, self.secret)
         if own_agent is not None:
@@ -208,7 +212,7 @@ class Coordinator:
                 dict(env, TIERSWAP_STARTUP_TIMEOUT=str(self.cfg.startup_timeout))
             )
         tick = min(0.5, self.cfg.heartbeat / 2)
-        restore = self._drain_on_signals()
+        self._drain_on_signals()
         try:
             self._step(Begin(warning) if self.takeover is None else self.takeover, time.monotonic())
             next_tick = time.monotonic() + tick
@@ -238,17 +242,20 @@ class Coordinator:
                     if isinstance(event, Tick):
                         continue
                 self._step(event, now)
-            if self.core.draining is not None:  # stopped by a signal, tier 2 written first
+            self._closing = True  # (a signal now changes nothing)
+            if self.core.drained and self.core.draining is not None:  # stopped by a signal
                 self._interrupted(self.core.draining.signal)
             return self.code
         except Deposed as e:  # another coordinator leads: act no further, say so, go
+            self._closing = True
             self.deposed = True
             self.log.emit("coordinator_deposed", reason=str(e))
             self.progress.message(
                 f"this coordinator no longer leads the job ({e}); this host goes on as one "
                 "of its hosts"
             )
-            return 1
+            # a signal that was stopping the job stops this host too
+            return 1 if self.core.draining is None else self.core.draining.code
         except KeyboardInterrupt:  # Ctrl-C: no traceback, and what a resume would start from
             self._interrupted("SIGINT")
             return 130
@@ -257,19 +264,24 @@ class Coordinator:
                 self._interrupted(SIGNAL_EXITS[e.code])
             raise
         finally:
-            restore()
+            self._closing = True
             self.shutdown()
 
-    def _drain_on_signals(self) -> Callable[[], None]:
+    def _drain_on_signals(self) -> None:
         """The first SIGINT, SIGTERM or SIGHUP stops the job once its newest step in
         memory is in tier 2 (the core's ``Drain``, ``--stop-grace``); a second stops it at
-        once, as the launcher's own handlers do. Returns what puts those back."""
+        once, as the launcher's own handlers do; once the job is closing, none changes
+        anything (``shutdown`` ignores them, and puts the launcher's back where the job
+        goes on under another leader). A signal ignored at the start (``nohup``) stays
+        ignored."""
         first = True
 
         def handler(signum: int, _frame: Any) -> None:
             nonlocal first
             sig = signal.Signals(signum)
             name, code = sig.name, SIGNAL_CODES[sig]
+            if self._closing:
+                return
             if not first:
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
@@ -277,19 +289,10 @@ class Coordinator:
             first = False
             self.events.put(Drain(name, code))  # (SimpleQueue.put: safe in a handler)
 
-        old: dict[int, Any] = {}
-        try:
+        with contextlib.suppress(ValueError):  # not the main thread: they stay as they are
             for s in STOPPING:
-                old[s] = signal.signal(s, handler)
-        except ValueError:  # not the main thread: the signals stay as they are
-            pass
-
-        def restore() -> None:
-            for s, was in old.items():
-                with contextlib.suppress(ValueError, TypeError):
-                    signal.signal(s, was)
-
-        return restore
+                if signal.getsignal(s) != signal.SIG_IGN:
+                    self._outer[s] = signal.signal(s, handler)
 
     def _step(self, event: Any, now: float) -> None:
         """Hand ``event`` to the core and carry out what it says; with ``--rdzv-backend
@@ -470,7 +473,7 @@ class Coordinator:
         # agents run in process groups of their own and would be left running
         handlers: list[Any] = []
         with contextlib.suppress(ValueError):  # not the main thread: nothing to defer
-            handlers = [signal.getsignal(s) for s in STOPPING]
+            handlers = [self._outer.get(s, signal.getsignal(s)) for s in STOPPING]
             for s in STOPPING:
                 signal.signal(s, signal.SIG_IGN)
         if self.fence is not None and not self.deposed and not self.finished:

@@ -242,6 +242,7 @@ class CoordinatorCore:
                     failures.host_exited(self, host, code, now)
                 case DurableLost(why=why):
                     self.persister.lost(why)
+                    draining.written(self, None)
                     if self.salvage is not None:
                         resize.salvaged(self, None, now)
                 case Begin():

@@ -26,13 +26,20 @@ def drain(core: CoordinatorCore, event: Drain, now: float) -> None:
     signal's code; end at once where there is nothing to write or nowhere to."""
     if core.draining is not None:
         return
+    if core.phase.state == Phase.FINISHING:  # its last step is being written: it ends so
+        core.out.say(
+            f"{event.signal}: the job is finishing, once its last step is written (a second "
+            "signal stops it at once)"
+        )
+        return
     core.draining = event
     step, p = core.tiers[0].committed, core.persister
     if (
         core.cfg.stop_grace <= 0
         or p.tier2 is None
         or p.gone is not None
-        or core.phase.state not in (Phase.RUNNING, Phase.FINISHING)
+        or core.expected is not None  # taking the job over: no parts are taken meanwhile
+        or core.phase.state != Phase.RUNNING
         or step <= max(p.committed, p.newest)
     ):
         end(core, None)
@@ -43,7 +50,8 @@ def drain(core: CoordinatorCore, event: Drain, now: float) -> None:
         f"{event.signal}: writing step {step} to {core.cfg.persist} before the job stops "
         f"(up to --stop-grace {core.cfg.stop_grace:g} s; a second signal stops it at once)"
     )
-    p.salvage(step, {})  # now, whatever else is due or being written
+    if p.inflight is None or p.inflight.step != step:  # (one of that step: waited for)
+        p.salvage(step, {})  # now, whatever else is due or being written
 
 
 def written(core: CoordinatorCore, step: int | None) -> None:
@@ -62,7 +70,7 @@ def overdue(core: CoordinatorCore, now: float) -> None:
 def end(core: CoordinatorCore, failed: str | None) -> None:
     """The drained job's end, once: its signal's exit code."""
     assert core.draining is not None
-    if core.drained:
+    if core.drained or core.phase.state in (Phase.DONE, Phase.FAILED):
         return
     core.drained = True
     if failed is not None:

@@ -210,7 +210,7 @@ def resume_hint(core: CoordinatorCore) -> str:
     """What a job started again would go on from, said after why this one stopped."""
     if core.cfg.persist is None:
         return " Without --persist, memory tiers end with the job: it starts over."
-    newest = max(core.durable_steps(), default=-1)
+    newest = max(core.durable_steps(), default=-1 if core.reshard is None else core.reshard[0])
     if newest < 0:
         return f" {core.cfg.persist} holds no step to resume from yet: the job starts over."
     return f" Started again with --persist {core.cfg.persist}, it resumes from step {newest}."

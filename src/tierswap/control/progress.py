@@ -217,7 +217,7 @@ def maybe_done(core: CoordinatorCore) -> None:
     memory = max(
         core.tiers[0].committed, -1 if core.resharded_from is None else core.resharded_from
     )
-    if core.phase != Phase.FINISHING or memory < core.last_step:
+    if core.phase != Phase.FINISHING or memory < core.last_step or core.drained:
         return
     if core.persister.inflight is not None:
         return

@@ -84,7 +84,8 @@ def commit(core: CoordinatorCore, tier: int, step: int) -> None:
     if tier == 1:
         core.settled = max(core.settled, step)  # agents take a tier-1 commit as settled
     else:
-        core.persister.maybe_persist(step)
+        if core.draining is None:  # (a stopping job writes its one step, no other)
+            core.persister.maybe_persist(step)
         resize.maybe_grow(core, core.now)
     progress.maybe_done(core)
 
