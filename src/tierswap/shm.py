@@ -441,10 +441,15 @@ class Owner:
         """Let the claim go, with whatever of its segments is still there (the agent is
         done with them all: one whose shutdown failed midway left some)."""
         if self._fd is not None:
-            for path in SHM_DIR.glob(self.path.name[: -len(OWNER)] + "*"):
+            for path in _claimed(self.path):
                 path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
+
+
+def _claimed(owner: Path) -> list[Path]:
+    """The files of an owner file's prefix, itself among them."""
+    return list(SHM_DIR.glob(owner.name[: -len(OWNER)] + "*"))
 
 
 def sweep_dead() -> int:
@@ -465,7 +470,7 @@ def sweep_dead() -> int:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # held: its agent lives
-            for seg in SHM_DIR.glob(owner.name[: -len(OWNER)] + "*"):
+            for seg in _claimed(owner):
                 if seg.name != owner.name:
                     with contextlib.suppress(OSError):  # (not ours to unlink after all)
                         seg.unlink()

@@ -1,13 +1,15 @@
 """A job stopped from outside: its newest step in memory written to tier 2 before it ends
 (functions of a :class:`~tierswap.control.coordinator.CoordinatorCore`; no I/O).
 
-A scheduler that preempts a job signals it and kills it a grace period later (Slurm's
-``KillWait``, 30 s by default); Ctrl-C is the same at a terminal. Tier 2 holds the step of
-the last ``--persist-every``, while tier 0 holds one of the last second: written first,
-it is what a job started again resumes from, and the steps since the last durable one are
-not lost. The workers train on meanwhile (their steps after it are lost either way).
-``--stop-grace`` bounds the wait; a failure meanwhile, a write that fails, or a second
-signal (the shell's) ends the job at once, with the durable steps it has.
+A signal to the coordinator's launcher (Ctrl-C at its terminal, ``kill`` of its pid, a
+container runtime's SIGTERM to its main process, SIGKILL following a grace period later)
+stops the job. Tier 2 holds the step of the last ``--persist-every``, while tier 0 holds
+one of the last second: written first, it is what a job started again resumes from, and
+the steps since the last durable one are not lost. The workers train on meanwhile (their
+steps after it are lost either way). ``--stop-grace`` bounds the wait; a failure
+meanwhile, a write that fails, or a second signal (the shell's) ends the job at once,
+with the durable steps it has. (A scheduler that signals every process of the job, as
+Slurm does, stops the agents too: their loss ends the wait.)
 """
 
 from __future__ import annotations
